@@ -1,0 +1,1 @@
+"""dscale: distributed dynamic loss scaling for PyTorch."""

@@ -1,0 +1,108 @@
+"""run_ranks(): run a function on N gloo ranks in fresh processes and return every rank's result.
+
+Rendezvous goes through a FileStore in a temp dir (no ports to race for). The process group and the
+whole run have timeouts; the first failure ends the other ranks and every rank's traceback is
+reported. Spawning costs 3-5 s on a 2-core machine, so check several scenarios inside one call.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _rank_main(
+    rank: int,
+    world_size: int,
+    store_path: str,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    results: Any,
+    pg_timeout_s: float,
+) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    store = dist.FileStore(store_path, world_size)
+    dist.init_process_group(
+        "gloo",
+        store=store,
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=pg_timeout_s),
+    )
+    try:
+        value = fn(rank, world_size, *args)
+        results.put((rank, "ok", value))
+    except BaseException:
+        results.put((rank, "error", traceback.format_exc()))
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    *args: Any,
+    world_size: int = 2,
+    timeout_s: float = 180.0,
+    pg_timeout_s: float = 60.0,
+) -> dict[int, Any]:
+    """Run ``fn(rank, world_size, *args)`` on every rank (gloo); return ``{rank: result}``.
+
+    ``fn`` must be importable (a module-level function) and its result picklable.
+    """
+    ctx_mp = mp.get_context("spawn")
+    results = ctx_mp.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        ctx = mp.start_processes(
+            _rank_main,
+            nprocs=world_size,
+            join=False,
+            start_method="spawn",
+            args=(world_size, os.path.join(tmp, "store"), fn, args, results, pg_timeout_s),
+        )
+        deadline = time.monotonic() + timeout_s
+        failure = ""
+        try:
+            while not ctx.join(timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
+                if time.monotonic() >= deadline:
+                    failure = (
+                        f"{fn.__name__} did not finish on {world_size} ranks within {timeout_s:.0f}s"
+                    )
+                    break
+        except mp.ProcessRaisedException as exc:
+            failure = f"{fn.__name__} raised on a rank: {exc}"
+        except mp.ProcessExitedException as exc:
+            failure = f"{fn.__name__}: a rank exited abnormally: {exc}"
+        finally:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.terminate()
+            for p in ctx.processes:
+                p.join(timeout=10)
+
+        outcome: dict[int, tuple[str, Any]] = {}
+        while True:
+            try:
+                rank, status, value = results.get(timeout=0.5)
+            except queue.Empty:
+                break
+            outcome[rank] = (status, value)
+
+    errors = {r: v for r, (s, v) in outcome.items() if s == "error"}
+    if failure or errors or len(outcome) != world_size:
+        report = [failure or f"{fn.__name__} failed"]
+        for r in range(world_size):
+            status, value = outcome.get(r, ("missing", "no result (killed or hung)"))
+            if status != "ok":
+                report.append(f"--- rank {r} ({status}) ---\n{value}")
+        raise AssertionError("\n".join(report))
+    return {r: v for r, (_, v) in sorted(outcome.items())}
