@@ -1,0 +1,45 @@
+"""Skip an optimizer step on the device instead of on the host (``GradScaler(sync_free=True)``).
+
+The optimizer always runs; afterwards every parameter and optimizer-state tensor is put back to its
+value from before the step wherever the agreed overflow flag is set. No ``.item()``, so foreach and
+plain optimizers step without a host sync. The price is a copy of the parameters and the optimizer
+state per step (memory: one extra copy of both; time: one read and two writes of each).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+def _stepped_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            out.append(param)
+            for value in optimizer.state.get(param, {}).values():
+                if isinstance(value, torch.Tensor):
+                    out.append(value)
+    return out
+
+
+def masked_step(
+    optimizer: torch.optim.Optimizer, found_inf: torch.Tensor, run_step: Callable[[], Any]
+) -> Any:
+    """Run ``run_step()`` and undo its effect on the device where ``found_inf > 0``."""
+    with torch.no_grad():
+        before = {id(t): t.clone() for t in _stepped_tensors(optimizer)}
+    result = run_step()
+    with torch.no_grad():
+        skip_on: dict[torch.device, torch.Tensor] = {}
+        for tensor in _stepped_tensors(optimizer):
+            dev = tensor.device
+            if dev not in skip_on:
+                skip_on[dev] = found_inf.to(dev, non_blocking=True) > 0
+            old = before.get(id(tensor))
+            # State created by this very step (lazy init) goes back to "fresh": zeros.
+            restored = old if old is not None else torch.zeros_like(tensor)
+            tensor.copy_(torch.where(skip_on[dev], restored, tensor))
+    return result

@@ -1,0 +1,87 @@
+"""The scale update rule, as tensor ops on the scaler's device (no host sync, no collectives).
+
+torch's rule (back off on every overflow, grow after ``growth_interval`` clean steps, never grow to
+inf) is the default. dscale adds clamping to ``[min_scale, max_scale]`` and hysteresis: a number of
+overflows tolerated before backing off, refilled either when the scale grows (Megatron, DeepSpeed's
+default) or by every clean step (DeepSpeed's ``consecutive_hysteresis``). Overflowing steps are
+skipped either way; hysteresis only delays the back-off.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+HysteresisRefill = Literal["on_growth", "on_clean_step"]
+
+# Positions in the int64 counters vector (see GradScaler.counters()).
+STEPS, SKIPPED, SKIPPED_IN_A_ROW, GROWTHS, BACKOFFS = range(5)
+NUM_COUNTERS = 5
+
+
+@dataclass(frozen=True)
+class ScalePolicy:
+    """The constants of the update rule; validated by GradScaler before one is built."""
+
+    growth_factor: float
+    backoff_factor: float
+    growth_interval: int
+    min_scale: float | None
+    max_scale: float | None
+    hysteresis: int
+    hysteresis_refill: HysteresisRefill
+
+
+def _times(scale: torch.Tensor, factor: float) -> torch.Tensor:
+    # fp64 product rounded once to fp32: the same float torch's _amp_update_scale_ kernel computes.
+    return (scale.double() * factor).float()
+
+
+def update_(
+    policy: ScalePolicy,
+    scale: torch.Tensor,
+    growth_tracker: torch.Tensor,
+    hysteresis_tracker: torch.Tensor,
+    counters: torch.Tensor,
+    found_inf: torch.Tensor,
+) -> None:
+    """Apply one iteration's outcome to the scale and every tracker, in place.
+
+    ``found_inf`` is the agreed flag of the iteration (> 0: an optimizer overflowed on some rank).
+    """
+    found = found_inf.to(scale.device) > 0
+    clean = ~found
+
+    tracker = torch.where(found, torch.zeros_like(growth_tracker), growth_tracker + 1)
+    # >= rather than torch's ==: a growth_interval lowered mid-run must still let the scale grow.
+    due = clean & (tracker >= policy.growth_interval)
+    grown = _times(scale, policy.growth_factor)
+    if policy.max_scale is not None:
+        grown = grown.clamp(max=policy.max_scale)
+    grows = due & torch.isfinite(grown) & (grown > scale)
+    tracker = torch.where(due, torch.zeros_like(tracker), tracker)
+
+    hyst = torch.where(found, (hysteresis_tracker - 1).clamp(min=0), hysteresis_tracker)
+    backs_off = found & (hyst <= 0)
+    shrunk = _times(scale, policy.backoff_factor)
+    if policy.min_scale is not None:
+        shrunk = shrunk.clamp(min=policy.min_scale)
+    refill = clean if policy.hysteresis_refill == "on_clean_step" else due
+    hyst = torch.where(refill, torch.full_like(hyst, policy.hysteresis), hyst)
+
+    new_scale = torch.where(backs_off, shrunk, torch.where(grows, grown, scale))
+    backs_off = backs_off & (new_scale < scale)
+
+    in_a_row = torch.where(found, counters[SKIPPED_IN_A_ROW] + 1, torch.zeros_like(counters[0]))
+    increments = torch.stack(
+        [torch.ones_like(in_a_row), found.long(), torch.zeros_like(in_a_row), grows.long(),
+         backs_off.long()]
+    )
+    counters.add_(increments)
+    counters[SKIPPED_IN_A_ROW] = in_a_row
+
+    scale.copy_(new_scale)
+    growth_tracker.copy_(tracker)
+    hysteresis_tracker.copy_(hyst)

@@ -1,0 +1,147 @@
+"""The scaler's state-dict format: torch's five keys, then dscale's own, with full validation.
+
+A dict saved by ``torch.amp.GradScaler`` loads (dscale's trackers then start fresh), and a dscale
+dict loads into torch's scaler, which reads its five keys and ignores the rest.
+
+Keys:
+    scale: current scale (float). growth_factor, backoff_factor, growth_interval: as torch.
+    _growth_tracker: consecutive clean steps since the last growth or overflow (int).
+    dscale_format_version: this format's version (int).
+    min_scale, max_scale: clamp bounds (float or None). hysteresis: overflows tolerated before a
+    back-off (int). hysteresis_refill: "on_growth" or "on_clean_step".
+    _hysteresis_tracker: overflows still tolerated (int).
+    num_steps, num_skipped_steps, num_skipped_in_a_row, num_growths, num_backoffs: counters (int).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+FORMAT_VERSION = 1
+
+TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+COUNTER_KEYS = (
+    "num_steps",
+    "num_skipped_steps",
+    "num_skipped_in_a_row",
+    "num_growths",
+    "num_backoffs",
+)
+HYSTERESIS_REFILLS = ("on_growth", "on_clean_step")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_scale_args(
+    *,
+    init_scale: Any,
+    growth_factor: Any,
+    backoff_factor: Any,
+    growth_interval: Any,
+    min_scale: Any = None,
+    max_scale: Any = None,
+    hysteresis: Any = 1,
+    hysteresis_refill: Any = "on_growth",
+    prefix: str = "",
+) -> None:
+    """Raise ValueError naming the first bad argument, its value and the fix."""
+    if not _is_real(init_scale) or not math.isfinite(init_scale) or init_scale <= 0:
+        raise ValueError(
+            f"{prefix}init_scale must be a finite number > 0, got {init_scale!r}; "
+            "it is the loss multiplier at the start (torch's default is 65536.0)"
+        )
+    if not _is_real(growth_factor) or not math.isfinite(growth_factor) or growth_factor <= 1.0:
+        raise ValueError(
+            f"{prefix}growth_factor must be a finite number > 1, got {growth_factor!r}; "
+            "it multiplies the scale after growth_interval clean steps (torch's default is 2.0)"
+        )
+    if not _is_real(backoff_factor) or not 0.0 < backoff_factor < 1.0:
+        raise ValueError(
+            f"{prefix}backoff_factor must be in (0, 1), got {backoff_factor!r}; "
+            "it multiplies the scale after an overflow (torch's default is 0.5)"
+        )
+    if not _is_int(growth_interval) or growth_interval < 1:
+        raise ValueError(
+            f"{prefix}growth_interval must be an int >= 1, got {growth_interval!r}; "
+            "it is the number of clean steps before the scale grows (torch's default is 2000)"
+        )
+    for name, bound in (("min_scale", min_scale), ("max_scale", max_scale)):
+        if bound is not None and (not _is_real(bound) or not math.isfinite(bound) or bound <= 0):
+            raise ValueError(
+                f"{prefix}{name} must be None or a finite number > 0, got {bound!r}"
+            )
+    if min_scale is not None and max_scale is not None and min_scale > max_scale:
+        raise ValueError(
+            f"{prefix}min_scale={min_scale!r} is larger than max_scale={max_scale!r}; "
+            "swap them or drop one"
+        )
+    if not _is_int(hysteresis) or hysteresis < 1:
+        raise ValueError(
+            f"{prefix}hysteresis must be an int >= 1, got {hysteresis!r}; it is how many "
+            "overflows are tolerated before the scale backs off (1 = torch's behaviour)"
+        )
+    if hysteresis_refill not in HYSTERESIS_REFILLS:
+        raise ValueError(
+            f"{prefix}hysteresis_refill must be one of {HYSTERESIS_REFILLS}, got "
+            f"{hysteresis_refill!r}"
+        )
+
+
+def validate(state: Mapping[str, Any]) -> dict[str, Any]:
+    """Check a state dict completely; return it normalised (no scaler is touched here).
+
+    Raises:
+        ValueError: naming the key and the value when anything is missing or out of range.
+    """
+    if not isinstance(state, Mapping):
+        raise ValueError(f"a GradScaler state dict must be a dict, got {type(state).__name__}")
+    if len(state) == 0:
+        raise ValueError(
+            "the GradScaler state dict is empty, possibly because it was saved from a disabled "
+            "scaler; load it into a disabled scaler or drop it"
+        )
+    missing = [k for k in TORCH_KEYS if k not in state]
+    if missing:
+        raise ValueError(
+            f"the GradScaler state dict lacks {missing}; it has {sorted(state)}. Pass a dict "
+            "returned by GradScaler.state_dict() (torch's or dscale's)"
+        )
+    out = dict(state)
+    for key in ("scale", "growth_factor", "backoff_factor", "min_scale", "max_scale"):
+        value = out.get(key)
+        if hasattr(value, "item"):  # a 0-dim tensor, e.g. after a DCP round trip
+            out[key] = float(value.item())
+    for key in ("growth_interval", "_growth_tracker", "hysteresis", "_hysteresis_tracker",
+                "dscale_format_version", *COUNTER_KEYS):
+        value = out.get(key)
+        if hasattr(value, "item"):
+            out[key] = int(value.item())
+    version = out.get("dscale_format_version", FORMAT_VERSION)
+    if not _is_int(version) or version > FORMAT_VERSION:
+        raise ValueError(
+            f"dscale_format_version={version!r} is newer than this dscale understands "
+            f"({FORMAT_VERSION}); upgrade dscale to load it"
+        )
+    check_scale_args(
+        init_scale=out["scale"],
+        growth_factor=out["growth_factor"],
+        backoff_factor=out["backoff_factor"],
+        growth_interval=out["growth_interval"],
+        min_scale=out.get("min_scale"),
+        max_scale=out.get("max_scale"),
+        hysteresis=out.get("hysteresis", 1),
+        hysteresis_refill=out.get("hysteresis_refill", "on_growth"),
+        prefix="state_dict: ",
+    )
+    for key in ("_growth_tracker", "_hysteresis_tracker", *COUNTER_KEYS):
+        if key in out and (not _is_int(out[key]) or out[key] < 0):
+            raise ValueError(f"state_dict: {key} must be an int >= 0, got {out[key]!r}")
+    return out

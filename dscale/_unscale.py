@@ -1,0 +1,83 @@
+"""Per-rank fused inf/NaN check and unscale, grouped by (device, dtype).
+
+Each rank looks only at the gradients it holds: for a DTensor (FSDP2, tensor parallel) that is the
+local shard, whatever its placement, because unscaling is linear and an inf in any local piece makes
+the global value non-finite too. Agreement across ranks is the job of ``_agreement``.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+
+import torch
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # torch builds without distributed
+    DTensor = None  # type: ignore[assignment,misc]
+
+GradGroups = dict[torch.device, dict[torch.dtype, list[torch.Tensor]]]
+
+
+def _local(grad: torch.Tensor) -> torch.Tensor:
+    if DTensor is not None and isinstance(grad, DTensor):
+        return grad._local_tensor
+    return grad
+
+
+def optimizer_grads(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Rank-local tensors to check for ``optimizer``: DTensors unwrapped, sparse grads' values."""
+    out: list[torch.Tensor] = []
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            grad = param.grad
+            if grad is None:
+                continue
+            grad = _local(grad)
+            if grad.is_sparse:
+                # Duplicate indices add up on coalesce and may overflow then, so check coalesced.
+                if grad.dtype is torch.float16:
+                    grad = grad.coalesce()
+                    if param.grad.is_sparse:
+                        param.grad = grad
+                grad = grad._values()
+            out.append(grad)
+    return out
+
+
+def group_by_device_and_dtype(grads: Iterable[torch.Tensor]) -> GradGroups:
+    """Split ``grads`` into lists that one fused kernel call can take."""
+    groups: GradGroups = defaultdict(lambda: defaultdict(list))
+    for grad in grads:
+        groups[grad.device][grad.dtype].append(grad)
+    return groups
+
+
+def check_and_unscale_(
+    groups: GradGroups, inv_scale: torch.Tensor, flag_device: torch.device
+) -> torch.Tensor:
+    """Multiply every grad by ``inv_scale`` and return a one-element flag (> 0: inf/NaN found).
+
+    One ``_amp_foreach_non_finite_check_and_unscale_`` call per (device, dtype): a single
+    read-and-write pass in fp32 math, fp16 grads included. The returned flag lives on
+    ``flag_device``; per-device flags are added there without a host sync (CPU->GPU copies are
+    non-blocking, a GPU->CPU copy only happens when the backend can only reduce on the CPU).
+    """
+    per_device: list[torch.Tensor] = []
+    for device, per_dtype in groups.items():
+        found = torch.zeros((), dtype=torch.float32, device=device)
+        scale_here = inv_scale.to(device, non_blocking=True)
+        for grads in per_dtype.values():
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, scale_here)
+        per_device.append(found)
+    return combine_flags(per_device, flag_device)
+
+
+def combine_flags(flags: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Sum per-device flags onto ``device`` (a fresh zero flag when this rank holds no grads)."""
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for flag in flags:
+        non_blocking = not (flag.device.type != "cpu" and device.type == "cpu")
+        total += flag.to(device, non_blocking=non_blocking)
+    return total

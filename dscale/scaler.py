@@ -1,0 +1,617 @@
+"""dscale.GradScaler: torch's GradScaler API, with every rank taking the same decision."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import warnings
+from collections import abc
+from collections.abc import Callable
+from enum import Enum
+from typing import Any, Literal, Protocol
+
+import torch
+
+from dscale import _agreement, _dist, _policy, _state
+from dscale._masked_step import masked_step
+from dscale._unscale import check_and_unscale_, group_by_device_and_dtype, optimizer_grads
+from dscale._warnings import warn_if_scaling_is_not_needed
+
+logger = logging.getLogger(__name__)
+
+StuckPolicy = Literal["raise", "warn"]
+
+
+class ScaleCollapsedError(RuntimeError):
+    """The scale sits at ``min_scale`` and steps keep overflowing (``on_stuck_at_min="raise"``)."""
+
+
+class GradObserver(Protocol):
+    """Something that watches the gradients and outcomes (e.g. ``dscale.stats``)."""
+
+    def on_grads(
+        self, optimizer: torch.optim.Optimizer, grads: list[torch.Tensor], scale: torch.Tensor
+    ) -> None:
+        """Called with the rank-local, still scaled grads right before the check; no host sync."""
+
+    def on_update(self, scaler: GradScaler, found_inf: torch.Tensor) -> None:
+        """Called at the end of every update() with the agreed flag (> 0: the step was skipped)."""
+
+
+class _Stage(Enum):
+    READY = 0
+    UNSCALED = 1
+    STEPPED = 2
+
+
+@dataclasses.dataclass
+class _OptimizerState:
+    stage: _Stage = _Stage.READY
+    flag: torch.Tensor | None = None  # this rank's flag, then the agreed one once `work` is done
+    work: Any = None  # pending all-reduce
+    applied: bool | None = None  # known on the host when step() synced for its decision
+
+
+class GradScaler:
+    """Dynamic loss scaler for fp16 training that keeps every rank in agreement.
+
+    A drop-in for ``torch.amp.GradScaler``: same arguments, methods and state dict. Each rank checks
+    its own gradients (the local shard under FSDP) for inf/NaN in one fused pass per device and
+    dtype; the one-element overflow flag is then all-reduced (MAX) once per optimizer step, so all
+    ranks skip, grow or back off together even when only one rank's shard overflowed.
+
+    Example::
+
+        scaler = dscale.GradScaler("cuda")
+        for x, y in loader:
+            with torch.autocast("cuda", dtype=torch.float16):
+                loss = loss_fn(model(x), y)
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+
+    Args:
+        device: where the scale lives ("cuda" or "cpu"), as in torch.
+        init_scale, growth_factor, backoff_factor, growth_interval, enabled: as in torch.
+        process_group: the ranks that must agree; default: the world group when
+            ``torch.distributed`` is initialized with more than one rank.
+        min_scale: never back off below this (torch's scale can underflow to 0).
+        max_scale: never grow above this.
+        hysteresis: overflows tolerated before backing off (1 = back off every time, as torch).
+            Overflowing steps are skipped regardless.
+        hysteresis_refill: "on_growth" (Megatron, DeepSpeed default) or "on_clean_step"
+            (DeepSpeed's consecutive_hysteresis).
+        on_stuck_at_min: with ``min_scale`` set, what to do when ``stuck_patience`` steps in a
+            row were skipped at the minimum: "raise" ScaleCollapsedError or "warn" (logged).
+        stuck_patience: skipped steps in a row at ``min_scale`` before ``on_stuck_at_min`` acts.
+        sync_free: skip on the device (the update is undone where the flag is set) instead of
+            deciding on the host; no host sync for any optimizer, at the cost of a copy of the
+            parameters and optimizer state per step.
+    """
+
+    def __init__(
+        self,
+        device: str | torch.device = "cuda",
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        enabled: bool = True,
+        *,
+        process_group: Any | None = None,
+        min_scale: float | None = None,
+        max_scale: float | None = None,
+        hysteresis: int = 1,
+        hysteresis_refill: _policy.HysteresisRefill = "on_growth",
+        on_stuck_at_min: StuckPolicy = "warn",
+        stuck_patience: int = 100,
+        sync_free: bool = False,
+    ) -> None:
+        _state.check_scale_args(
+            init_scale=init_scale,
+            growth_factor=growth_factor,
+            backoff_factor=backoff_factor,
+            growth_interval=growth_interval,
+            min_scale=min_scale,
+            max_scale=max_scale,
+            hysteresis=hysteresis,
+            hysteresis_refill=hysteresis_refill,
+        )
+        if min_scale is not None and init_scale < min_scale:
+            raise ValueError(f"init_scale={init_scale!r} is below min_scale={min_scale!r}")
+        if max_scale is not None and init_scale > max_scale:
+            raise ValueError(f"init_scale={init_scale!r} is above max_scale={max_scale!r}")
+        if on_stuck_at_min not in ("raise", "warn"):
+            raise ValueError(
+                f"on_stuck_at_min must be 'raise' or 'warn', got {on_stuck_at_min!r}"
+            )
+        if not isinstance(stuck_patience, int) or isinstance(stuck_patience, bool) or (
+            stuck_patience < 1
+        ):
+            raise ValueError(f"stuck_patience must be an int >= 1, got {stuck_patience!r}")
+        self._device = str(torch.device(device).type) if not isinstance(device, str) else device
+        self._enabled = bool(enabled)
+        if self._enabled and self._device == "cuda" and not torch.cuda.is_available():
+            warnings.warn(
+                "dscale.GradScaler is enabled with device='cuda', but CUDA is not available; "
+                "disabling it. Pass device='cpu' to scale on the CPU.",
+                stacklevel=2,
+            )
+            self._enabled = False
+        self._policy = _policy.ScalePolicy(
+            growth_factor=float(growth_factor),
+            backoff_factor=float(backoff_factor),
+            growth_interval=growth_interval,
+            min_scale=None if min_scale is None else float(min_scale),
+            max_scale=None if max_scale is None else float(max_scale),
+            hysteresis=hysteresis,
+            hysteresis_refill=hysteresis_refill,
+        )
+        self._on_stuck_at_min: StuckPolicy = on_stuck_at_min
+        self._stuck_patience = stuck_patience
+        self._sync_free = bool(sync_free)
+        self._group_arg = process_group
+        self._group_ranks = _dist.group_ranks(process_group)
+        # Host copies of the state until the first scale() puts it on a device.
+        self._init_scale = float(init_scale)
+        self._init_growth_tracker = 0
+        self._init_hysteresis_tracker = hysteresis
+        self._init_counters = [0] * _policy.NUM_COUNTERS
+        self._scale: torch.Tensor | None = None
+        self._growth_tracker: torch.Tensor | None = None
+        self._hysteresis_tracker: torch.Tensor | None = None
+        self._counters: torch.Tensor | None = None
+        self._per_optimizer_states: dict[int, _OptimizerState] = {}
+        self._outcomes: dict[int, bool | torch.Tensor] = {}
+        self._last_stepped: int | None = None
+        self._callbacks: list[Callable[[torch.optim.Optimizer, bool], None]] = []
+        self._observers: list[GradObserver] = []
+        self._host_skipped_in_a_row = 0
+        self._updates_since_stuck_check = 0
+
+    # ----------------------------------------------------------------- device state
+    def _lazy_init(self, device: torch.device) -> None:
+        self._scale = torch.full((), self._init_scale, dtype=torch.float32, device=device)
+        self._growth_tracker = torch.full(
+            (), self._init_growth_tracker, dtype=torch.int32, device=device
+        )
+        self._hysteresis_tracker = torch.full(
+            (), self._init_hysteresis_tracker, dtype=torch.int32, device=device
+        )
+        self._counters = torch.tensor(self._init_counters, dtype=torch.int64, device=device)
+
+    def _require_scale(self, funcname: str) -> torch.Tensor:
+        if self._scale is None:
+            raise RuntimeError(
+                f"{funcname}() was called before scale(); call scaler.scale(loss).backward() "
+                "earlier in the iteration"
+            )
+        return self._scale
+
+    def _process_group(self) -> Any | None:
+        if self._group_arg is None and self._group_ranks is not None:
+            self._group_arg = _dist.find_group(self._group_ranks)
+        return _dist.resolve_group(self._group_arg)
+
+    # ----------------------------------------------------------------- torch's API
+    def scale(self, outputs: Any) -> Any:
+        """Multiply a tensor, or nested lists/tuples of tensors, by the scale."""
+        if not self._enabled:
+            return outputs
+        if isinstance(outputs, torch.Tensor):
+            if self._scale is None:
+                self._lazy_init(outputs.device)
+            warn_if_scaling_is_not_needed(outputs)
+            assert self._scale is not None  # noqa: S101 - set just above
+            return outputs * self._scale.to(device=outputs.device, non_blocking=True)
+
+        per_device: dict[torch.device, torch.Tensor] = {}
+
+        def apply(value: Any) -> Any:
+            if isinstance(value, torch.Tensor):
+                if self._scale is None:
+                    self._lazy_init(value.device)
+                assert self._scale is not None  # noqa: S101 - set just above
+                if value.device not in per_device:
+                    per_device[value.device] = self._scale.to(value.device, non_blocking=True)
+                return value * per_device[value.device]
+            if isinstance(value, abc.Iterable):
+                mapped = map(apply, value)
+                return type(value)(mapped) if isinstance(value, (list, tuple)) else mapped
+            raise ValueError(
+                f"scale() takes a Tensor or an iterable of Tensors, got {type(value).__name__}"
+            )
+
+        return apply(outputs)
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Divide ``optimizer``'s grads by the scale in place and start the overflow agreement.
+
+        Optional: step() does it when you don't. Call it before clipping. No host sync.
+        """
+        if not self._enabled:
+            return
+        self._require_scale("unscale_")
+        state = self._per_optimizer_states.setdefault(id(optimizer), _OptimizerState())
+        if state.stage is _Stage.UNSCALED:
+            raise RuntimeError(
+                "unscale_() has already been called on this optimizer since the last update()."
+            )
+        if state.stage is _Stage.STEPPED:
+            raise RuntimeError("unscale_() is being called after step().")
+        self._check(optimizer, state, unscale=True)
+        state.stage = _Stage.UNSCALED
+
+    def _check(
+        self, optimizer: torch.optim.Optimizer, state: _OptimizerState, *, unscale: bool
+    ) -> None:
+        scale = self._require_scale("unscale_")
+        grads = optimizer_grads(optimizer)
+        for observer in self._observers:
+            observer.on_grads(optimizer, grads, scale)
+        # The reciprocal in fp64, as torch does: fp32 division can be imprecise.
+        inv_scale = scale.double().reciprocal().float() if unscale else torch.ones_like(scale)
+        group = self._process_group()
+        device = scale.device if group is None else _dist.flag_device(group, scale.device)
+        with torch.no_grad():
+            state.flag = check_and_unscale_(group_by_device_and_dtype(grads), inv_scale, device)
+        state.work = None if group is None else _agreement.all_reduce_flag(state.flag, group)
+
+    def _agreed_flag(self, state: _OptimizerState) -> torch.Tensor:
+        if state.work is not None:
+            state.work.wait()
+            state.work = None
+        assert state.flag is not None  # noqa: S101 - set by _check
+        scale = self._require_scale("step")
+        if state.flag.device != scale.device:
+            state.flag = state.flag.to(scale.device, non_blocking=True)
+        return state.flag
+
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        """Unscale (unless done), agree across ranks, then step unless some rank overflowed.
+
+        Returns the optimizer's return value, or None when the step was skipped. With a plain or
+        foreach optimizer the skip decision reads the agreed flag (one host sync, as torch); fused
+        optimizers (``_step_supports_amp_scaling``) and ``sync_free=True`` decide on the device.
+        """
+        if not self._enabled:
+            return optimizer.step(*args, **kwargs)
+        if "closure" in kwargs or (args and callable(args[0])):
+            raise RuntimeError(
+                "Closure use is not currently supported if GradScaler is enabled: call "
+                "scaler.scale(loss).backward() yourself, then scaler.step(optimizer)."
+            )
+        self._require_scale("step")
+        state = self._per_optimizer_states.setdefault(id(optimizer), _OptimizerState())
+        if state.stage is _Stage.STEPPED:
+            raise RuntimeError("step() has already been called since the last update().")
+        fused = getattr(optimizer, "_step_supports_amp_scaling", False)
+        was_unscaled = state.stage is _Stage.UNSCALED
+        if state.stage is _Stage.READY:
+            self._check(optimizer, state, unscale=not fused)
+        flag = self._agreed_flag(state)
+
+        if fused:
+            scale = self._require_scale("step")
+            optimizer.grad_scale = None if was_unscaled else scale  # type: ignore[attr-defined]
+            optimizer.found_inf = flag  # type: ignore[attr-defined]
+            try:
+                retval = optimizer.step(*args, **kwargs)
+            finally:
+                del optimizer.grad_scale  # type: ignore[attr-defined]
+                del optimizer.found_inf  # type: ignore[attr-defined]
+            self._outcomes[id(optimizer)] = flag
+        elif self._sync_free:
+            retval = masked_step(optimizer, flag, lambda: optimizer.step(*args, **kwargs))
+            self._outcomes[id(optimizer)] = flag
+        else:
+            skipped = bool(flag.item() > 0)  # the host sync the skip decision needs
+            retval = None if skipped else optimizer.step(*args, **kwargs)
+            state.applied = not skipped
+            self._outcomes[id(optimizer)] = not skipped
+        state.stage = _Stage.STEPPED
+        self._last_stepped = id(optimizer)
+        for callback in self._callbacks:
+            callback(optimizer, self.step_applied(optimizer))
+        return retval
+
+    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
+        """Grow, keep or back off the scale once for this iteration, on every rank alike.
+
+        Call once per iteration after step() for all optimizers. ``new_scale`` (a float or a
+        one-element tensor) sets the scale directly instead. No host sync.
+        """
+        if not self._enabled:
+            return
+        scale = self._require_scale("update")
+        if new_scale is not None:
+            self._set_scale(scale, new_scale)
+            self._per_optimizer_states = {}
+            return
+        states = list(self._per_optimizer_states.values())
+        if not states:
+            raise RuntimeError(
+                "update() found no inf checks since the last update(): call "
+                "scaler.step(optimizer) (or scaler.unscale_(optimizer)) before scaler.update()"
+            )
+        flags = [self._agreed_flag(s) for s in states]
+        found = flags[0] if len(flags) == 1 else torch.stack(flags).sum()
+        assert self._growth_tracker is not None  # noqa: S101 - initialised with the scale
+        assert self._hysteresis_tracker is not None and self._counters is not None  # noqa: S101
+        _policy.update_(
+            self._policy, scale, self._growth_tracker, self._hysteresis_tracker, self._counters,
+            found,
+        )
+        self._per_optimizer_states = {}
+        self._watch_for_collapse(states)
+        for observer in self._observers:
+            observer.on_update(self, found)
+
+    def _set_scale(self, scale: torch.Tensor, new_scale: float | torch.Tensor) -> None:
+        if isinstance(new_scale, torch.Tensor):
+            if new_scale.numel() != 1 or new_scale.requires_grad:
+                raise ValueError(
+                    "new_scale must be a float or a one-element tensor with requires_grad=False, "
+                    f"got a tensor of shape {tuple(new_scale.shape)}"
+                )
+            scale.copy_(new_scale.detach().reshape(()))
+            return
+        if isinstance(new_scale, bool) or not isinstance(new_scale, (int, float)) or not (
+            math.isfinite(new_scale) and new_scale > 0
+        ):
+            raise ValueError(f"new_scale must be a finite number > 0, got {new_scale!r}")
+        scale.fill_(float(new_scale))
+
+    def _watch_for_collapse(self, states: list[_OptimizerState]) -> None:
+        """Act on a scale stuck at min_scale; reads the device only when it looks stuck."""
+        if self._policy.min_scale is None:
+            return
+        if all(s.applied is not None for s in states):
+            skipped = not all(s.applied for s in states)
+            self._host_skipped_in_a_row = self._host_skipped_in_a_row + 1 if skipped else 0
+            if self._host_skipped_in_a_row < self._stuck_patience:
+                return
+        else:
+            self._updates_since_stuck_check += 1
+            if self._updates_since_stuck_check < self._stuck_patience:
+                return
+            self._updates_since_stuck_check = 0
+        snap = self.snapshot()
+        in_a_row = int(snap["skipped_in_a_row"])
+        if snap["scale"] > self._policy.min_scale or in_a_row < self._stuck_patience:
+            return
+        message = (
+            f"loss scale is stuck at min_scale={self._policy.min_scale:g}: the last {in_a_row} "
+            f"steps in a row were skipped for inf/NaN gradients (the latest at step index "
+            f"{int(snap['steps']) - 1}). The gradients overflow even at the smallest scale: look "
+            "for the parameters with non-finite grads (dscale_nonfinite_grads_total) or a "
+            "diverged loss, or lower min_scale."
+        )
+        if self._on_stuck_at_min == "raise":
+            raise ScaleCollapsedError(message)
+        logger.warning("%s", message)
+
+    # ----------------------------------------------------------------- was it applied?
+    def step_applied(self, optimizer: torch.optim.Optimizer | None = None) -> bool:
+        """Whether the last step() of ``optimizer`` (default: the last one stepped) was applied.
+
+        Known on the host after a plain step(); after a fused or ``sync_free`` step this reads the
+        agreed flag (a host sync on GPU), only when you ask.
+        """
+        if not self._enabled:
+            return True
+        key = id(optimizer) if optimizer is not None else self._last_stepped
+        if key is None or key not in self._outcomes:
+            raise RuntimeError("step_applied(): this optimizer has not been stepped by the scaler")
+        outcome = self._outcomes[key]
+        if isinstance(outcome, torch.Tensor):
+            outcome = not bool(outcome.item() > 0)
+            self._outcomes[key] = outcome
+        return outcome
+
+    def register_step_callback(
+        self, callback: Callable[[torch.optim.Optimizer, bool], None]
+    ) -> Callable[[], None]:
+        """Call ``callback(optimizer, applied)`` after every step(); returns an unregister function.
+
+        For LR schedulers, EMA and step counters that must follow skipped steps. With fused or
+        sync-free steps, a registered callback makes step() read the flag (a host sync on GPU).
+        """
+        self._callbacks.append(callback)
+        return lambda: self._callbacks.remove(callback)
+
+    def add_observer(self, observer: GradObserver) -> None:
+        """Attach a :class:`GradObserver` (e.g. numerics stats for the metrics exporter)."""
+        self._observers.append(observer)
+
+    def remove_observer(self, observer: GradObserver) -> None:
+        """Detach an observer added with :meth:`add_observer`."""
+        self._observers.remove(observer)
+
+    # ----------------------------------------------------------------- inspection
+    def _ensure_state(self) -> None:
+        if self._scale is None:
+            self._lazy_init(torch.device(self._device))
+
+    def counters(self) -> dict[str, torch.Tensor]:
+        """The live device tensors (no copy, no sync): scale, trackers and event counters."""
+        self._ensure_state()
+        assert self._counters is not None and self._scale is not None  # noqa: S101
+        c = self._counters
+        return {
+            "scale": self._scale,
+            "growth_tracker": self._growth_tracker,  # type: ignore[dict-item]
+            "hysteresis_tracker": self._hysteresis_tracker,  # type: ignore[dict-item]
+            "steps": c[_policy.STEPS],
+            "skipped_steps": c[_policy.SKIPPED],
+            "skipped_in_a_row": c[_policy.SKIPPED_IN_A_ROW],
+            "growths": c[_policy.GROWTHS],
+            "backoffs": c[_policy.BACKOFFS],
+        }
+
+    def snapshot(self) -> dict[str, float | int]:
+        """:meth:`counters` as Python numbers; this waits for the GPU."""
+        if self._scale is None:
+            names = ("steps", "skipped_steps", "skipped_in_a_row", "growths", "backoffs")
+            return {
+                "scale": self._init_scale,
+                "growth_tracker": self._init_growth_tracker,
+                "hysteresis_tracker": self._init_hysteresis_tracker,
+                **dict(zip(names, self._init_counters)),
+            }
+        assert self._growth_tracker is not None and self._hysteresis_tracker is not None  # noqa: S101
+        assert self._counters is not None  # noqa: S101
+        values = torch.cat(
+            [
+                self._scale.double().reshape(1),
+                self._growth_tracker.double().reshape(1),
+                self._hysteresis_tracker.double().reshape(1),
+                self._counters.double(),
+            ]
+        ).tolist()
+        scale, growth, hyst, *counts = values
+        names = ("steps", "skipped_steps", "skipped_in_a_row", "growths", "backoffs")
+        return {
+            "scale": scale,
+            "growth_tracker": int(growth),
+            "hysteresis_tracker": int(hyst),
+            **{n: int(v) for n, v in zip(names, counts)},
+        }
+
+    def get_scale(self) -> float:
+        """The current scale as a Python float (1.0 when disabled); this waits for the GPU."""
+        if not self._enabled:
+            return 1.0
+        return self._init_scale if self._scale is None else float(self._scale.item())
+
+    def is_enabled(self) -> bool:
+        """Whether this scaler scales (False: a transparent pass-through)."""
+        return self._enabled
+
+    def get_growth_factor(self) -> float:
+        """The factor applied to the scale after growth_interval clean steps."""
+        return self._policy.growth_factor
+
+    def set_growth_factor(self, new_factor: float) -> None:
+        """Set the growth factor (must be > 1)."""
+        self._replace_policy(growth_factor=new_factor)
+
+    def get_backoff_factor(self) -> float:
+        """The factor applied to the scale after an overflow."""
+        return self._policy.backoff_factor
+
+    def set_backoff_factor(self, new_factor: float) -> None:
+        """Set the back-off factor (must be in (0, 1))."""
+        self._replace_policy(backoff_factor=new_factor)
+
+    def get_growth_interval(self) -> int:
+        """The number of clean steps before the scale grows."""
+        return self._policy.growth_interval
+
+    def set_growth_interval(self, new_interval: int) -> None:
+        """Set the growth interval (an int >= 1)."""
+        self._replace_policy(growth_interval=new_interval)
+
+    def _replace_policy(self, **changes: Any) -> None:
+        candidate = dataclasses.replace(self._policy, **changes)
+        _state.check_scale_args(init_scale=1.0, **_policy_args(candidate))
+        self._policy = candidate
+
+    # ----------------------------------------------------------------- state dict
+    def state_dict(self) -> dict[str, Any]:
+        """The scaler state: torch's five keys plus dscale's trackers (see ``dscale._state``).
+
+        Empty when disabled. Call it after update(). This waits for the GPU.
+        """
+        if not self._enabled:
+            return {}
+        snap = self.snapshot()
+        p = self._policy
+        return {
+            "scale": float(snap["scale"]),
+            "growth_factor": p.growth_factor,
+            "backoff_factor": p.backoff_factor,
+            "growth_interval": p.growth_interval,
+            "_growth_tracker": int(snap["growth_tracker"]),
+            "dscale_format_version": _state.FORMAT_VERSION,
+            "min_scale": p.min_scale,
+            "max_scale": p.max_scale,
+            "hysteresis": p.hysteresis,
+            "hysteresis_refill": p.hysteresis_refill,
+            "_hysteresis_tracker": int(snap["hysteresis_tracker"]),
+            "num_steps": int(snap["steps"]),
+            "num_skipped_steps": int(snap["skipped_steps"]),
+            "num_skipped_in_a_row": int(snap["skipped_in_a_row"]),
+            "num_growths": int(snap["growths"]),
+            "num_backoffs": int(snap["backoffs"]),
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict from dscale's or torch's GradScaler; no-op when disabled.
+
+        The dict is validated completely first: a rejected one (ValueError) changes nothing.
+        """
+        if not self._enabled:
+            return
+        s = _state.validate(state_dict)
+        p = self._policy
+        policy = _policy.ScalePolicy(
+            growth_factor=float(s["growth_factor"]),
+            backoff_factor=float(s["backoff_factor"]),
+            growth_interval=int(s["growth_interval"]),
+            min_scale=s.get("min_scale", p.min_scale),
+            max_scale=s.get("max_scale", p.max_scale),
+            hysteresis=int(s.get("hysteresis", p.hysteresis)),
+            hysteresis_refill=s.get("hysteresis_refill", p.hysteresis_refill),
+        )
+        _state.check_scale_args(init_scale=1.0, **_policy_args(policy), prefix="state_dict: ")
+        scale = float(s["scale"])
+        clamped = min(max(scale, policy.min_scale or scale), policy.max_scale or scale)
+        if clamped != scale:
+            logger.warning(
+                "loaded scale %g lies outside [min_scale, max_scale]; using %g", scale, clamped
+            )
+        self._policy = policy
+        self._init_scale = clamped
+        self._init_growth_tracker = int(s["_growth_tracker"])
+        self._init_hysteresis_tracker = int(s.get("_hysteresis_tracker", policy.hysteresis))
+        self._init_counters = [int(s.get(k, 0)) for k in _state.COUNTER_KEYS]
+        if self._scale is not None:
+            self._lazy_init(self._scale.device)
+
+    # ----------------------------------------------------------------- pickling
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        if self._enabled:
+            if self._per_optimizer_states:
+                raise RuntimeError(
+                    "A GradScaler instance may only be pickled at the beginning of an iteration, "
+                    "or at the end after scaler.update()."
+                )
+            snap = self.snapshot()
+            state["_init_scale"] = float(snap["scale"])
+            state["_init_growth_tracker"] = int(snap["growth_tracker"])
+            state["_init_hysteresis_tracker"] = int(snap["hysteresis_tracker"])
+            state["_init_counters"] = [
+                int(snap[k])
+                for k in ("steps", "skipped_steps", "skipped_in_a_row", "growths", "backoffs")
+            ]
+            for key in ("_scale", "_growth_tracker", "_hysteresis_tracker", "_counters"):
+                state[key] = None
+        # A process group is not picklable: keep its ranks and look it up again when used.
+        state["_group_arg"] = None
+        # Callbacks and observers belong to the running job, not to the scaler's state.
+        state["_callbacks"] = []
+        state["_observers"] = []
+        state["_outcomes"] = {}
+        state["_last_stepped"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+
+def _policy_args(policy: _policy.ScalePolicy) -> dict[str, Any]:
+    return dataclasses.asdict(policy)
+
