@@ -1,0 +1,166 @@
+"""A prometheus_client Collector that reads the scaler and the stats at scrape time.
+
+Nothing is pushed from the training loop: every scrape copies the scaler's counters (one small
+device-to-host copy) and ``NumericsStats.read()``, so the loop pays nothing between scrapes.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Mapping
+from typing import Protocol
+
+import torch
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    InfoMetricFamily,
+    Metric,
+)
+
+from dscale.stats import NumericsStats
+
+logger = logging.getLogger(__name__)
+
+LABELS = ("rank", "local_rank", "node", "job_name")
+
+# (counters() key, metric name without _total, help). Counters are exposed with a _total suffix.
+_COUNTERS = (
+    ("steps", "dscale_optimizer_steps", "Optimizer iterations attempted (update() calls)."),
+    ("skipped_steps", "dscale_optimizer_steps_skipped", "Iterations skipped for inf/NaN grads."),
+    ("growths", "dscale_scale_growths", "Times the loss scale grew."),
+    ("backoffs", "dscale_scale_backoffs", "Times the loss scale backed off."),
+)
+_GAUGES = (
+    ("scale", "dscale_loss_scale", "Current loss scale."),
+    ("growth_tracker", "dscale_clean_steps_in_a_row", "Clean steps since the last growth/backoff."),
+    ("skipped_in_a_row", "dscale_skipped_steps_in_a_row", "Consecutive skipped iterations."),
+)
+
+
+class ScaleSource(Protocol):
+    """What the collector needs from a scaler: ``dscale.GradScaler.counters()``."""
+
+    def counters(self) -> Mapping[str, torch.Tensor]: ...
+
+
+class MismatchSource(Protocol):
+    """What the collector needs from the rank-agreement check."""
+
+    mismatches: int
+
+
+class ScalerCollector:
+    """Exposes a scaler's counters and a ``NumericsStats`` as ``dscale_*`` metrics.
+
+    Args:
+        scaler: a ``dscale.GradScaler`` (anything with ``counters()``).
+        stats: optional numerics stats; without it the grad-norm, underflow and non-finite
+            metrics are left out.
+        labels: values for ``rank``, ``local_rank``, ``node``, ``job_name``.
+        min_scale: exported as ``dscale_loss_scale_min`` so the collapse alert needs no threshold.
+        rank_check: optional source of ``dscale_rank_scale_mismatch_total``.
+        build_info: labels of ``dscale_build_info``.
+    """
+
+    def __init__(
+        self,
+        scaler: ScaleSource,
+        stats: NumericsStats | None = None,
+        *,
+        labels: Mapping[str, str],
+        min_scale: float | None = None,
+        rank_check: MismatchSource | None = None,
+        build_info: Mapping[str, str] | None = None,
+    ) -> None:
+        missing = [k for k in LABELS if k not in labels]
+        if missing:
+            raise ValueError(f"labels is missing {missing}; pass a value for each of {LABELS}")
+        self._scaler = scaler
+        self._stats = stats
+        self._label_values = [str(labels[k]) for k in LABELS]
+        self._min_scale = min_scale
+        self._rank_check = rank_check
+        self._build_info = dict(build_info or {})
+
+    def describe(self) -> list[Metric]:
+        """Nothing to pre-register; metrics are produced per scrape."""
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        """Read everything now. A failure is logged and re-raised, so the scrape shows an error."""
+        try:
+            metrics = list(self._collect())
+        except Exception as exc:
+            logger.warning(
+                "dscale metrics scrape failed on rank %s (%s: %s); this scrape returns an error, "
+                "training goes on",
+                self._label_values[0],
+                type(exc).__name__,
+                exc,
+            )
+            raise
+        yield from metrics
+
+    def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
+        g = GaugeMetricFamily(name, doc, labels=LABELS)
+        g.add_metric(self._label_values, value)
+        return g
+
+    def _collect(self) -> Iterator[Metric]:
+        counters = dict(self._scaler.counters())
+        keys = [k for k, _, _ in _COUNTERS + _GAUGES if k in counters]
+        host = torch.stack([counters[k].detach().double().reshape(()) for k in keys]).cpu()
+        values = dict(zip(keys, host.tolist(), strict=True))
+        for key, name, doc in _COUNTERS:
+            if key in values:
+                c = CounterMetricFamily(name, doc, labels=LABELS)
+                c.add_metric(self._label_values, values[key])
+                yield c
+        for key, name, doc in _GAUGES:
+            if key in values:
+                yield self._gauge(name, doc, values[key])
+        if self._min_scale is not None:
+            yield self._gauge("dscale_loss_scale_min", "The scaler's min_scale.", self._min_scale)
+        if self._rank_check is not None:
+            c = CounterMetricFamily(
+                "dscale_rank_scale_mismatch",
+                "Agreement checks that found ranks holding different loss scales.",
+                labels=LABELS,
+            )
+            c.add_metric(self._label_values, float(self._rank_check.mismatches))
+            yield c
+        if self._stats is not None:
+            yield from self._collect_stats(self._stats)
+        info = InfoMetricFamily("dscale_build", "dscale and torch versions.", labels=LABELS)
+        info.add_metric(self._label_values, self._build_info)
+        yield info
+
+    def _collect_stats(self, stats: NumericsStats) -> Iterator[Metric]:
+        snap = stats.read()
+        yield self._gauge(
+            "dscale_grad_norm", "Global L2 grad norm of the last applied step.", snap.grad_norm
+        )
+        yield self._gauge(
+            "dscale_grad_norm_scaled",
+            "Global L2 grad norm of the last applied step, before unscaling.",
+            snap.grad_norm_scaled,
+        )
+        yield self._gauge(
+            "dscale_underflow_fraction",
+            "Share of scaled grad elements that are zero or below fp16's min normal (sampled).",
+            snap.underflow_fraction,
+        )
+        yield self._gauge(
+            "dscale_last_step_skipped",
+            "1 if the last iteration was skipped.",
+            float(snap.last_step_skipped),
+        )
+        c = CounterMetricFamily(
+            "dscale_nonfinite_grads",
+            "Overflow steps on which a parameter's grad held inf/NaN (top-k names, then other).",
+            labels=(*LABELS, "param"),
+        )
+        for param, count in snap.nonfinite_grads.items():
+            c.add_metric([*self._label_values, param], float(count))
+        yield c

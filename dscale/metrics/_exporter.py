@@ -1,0 +1,204 @@
+"""start_exporter(): wire a scaler (and stats) to a per-rank Prometheus endpoint."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import types
+from importlib import metadata
+from typing import Any
+
+import torch
+from prometheus_client import CollectorRegistry
+
+from dscale.metrics import _server
+from dscale.metrics._collector import ScalerCollector
+from dscale.metrics._rank_check import RankScaleCheck
+from dscale.stats import NumericsStats
+
+logger = logging.getLogger(__name__)
+
+#: Base port; rank ``local_rank`` serves on ``DEFAULT_PORT + local_rank``. Chosen away from
+#: dcgm-exporter (9400), Prometheus (9090), node_exporter (9100), the 9100-9999 range of allocated
+#: exporter ports, c10d (29400, 29500) and Linux's ephemeral range (32768+).
+DEFAULT_PORT = 19400
+
+
+class MetricsExporter:
+    """A running per-rank exporter; ``stop()`` it, or use it as a context manager.
+
+    ``port`` is None when the port could not be bound (a warning was logged). ``stop()`` keeps
+    serving for ``linger_s`` seconds first, so Prometheus scrapes the final values.
+    """
+
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        collector: ScalerCollector,
+        server: Any,
+        rank_check: RankScaleCheck | None,
+        *,
+        addr: str,
+        port: int | None,
+        linger_s: float,
+    ) -> None:
+        self.registry = registry
+        self.collector = collector
+        self.rank_check = rank_check
+        self.addr = addr
+        self.port = port
+        self.linger_s = linger_s
+        self._server = server
+        self._stop_now = threading.Event()
+        self._lock = threading.Lock()
+
+    @property
+    def url(self) -> str | None:
+        """Where /metrics is served, or None if not serving."""
+        if self.port is None or self._server is None:
+            return None
+        return f"http://{self.addr}:{self.port}/metrics"
+
+    def stop(self, linger_s: float | None = None) -> None:
+        """Keep serving for ``linger_s`` (default: the exporter's), then stop and free the port.
+
+        Blocks the caller while it lingers; a concurrent ``stop(linger_s=0)`` cuts that short.
+        """
+        linger = self.linger_s if linger_s is None else linger_s
+        if linger <= 0:
+            self._stop_now.set()
+        elif self._server is not None:
+            logger.info("dscale metrics: serving %s for %.0f s more", self.url, linger)
+            self._stop_now.wait(linger)
+        # The rank check stays attached: removing a collective on one rank only would hang the rest.
+        with self._lock:
+            server, self._server = self._server, None
+        if server is not None:
+            _server.shutdown(*server)
+
+    def __enter__(self) -> MetricsExporter:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: types.TracebackType | None,
+    ) -> None:
+        # After an error there is nothing worth lingering for.
+        self.stop(linger_s=0 if exc_type is not None else None)
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    return int(value) if value else default
+
+
+def _min_scale(scaler: Any) -> float | None:
+    try:
+        value = scaler.state_dict().get("min_scale")
+    except Exception:  # an exporter must never break the run it observes
+        logger.debug("dscale metrics: scaler has no readable min_scale", exc_info=True)
+        return None
+    return None if value is None else float(value)
+
+
+def _build_info() -> dict[str, str]:
+    try:
+        version = metadata.version("dscale")
+    except metadata.PackageNotFoundError:
+        version = "unknown"
+    return {"version": version, "torch": torch.__version__.split("+")[0]}
+
+
+def start_exporter(
+    scaler: Any,
+    stats: NumericsStats | None = None,
+    *,
+    addr: str = "127.0.0.1",
+    port: int = DEFAULT_PORT,
+    rank: int | None = None,
+    local_rank: int | None = None,
+    node: str | None = None,
+    job_name: str | None = None,
+    linger_s: float = 30.0,
+    check_agreement_every: int = 100,
+    process_group: Any = None,
+    certfile: str | None = None,
+    keyfile: str | None = None,
+    registry: CollectorRegistry | None = None,
+) -> MetricsExporter:
+    """Serve this rank's scale metrics on ``addr:port + local_rank`` until ``stop()``.
+
+    Every rank calls it. Values are read at scrape time, so the training loop pays nothing between
+    scrapes. A busy port logs a warning and the run goes on without this rank's endpoint.
+
+    Args:
+        scaler: the ``dscale.GradScaler``.
+        stats: optional ``NumericsStats`` attached to the scaler (grad norms, underflow, non-finite
+            grads by parameter).
+        addr: listen address; use "0.0.0.0" (or the pod IP) for a cluster Prometheus.
+        port: base port; each rank adds its ``local_rank``. 0 picks any free port (tests).
+        rank, local_rank: default to torchrun's ``RANK``/``LOCAL_RANK`` (else 0).
+        node: ``node`` label, default the host name.
+        job_name: ``job_name`` label (not ``job``, which Prometheus overwrites), default
+            ``TORCHELASTIC_RUN_ID`` or "dscale".
+        linger_s: how long ``stop()`` keeps serving so the last values are scraped; make it at
+            least one scrape interval (plus about 6 s for a file_sd target to be picked up).
+        check_agreement_every: compare the scale across ranks every this many steps (one small
+            all-reduce and a host sync each time); 0 turns it off. Must match on every rank.
+        process_group: group for that check (default: the default group).
+        certfile, keyfile: serve HTTPS with this certificate.
+        registry: register into this registry (default: a new one holding only dscale's metrics).
+
+    Example::
+
+        stats = track_numerics(scaler, model)
+        with start_exporter(scaler, stats, port=19400, linger_s=30):
+            train()
+    """
+    if not isinstance(port, int) or not 0 <= port <= 65535:
+        raise ValueError(f"port must be an int in 0..65535, got {port!r}; e.g. port={DEFAULT_PORT}")
+    if linger_s < 0:
+        raise ValueError(f"linger_s must be >= 0, got {linger_s!r}; 0 stops serving at once")
+    if (certfile is None) != (keyfile is None):
+        raise ValueError(
+            f"certfile and keyfile go together, got certfile={certfile!r}, keyfile={keyfile!r}; "
+            "pass both for HTTPS or neither for HTTP"
+        )
+    rank = _env_int("RANK", 0) if rank is None else rank
+    local_rank = _env_int("LOCAL_RANK", 0) if local_rank is None else local_rank
+    if port and port + local_rank > 65535:
+        raise ValueError(
+            f"port={port} + local_rank={local_rank} is past 65535; pick a lower base port"
+        )
+    labels = {
+        "rank": str(rank),
+        "local_rank": str(local_rank),
+        "node": node or socket.gethostname(),
+        "job_name": job_name or os.environ.get("TORCHELASTIC_RUN_ID") or "dscale",
+    }
+    rank_check = None
+    if check_agreement_every:
+        rank_check = RankScaleCheck(check_agreement_every, process_group)
+        scaler.add_observer(rank_check)
+    collector = ScalerCollector(
+        scaler,
+        stats,
+        labels=labels,
+        min_scale=_min_scale(scaler),
+        rank_check=rank_check,
+        build_info=_build_info(),
+    )
+    registry = CollectorRegistry(auto_describe=False) if registry is None else registry
+    registry.register(collector)
+    bind_port = port + local_rank if port else 0
+    server = _server.serve(addr, bind_port, registry, certfile=certfile, keyfile=keyfile)
+    bound = None if server is None else int(server[0].server_address[1])
+    if bound is not None:
+        logger.info("dscale metrics: rank %s serving on %s:%d/metrics", rank, addr, bound)
+    return MetricsExporter(
+        registry, collector, server, rank_check, addr=addr, port=bound, linger_s=linger_s
+    )

@@ -1,0 +1,101 @@
+"""MetricsLog: a per-step JSONL log of the scale, for ``python -m dscale.report`` and for grep.
+
+Each update() writes one row into a device buffer (no host sync); every ``every`` steps the buffer
+is copied to the host once and appended to ``RUN_DIR/metrics/rank<R>.jsonl``. So the log has the
+full per-step sawtooth while the GPU waits only once per ``every`` steps.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from dscale.stats import NumericsStats
+
+logger = logging.getLogger(__name__)
+
+_COLUMNS = ("step", "scale", "skipped", "grad_norm", "grad_norm_scaled")
+
+
+class MetricsLog:
+    """A ``GradObserver`` that logs one JSON line per optimizer iteration, flushed every N steps.
+
+    Attach it *after* the ``NumericsStats`` it reads (observers run in the order they were added),
+    and call ``close()`` at the end so the last partial block is written.
+
+    Example::
+
+        stats = track_numerics(scaler, model)
+        log = MetricsLog(run_dir, stats=stats, rank=rank, every=100)
+        scaler.add_observer(log)
+    """
+
+    def __init__(
+        self,
+        run_dir: str | os.PathLike[str],
+        *,
+        stats: NumericsStats | None = None,
+        rank: int = 0,
+        every: int = 100,
+    ) -> None:
+        if not isinstance(every, int) or every < 1:
+            raise ValueError(
+                f"every must be an int >= 1, got {every!r}; it is how many steps are buffered on "
+                "the device between writes (each write is one host sync)"
+            )
+        self.path = os.path.join(os.fspath(run_dir), "metrics", f"rank{rank}.jsonl")
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        self.rank = rank
+        self.every = every
+        self._stats = stats
+        self._buf: Tensor | None = None
+        self._filled = 0
+
+    def on_grads(self, optimizer: Any, grads: list[Tensor], scale: Tensor) -> None:
+        """Nothing to do before the check."""
+
+    def on_update(self, scaler: Any, found_inf: Tensor) -> None:
+        """Record this iteration's row on the device; write the block when it is full."""
+        c = scaler.counters()
+        nan = torch.tensor(float("nan"))
+        extra = self._stats.device_values() if self._stats is not None else {}
+        values = [
+            c["steps"],
+            c["scale"],
+            found_inf.reshape(()) > 0,
+            extra.get("grad_norm", nan),
+            extra.get("grad_norm_scaled", nan),
+        ]
+        device = c["scale"].device
+        row = torch.stack([v.detach().to(device=device, dtype=torch.float64) for v in values])
+        if self._buf is None:
+            self._buf = torch.empty(self.every, len(_COLUMNS), dtype=torch.float64, device=device)
+        self._buf[self._filled].copy_(row)
+        self._filled += 1
+        if self._filled == self.every:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write the buffered rows. This waits for the GPU."""
+        if self._buf is None or self._filled == 0:
+            return
+        rows = self._buf[: self._filled].cpu().tolist()
+        self._filled = 0
+        with open(self.path, "a", encoding="utf-8") as f:
+            for row in rows:
+                rec: dict[str, Any] = {"rank": self.rank}
+                for key, value in zip(_COLUMNS, row, strict=True):
+                    rec[key] = value if math.isfinite(value) else None
+                rec["step"] = int(row[0])
+                rec["skipped"] = bool(row[2])
+                f.write(json.dumps(rec) + "\n")
+
+    def close(self) -> None:
+        """Write what is left in the buffer."""
+        self.flush()
