@@ -1,0 +1,52 @@
+"""Sharded checkpoints of model, optimizer, scaler, step and RNG states, with DCP.
+
+API (all ranks call every function at the same point)::
+
+    from dscale.checkpoint import CheckpointManager
+
+    ckpt = CheckpointManager(directory, every=50, keep=2, async_save=False, process_group=None)
+    start = ckpt.resume("auto", model=model, optimizer=opt, scaler=scaler) or 0
+    # resume: "auto" (newest complete checkpoint), a step-N folder path, or None / "" (fresh)
+    # also: ckpt.load_latest(...) -> int | None, ckpt.load(path, ...) -> int, ckpt.latest()
+    for step in range(start, max_steps):
+        train_one_iteration()
+        ckpt.maybe_save(step + 1, model=model, optimizer=opt, scaler=scaler)  # step N = N done
+    ckpt.save(max_steps, model=model, optimizer=opt, scaler=scaler)  # no-op if just saved
+    ckpt.wait()  # publishes a pending async save
+
+    load_checkpoint(path, model=..., optimizer=..., scaler=..., process_group=None) -> step
+    load_scaler_file(scaler, "scaler.pt")  # a torch.save(torch_scaler.state_dict(), ...) file
+
+What goes in: ``model`` (plain, DDP, FSDP1, FSDP2; stored without wrapper prefixes, so it
+reshards and moves between wrappers), ``optimizer`` (a torch optimizer, stored by parameter
+name, or any object with state_dict()/load_state_dict() such as dscale.FP16Optimizer, whose
+state must already have its saved structure when loading), ``scaler`` (dscale.GradScaler or
+torch.amp.GradScaler), ``extra`` (a dict of more Statefuls), the step, and per-rank RNG states
+(torch CPU, CUDA when in use, Python's ``random``; restored only at the same world size).
+
+On disk: ``directory/step-N/`` with DCP's ``.metadata``, ``__<rank>_0.distcp`` and
+``checksums.sha256`` (``sha256sum -c`` format). A save writes ``.step-N.tmp`` and is renamed
+only after every rank has written, so a crash leaves the previous checkpoints intact.
+
+Loading verifies checksums, never runs pickled code (restricted metadata unpickler,
+``weights_only=True`` values), refuses a checkpoint of another model, and checks that every
+rank holds the same scale and growth tracker.
+
+Errors: CheckpointError (ValueError; names the folder or file), CorruptCheckpointError (a
+checksum failed; ``resume="auto"`` skips to the previous checkpoint with a warning), and
+ScaleMismatchError (RuntimeError; raised on every rank, names the ranks and values).
+"""
+
+from dscale.checkpoint._errors import CheckpointError, CorruptCheckpointError, ScaleMismatchError
+from dscale.checkpoint._io import load_checkpoint
+from dscale.checkpoint._manager import CheckpointManager
+from dscale.checkpoint._safe_io import load_scaler_file
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointManager",
+    "CorruptCheckpointError",
+    "ScaleMismatchError",
+    "load_checkpoint",
+    "load_scaler_file",
+]

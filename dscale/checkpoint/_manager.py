@@ -1,0 +1,215 @@
+"""CheckpointManager: when to save, where, how many to keep, and what to resume from."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed import ProcessGroup
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
+
+from dscale.checkpoint import _comm, _publish
+from dscale.checkpoint._errors import CorruptCheckpointError
+from dscale.checkpoint._io import build_states, describe_failure, load_checkpoint
+
+__all__ = ["CheckpointManager"]
+
+logger = logging.getLogger(__name__)
+
+
+def _uses_fsdp1(model: torch.nn.Module | None) -> bool:
+    if model is None:
+        return False
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return any(isinstance(m, FullyShardedDataParallel) for m in model.modules())
+
+
+class CheckpointManager:
+    """Saves every ``every`` steps into ``directory/step-N``, keeps ``keep``, resumes.
+
+    All ranks call every method at the same point (they run collectives). "Step N" is the
+    state after N optimizer iterations: call ``maybe_save(N, ...)`` after the N-th, and a
+    run resumed from ``step-N`` continues with iteration index N.
+
+    Example::
+
+        ckpt = CheckpointManager("ckpt", every=50, keep=2)
+        start = ckpt.resume("auto", model=model, optimizer=opt, scaler=scaler) or 0
+        for step in range(start, max_steps):
+            train_one_step()
+            ckpt.maybe_save(step + 1, model=model, optimizer=opt, scaler=scaler)
+        ckpt.save(max_steps, model=model, optimizer=opt, scaler=scaler)
+        ckpt.wait()
+    """
+
+    def __init__(
+        self,
+        directory: str | Path,
+        *,
+        every: int = 0,
+        keep: int = 2,
+        async_save: bool = False,
+        process_group: ProcessGroup | None = None,
+    ) -> None:
+        if isinstance(every, bool) or not isinstance(every, int) or every < 0:
+            raise ValueError(f"every must be an int >= 0, got {every!r}; it is the number of "
+                             "steps between saves (0 saves only when save() is called)")
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            raise ValueError(f"keep must be an int >= 1, got {keep!r}; it is how many "
+                             "published checkpoints to keep (2 is a safe choice)")
+        self.directory = Path(directory)
+        self.every = every
+        self.keep = keep
+        self.async_save = async_save
+        self.process_group = process_group
+        self.is_coordinator = _comm.rank(process_group) == 0
+        self._async_group: ProcessGroup | None = None
+        self._pending: tuple[Future[Any], Path, Path] | None = None
+        self._last_step: int | None = None
+
+    def maybe_save(self, step: int, **states: Any) -> bool:
+        """Save if ``step`` is a positive multiple of ``every``; return whether it saved.
+
+        Also publishes a finished asynchronous save. Takes the keyword arguments of save().
+        """
+        self._publish_if_done()
+        if self.every and step > 0 and step % self.every == 0:
+            self.save(step, **states)
+            return True
+        return False
+
+    def save(
+        self,
+        step: int,
+        *,
+        model: torch.nn.Module | None = None,
+        optimizer: Any = None,
+        scaler: Any = None,
+        extra: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Save the state after ``step`` iterations as ``step-N``; skip if already saved or loaded.
+
+        Synchronous saves are published (renamed, checksummed, old ones purged) before this
+        returns on any rank. Asynchronous saves return after staging a copy of the state; they
+        are published by a later maybe_save(), save() or wait().
+        """
+        if step == self._last_step:
+            logger.debug("step %d is already saved or was loaded; not saving it again", step)
+            return
+        self._finish_pending()
+        if self.is_coordinator:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            _publish.remove_temp_dirs(self.directory)
+        _comm.barrier(self.process_group)
+        tmp = _publish.temp_dir(self.directory, step)
+        final = _publish.step_dir(self.directory, step)
+        states = build_states(step=step, model=model, optimizer=optimizer, scaler=scaler,
+                              extra=extra, group=self.process_group)
+        writer = FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True,
+                                  thread_count=1, overwrite=True)
+        no_dist = not _comm.is_distributed(self.process_group)
+        use_async = self.async_save and not _uses_fsdp1(model)
+        if self.async_save and not use_async:
+            # dcp.async_save cannot stage FSDP1's ShardedTensor (data_ptr not supported).
+            logger.info("saving step %d synchronously: async save does not support FSDP1", step)
+        try:
+            if use_async:
+                future = dcp.async_save(states, storage_writer=writer,
+                                        process_group=self._cpu_group(), no_dist=no_dist)
+                self._pending = (future, tmp, final)  # type: ignore[assignment]
+            else:
+                dcp.save(states, storage_writer=writer, process_group=self.process_group,
+                         no_dist=no_dist)
+        except CheckpointException as exc:
+            raise RuntimeError(f"saving step {step} into {tmp} failed: {describe_failure(exc)}; "
+                               "the previous checkpoints are untouched") from exc
+        self._last_step = step
+        if not use_async:
+            if self.is_coordinator:
+                _publish.publish(tmp, final)
+                _publish.purge(self.directory, self.keep)
+            _comm.barrier(self.process_group)
+
+    def wait(self) -> None:
+        """Finish and publish a pending asynchronous save; every rank returns after it."""
+        self._finish_pending()
+        _comm.barrier(self.process_group)
+
+    def latest(self) -> Path | None:
+        """The newest published checkpoint folder (checksums not yet verified), or None."""
+        found = _publish.list_complete(self.directory)
+        return found[0][1] if found else None
+
+    def load(self, path: str | Path, **states: Any) -> int:
+        """Load ``path`` (a ``step-N`` folder) in place and return N.
+
+        Takes model=, optimizer=, scaler=, extra= as save() does; see load_checkpoint().
+        """
+        step = load_checkpoint(path, process_group=self.process_group, **states)
+        self._last_step = step
+        return step
+
+    def load_latest(self, **states: Any) -> int | None:
+        """Load the newest published checkpoint whose checksums hold; None if there is none.
+
+        A corrupt checkpoint is reported with a warning naming the file, and the previous one
+        is tried. Any other error (another model, a scale mismatch) is raised.
+        """
+        for step, path in _publish.list_complete(self.directory):
+            try:
+                return self.load(path, **states)
+            except CorruptCheckpointError as exc:
+                logger.warning("skipping checkpoint step %d: %s; trying the previous one",
+                               step, exc)
+        logger.info("no checkpoint to resume from in %s", self.directory)
+        return None
+
+    def resume(self, resume: str | Path | None, **states: Any) -> int | None:
+        """Resume as ``checkpoint.resume`` says: "auto", a folder path, or None/"" for no resume.
+
+        Returns the step to continue from, or None when nothing was loaded.
+        """
+        if resume is None or resume in ("", "none", "never"):
+            return None
+        if resume == "auto":
+            return self.load_latest(**states)
+        return self.load(resume, **states)
+
+    def _cpu_group(self) -> ProcessGroup | None:
+        """A process group with a CPU backend, which dcp.async_save requires."""
+        if not _comm.is_distributed(self.process_group):
+            return None
+        if "gloo" in str(dist.get_backend(self.process_group)):
+            return self.process_group
+        if self._async_group is None:
+            ranks = dist.get_process_group_ranks(self.process_group or dist.group.WORLD)
+            self._async_group = dist.new_group(ranks=ranks, backend="gloo")
+        return self._async_group
+
+    def _publish_if_done(self) -> None:
+        if self._pending is not None and self._pending[0].done():
+            self._finish_pending()
+
+    def _finish_pending(self) -> None:
+        if self._pending is None:
+            return
+        future, tmp, final = self._pending
+        self._pending = None
+        try:
+            future.result()
+        except CheckpointException as exc:
+            raise RuntimeError(f"asynchronous save into {tmp} failed: {describe_failure(exc)}; "
+                               "the previous checkpoints are untouched") from exc
+        # The coordinator's future completes after it has written .metadata, which it does
+        # only once every rank's data files are written.
+        if self.is_coordinator:
+            _publish.publish(tmp, final)
+            _publish.purge(self.directory, self.keep)

@@ -1,0 +1,219 @@
+"""The Stateful pieces of a checkpoint: model, optimizer, scaler, step and RNG states.
+
+Everything dscale adds is stored as tensors, so nothing of ours goes through DCP's pickled
+byte values. Values that differ per rank (the scale as each rank saw it, RNG states) are stored
+as a world-sized tensor sharded over ranks: DCP keeps one copy of a replicated key, chosen from
+some rank, which would hide exactly the disagreement a load must detect.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from typing import Any
+
+import torch
+from torch.distributed import ProcessGroup
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from dscale.checkpoint import _comm
+from dscale.checkpoint._errors import ScaleMismatchError
+
+__all__ = ["ModelState", "OptimizerState", "ScalerState", "TrainState", "placeholders"]
+
+logger = logging.getLogger(__name__)
+
+# Scaler keys every rank must agree on; each rank's value is stored separately.
+AGREEMENT_KEYS = ("scale", "_growth_tracker", "_hysteresis_tracker")
+
+
+def _per_rank(local: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """A ``[world, *local.shape]`` tensor whose row r is rank r's ``local``."""
+    row = local.detach().cpu().unsqueeze(0)
+    if not _comm.is_distributed(group):
+        return row
+    from torch.distributed import group as groups
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = DeviceMesh.from_group(group or groups.WORLD, device_type="cpu")
+    return DTensor.from_local(row, mesh, [Shard(0)], run_check=False)
+
+
+def placeholders(metadata: Metadata, prefix: str) -> dict[str, Any]:
+    """Zero tensors shaped like every saved tensor under ``prefix``, as a nested dict.
+
+    DCP loads in place, so the structure to load into must exist; building it from the
+    checkpoint lets a scaler of another kind (torch's vs dscale's) load what is there.
+    """
+    out: dict[str, Any] = {}
+    for fqn, meta in metadata.state_dict_metadata.items():
+        if not fqn.startswith(prefix + ".") or not isinstance(meta, TensorStorageMetadata):
+            continue
+        *parents, leaf = fqn[len(prefix) + 1 :].split(".")
+        node = out
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = torch.zeros(meta.size, dtype=meta.properties.dtype)
+    return out
+
+
+class ModelState:
+    """The model's state dict with wrapper prefixes removed (DDP, FSDP1 and FSDP2 alike)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    def state_dict(self) -> dict[str, Any]:
+        return get_model_state_dict(self.model)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        set_model_state_dict(self.model, state_dict)
+
+
+class OptimizerState:
+    """A torch optimizer's state dict keyed by parameter names, so it reshards with the model."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.model = model
+        self.optimizer = optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        return get_optimizer_state_dict(self.model, self.optimizer)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        set_optimizer_state_dict(self.model, self.optimizer, state_dict)
+
+
+class ScalerState:
+    """A GradScaler (dscale's or torch's) as a DCP Stateful.
+
+    Saved keys: ``values.<key>`` for every numeric entry of ``scaler.state_dict()`` (float64,
+    int64 or bool scalars), and ``per_rank.<key>`` for scale and trackers, one row per rank.
+    Loading checks that the saved rows agree before touching the scaler.
+    """
+
+    def __init__(
+        self, scaler: Any, group: ProcessGroup | None, metadata: Metadata | None = None
+    ) -> None:
+        self.scaler = scaler
+        self.group = group
+        self.metadata = metadata
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.metadata is not None:
+            return placeholders(self.metadata, "scaler")
+        values: dict[str, torch.Tensor] = {}
+        for key, value in self.scaler.state_dict().items():
+            if isinstance(value, bool):
+                values[key] = torch.tensor(value)
+            elif isinstance(value, int):
+                values[key] = torch.tensor(value, dtype=torch.int64)
+            elif isinstance(value, float):
+                values[key] = torch.tensor(value, dtype=torch.float64)
+        per_rank = {
+            key: _per_rank(values[key].to(torch.float64).reshape(1), self.group)
+            for key in AGREEMENT_KEYS
+            if key in values
+        }
+        return {"values": values, "per_rank": per_rank}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        check_saved_agreement(state_dict.get("per_rank", {}))
+        values = state_dict.get("values", {})
+        if not values:
+            return  # saved from a disabled scaler
+        current = self.scaler.state_dict()
+        for key, tensor in values.items():
+            if tensor.dtype == torch.bool:
+                current[key] = bool(tensor)
+            elif tensor.is_floating_point():
+                current[key] = float(tensor)
+            else:
+                current[key] = int(tensor)
+        self.scaler.load_state_dict(current)
+
+
+def check_saved_agreement(per_rank: dict[str, torch.Tensor]) -> None:
+    """Raise ScaleMismatchError if the saving ranks disagreed on scale or trackers.
+
+    Every rank reads the same saved rows, so every rank raises the same error without a
+    collective.
+    """
+    problems = []
+    for key, rows in sorted(per_rank.items()):
+        values = rows.reshape(-1).tolist()
+        if len(set(values)) > 1:
+            listed = ", ".join(f"rank {r}: {v:g}" for r, v in enumerate(values))
+            problems.append(f"{key} differs between the saving ranks ({listed})")
+    if problems:
+        raise ScaleMismatchError(
+            "the checkpoint's scaler state is not the same on every rank: "
+            + "; ".join(problems)
+            + ". Loading it would make ranks take different skip/grow decisions; "
+            "load an earlier checkpoint or reset the scaler"
+        )
+
+
+def _python_rng_rows() -> tuple[torch.Tensor, torch.Tensor]:
+    version, internal, gauss = random.getstate()
+    state = torch.tensor([version, *internal], dtype=torch.int64)
+    return state, torch.tensor([float("nan") if gauss is None else gauss], dtype=torch.float64)
+
+
+def _set_python_rng(state: torch.Tensor, gauss: torch.Tensor) -> None:
+    version, *internal = state.tolist()
+    g = float(gauss[0])
+    random.setstate((version, tuple(internal), None if g != g else g))
+
+
+class TrainState:
+    """The step counter (iterations completed), the saving world size and per-rank RNG states.
+
+    RNG states come back only when the world size is unchanged; with another world size
+    there is no rank to take them from, and a log line says so.
+    """
+
+    def __init__(self, step: int, group: ProcessGroup | None, metadata: Metadata | None = None):
+        self.step = step
+        self.group = group
+        self.metadata = metadata
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.metadata is not None:
+            return placeholders(self.metadata, "train")
+        py_state, py_gauss = _python_rng_rows()
+        rng = {
+            "torch_cpu": _per_rank(torch.get_rng_state(), self.group),
+            "python": _per_rank(py_state, self.group),
+            "python_gauss": _per_rank(py_gauss, self.group),
+        }
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            rng["cuda"] = _per_rank(torch.cuda.get_rng_state(), self.group)
+        return {
+            "step": torch.tensor(self.step, dtype=torch.int64),
+            "world_size": torch.tensor(_comm.world_size(self.group), dtype=torch.int64),
+            "rng": rng,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.step = int(state_dict["step"])
+        saved_world = int(state_dict["world_size"])
+        world, me = _comm.world_size(self.group), _comm.rank(self.group)
+        if saved_world != world:
+            logger.info("RNG states not restored: saved by %d ranks, loading on %d",
+                        saved_world, world)
+            return
+        rng = state_dict.get("rng", {})
+        if "torch_cpu" in rng:
+            torch.set_rng_state(rng["torch_cpu"][me].to(torch.uint8))
+        if "python" in rng and "python_gauss" in rng:
+            _set_python_rng(rng["python"][me], rng["python_gauss"][me])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"][me].to(torch.uint8))
