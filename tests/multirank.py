@@ -7,6 +7,7 @@ reported. Spawning costs 3-5 s on a 2-core machine, so check several scenarios i
 
 from __future__ import annotations
 
+import io
 import os
 import queue
 import tempfile
@@ -16,6 +17,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -40,7 +42,10 @@ def _rank_main(
     )
     try:
         value = fn(rank, world_size, *args)
-        results.put((rank, "ok", value))
+        # Through bytes: tensors sent as-is would share memory with a process about to exit.
+        buffer = io.BytesIO()
+        torch.save(value, buffer)
+        results.put((rank, "ok", buffer.getvalue()))
     except BaseException:
         results.put((rank, "error", traceback.format_exc()))
         raise
@@ -105,4 +110,6 @@ def run_ranks(
             if status != "ok":
                 report.append(f"--- rank {r} ({status}) ---\n{value}")
         raise AssertionError("\n".join(report))
-    return {r: v for r, (_, v) in sorted(outcome.items())}
+    return {
+        r: torch.load(io.BytesIO(v), weights_only=False) for r, (_, v) in sorted(outcome.items())
+    }
