@@ -1,0 +1,376 @@
+"""FP32 master weights for fp16 models: apex's ``FP16_Optimizer`` workflow on dscale's scaler.
+
+A model kept entirely in fp16 (``model.half()``) cannot be updated in fp16: an update smaller than
+half an fp16 ULP of the weight rounds back to the old weight and is lost. So the optimizer updates
+fp32 master copies, and the model gets the rounded masters after each step.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from dscale._loss_scale import DynamicLossScale, StaticLossScale
+from dscale._param_lists import (
+    master_params_to_model_params,
+    model_grads_to_master_grads,
+    prep_param_lists,
+)
+
+__all__ = [
+    "FP16Optimizer",
+    "master_params_to_model_params",
+    "model_grads_to_master_grads",
+    "prep_param_lists",
+]
+
+logger = logging.getLogger(__name__)
+
+_HALF = (torch.float16, torch.bfloat16)
+_STATE_VERSION = 1
+
+
+class FP16Optimizer:
+    """Wrap an optimizer over fp16 params so that it updates fp32 masters instead.
+
+    fp16 (and bf16) params in ``optimizer``'s param groups are replaced by fp32 copies; fp32 params
+    are used as they are; group order and hyperparameters are kept. ``backward`` scales the loss,
+    copies the grads to the masters and unscales them; ``step`` updates the masters and rounds them
+    into the model. With ``dynamic_loss_scale=True`` the scale, the overflow check and the skip
+    decision are :class:`dscale.GradScaler`'s, so under DDP every rank skips the same steps.
+
+    Args:
+        optimizer: any torch optimizer built over the model's params.
+        static_loss_scale: fixed scale used when ``dynamic_loss_scale`` is False. As in apex, a
+            static scale has no overflow check: every step is applied.
+        dynamic_loss_scale: let a GradScaler pick the scale and skip overflowing steps.
+        dynamic_loss_args: GradScaler keyword arguments, or apex's ``init_scale``,
+            ``scale_factor`` (growth factor, and 1/backoff factor), ``scale_window`` (growth
+            interval). Unset keys take GradScaler's defaults (init_scale 2**16), not apex's.
+        verbose: log (INFO) what was ingested; apex printed it.
+
+    Example::
+
+        model = torch.nn.Linear(8, 8).half()
+        optimizer = FP16Optimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                  dynamic_loss_scale=True)
+        loss = model(torch.randn(4, 8, dtype=torch.half)).float().pow(2).mean()
+        optimizer.zero_grad()
+        optimizer.backward(loss)      # replaces loss.backward()
+        optimizer.step()
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        static_loss_scale: float = 1.0,
+        dynamic_loss_scale: bool = False,
+        dynamic_loss_args: Mapping[str, Any] | None = None,
+        verbose: bool = False,
+    ) -> None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}; "
+                "build it over the model's params first, then wrap it"
+            )
+        # Build (and so validate) the loss scale first: a rejected argument leaves `optimizer` as
+        # it was.
+        first = next((p for g in optimizer.param_groups for p in g["params"]), None)
+        device = first.device.type if first is not None else "cpu"
+        if dynamic_loss_scale:
+            self._loss_scale: StaticLossScale | DynamicLossScale = DynamicLossScale(
+                device, dynamic_loss_args
+            )
+        else:
+            if dynamic_loss_args is not None:
+                raise ValueError(
+                    f"dynamic_loss_args={dict(dynamic_loss_args)!r} has no effect with "
+                    "dynamic_loss_scale=False; pass dynamic_loss_scale=True or drop the args"
+                )
+            self._loss_scale = StaticLossScale(static_loss_scale)
+
+        self.optimizer = optimizer
+        self.fp16_groups: list[list[torch.Tensor]] = []
+        self.fp32_from_fp16_groups: list[list[torch.nn.Parameter]] = []
+        self.fp32_from_fp32_groups: list[list[torch.Tensor]] = []
+        had_state = bool(optimizer.state)
+        new_params = [
+            self._ingest_group(index, group["params"], verbose)
+            for index, group in enumerate(optimizer.param_groups)
+        ]
+        for group, params in zip(optimizer.param_groups, new_params, strict=True):
+            group["params"] = params
+        if had_state:
+            # Re-keys the existing state onto the masters and casts it to fp32 (apex does this).
+            optimizer.load_state_dict(optimizer.state_dict())
+        self.overflow = False
+        self._grads_to_copy = False  # backward ran, master grads not updated yet
+        self._master_grads_ready = False  # master grads updated (and unscaled) this iteration
+        if verbose:
+            logger.info("FP16Optimizer: %s loss scale", "dynamic" if self.dynamic else "static")
+
+    def _ingest_group(self, index: int, params: list[torch.Tensor], verbose: bool) -> list[Any]:
+        half: list[torch.Tensor] = []
+        masters: list[torch.nn.Parameter] = []
+        fp32: list[torch.Tensor] = []
+        out: list[torch.Tensor] = []
+        for position, p in enumerate(params):
+            if p.dtype in _HALF:
+                master = torch.nn.Parameter(p.detach().clone().float())
+                half.append(p)
+                masters.append(master)
+                out.append(master)
+            elif p.dtype == torch.float32:
+                fp32.append(p)
+                out.append(p)
+            else:
+                raise TypeError(
+                    f"param {position} of param group {index} is {p.dtype}; FP16Optimizer takes "
+                    "fp16, bf16 (given fp32 masters) and fp32 params (used as they are)"
+                )
+        self.fp16_groups.append(half)
+        self.fp32_from_fp16_groups.append(masters)
+        self.fp32_from_fp32_groups.append(fp32)
+        if verbose:
+            logger.info(
+                "FP16Optimizer: param group %d: %d 16-bit params get fp32 masters "
+                "(%d elements), %d fp32 params are used as they are",
+                index,
+                len(half),
+                sum(p.numel() for p in half),
+                len(fp32),
+            )
+        return out
+
+    @property
+    def dynamic(self) -> bool:
+        """True when a GradScaler picks the scale."""
+        return self._loss_scale.dynamic
+
+    @property
+    def loss_scale(self) -> float:
+        """The current loss scale; with a dynamic scale, reading it waits for the device."""
+        return self._loss_scale.value
+
+    @loss_scale.setter
+    def loss_scale(self, value: float) -> None:
+        self._loss_scale.value = value
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The wrapped optimizer's param groups (holding the masters), for LR schedules."""
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> Any:
+        """The wrapped optimizer's per-param state, keyed by the masters."""
+        return self.optimizer.state
+
+    def _grads(self) -> list[torch.Tensor]:
+        return [
+            p.grad for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None
+        ]
+
+    def backward(
+        self, loss: torch.Tensor, update_master_grads: bool = True, retain_graph: bool = False
+    ) -> None:
+        """Replace ``loss.backward()``: scale the loss (in fp32), backward, update master grads.
+
+        For several losses in one iteration, pass ``update_master_grads=False`` to every call and
+        call :meth:`update_master_grads` once at the end (or let :meth:`step` do it).
+
+        Raises:
+            RuntimeError: the master grads were already updated this iteration (they have been
+                unscaled, so adding more scaled grads would mix scales).
+        """
+        if self._master_grads_ready:
+            raise RuntimeError(
+                "backward() was called after the master grads were updated in this iteration; "
+                "for several losses pass update_master_grads=False to every backward() and call "
+                "update_master_grads() once, or call step()/zero_grad() first"
+            )
+        self._loss_scale.scale_loss(loss).backward(retain_graph=retain_graph)
+        self._grads_to_copy = True
+        if update_master_grads:
+            self.update_master_grads()
+
+    def update_master_grads(self) -> None:
+        """Copy the model's 16-bit grads into the fp32 masters' grads, then unscale all grads.
+
+        Only needed after ``backward(..., update_master_grads=False)``.
+        """
+        if self._master_grads_ready:
+            raise RuntimeError(
+                "update_master_grads() was already called in this iteration; call step() or "
+                "zero_grad() before the next backward()"
+            )
+        for model_params, masters in zip(self.fp16_groups, self.fp32_from_fp16_groups, strict=True):
+            model_grads_to_master_grads(model_params, masters)
+        self._loss_scale.unscale_(self.optimizer, self._grads())
+        self._grads_to_copy = False
+        self._master_grads_ready = True
+
+    def _ensure_master_grads(self) -> None:
+        if self._grads_to_copy:
+            self.update_master_grads()
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Update the masters (unless the grads overflowed) and round them into the model.
+
+        With ``closure`` (static scale only), the closure must call this object's ``zero_grad``
+        and ``backward(loss)`` and return the loss, as with a plain torch optimizer.
+
+        Returns:
+            the closure's loss, or None.
+
+        Raises:
+            ValueError: ``closure`` with a dynamic loss scale.
+        """
+        if closure is not None:
+            return self._step_with_closure(closure)
+        self._ensure_master_grads()
+        applied = self._loss_scale.step(self.optimizer, None)
+        self._after_step(applied)
+        return None
+
+    def _step_with_closure(self, closure: Callable[[], Any]) -> Any:
+        first_call = True
+
+        def model_closure() -> Any:
+            nonlocal first_call
+            if not first_call:
+                # Optimizers like LBFGS re-evaluate at new points: the model must see them.
+                self._masters_to_model()
+            first_call = False
+            return closure()
+
+        loss = None
+
+        def keep_loss() -> Any:
+            nonlocal loss
+            loss = model_closure()
+            return loss
+
+        self._loss_scale.step(self.optimizer, keep_loss)
+        self._after_step(True)
+        return loss
+
+    def _after_step(self, applied: bool) -> None:
+        if applied:
+            self._masters_to_model()
+        elif logger.isEnabledFor(logging.INFO):
+            logger.info(
+                "FP16Optimizer: inf/NaN in grads, step skipped; loss scale now %g", self.loss_scale
+            )
+        self.overflow = not applied
+        self._grads_to_copy = False
+        self._master_grads_ready = False
+
+    def _masters_to_model(self) -> None:
+        for model_params, masters in zip(self.fp16_groups, self.fp32_from_fp16_groups, strict=True):
+            master_params_to_model_params(model_params, masters)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the grads of the masters, the fp32 params and the model's 16-bit params."""
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+        for group in self.fp16_groups:
+            for p in group:
+                if set_to_none:
+                    p.grad = None
+                elif p.grad is not None:
+                    p.grad.detach_().zero_()
+        self._grads_to_copy = False
+        self._master_grads_ready = False
+
+    def clip_master_grads(self, max_norm: float, norm_type: float = 2.0) -> float:
+        """Clip the fp32 grads by their total norm; return that norm, or -1 if it is inf/NaN.
+
+        -1 means these grads overflowed (apex's signal); they are left as they are and a dynamic
+        scale will skip the step. This reads the norm on the host (waits for the device). On a
+        multi-rank job without DDP-averaged grads, a rank whose own grads are finite returns its
+        norm even if another rank overflowed; the step is still skipped on every rank.
+        """
+        self._ensure_master_grads()
+        grads = self._grads()
+        if not grads:
+            return 0.0
+        norms = torch._foreach_norm(grads, norm_type)
+        total = torch.linalg.vector_norm(torch.stack([n.float() for n in norms]), norm_type)
+        if not bool(torch.isfinite(total)):
+            return -1.0
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        torch._foreach_mul_(grads, coef)
+        return float(total)
+
+    def inspect_master_grad_data(self) -> list[list[torch.Tensor | None]]:
+        """The fp32 grads the optimizer will use, one list per param group, in group order."""
+        self._ensure_master_grads()
+        return [
+            [None if p.grad is None else p.grad.detach() for p in group["params"]]
+            for group in self.optimizer.param_groups
+        ]
+
+    def state_dict(self) -> dict[str, Any]:
+        """The wrapped optimizer's state, the loss scale (or scaler state) and the fp32 masters.
+
+        Keys: ``dscale_master_weights_version``; ``dynamic_loss_scale``; ``loss_scale`` (static) or
+        ``scaler`` (GradScaler's state dict); ``optimizer``; ``fp32_from_fp16`` (the masters, one
+        list per param group: the model's fp16 weights are rounded and cannot restore them).
+        Tensors are references, as in torch's state dicts; copy before training on.
+        """
+        return {
+            "dscale_master_weights_version": _STATE_VERSION,
+            "dynamic_loss_scale": self.dynamic,
+            **self._loss_scale.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "fp32_from_fp16": [[m.detach() for m in g] for g in self.fp32_from_fp16_groups],
+        }
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Load a :meth:`state_dict`; the model's 16-bit params are then set from the masters.
+
+        The whole dict is checked before anything changes, so a rejected dict leaves this object
+        as it was.
+        """
+        self._check_state_dict(state_dict)
+        self.optimizer.load_state_dict(state_dict["optimizer"])
+        self._loss_scale.load_state_dict(state_dict)
+        with torch.no_grad():
+            for masters, saved in zip(
+                self.fp32_from_fp16_groups, state_dict["fp32_from_fp16"], strict=True
+            ):
+                if masters:
+                    torch._foreach_copy_(masters, [t.to(masters[0].device) for t in saved])
+        self._masters_to_model()
+        self._grads_to_copy = False
+        self._master_grads_ready = False
+
+    def _check_state_dict(self, sd: Mapping[str, Any]) -> None:
+        needed = {"dscale_master_weights_version", "dynamic_loss_scale", "optimizer"}
+        needed |= {"fp32_from_fp16", "scaler" if self.dynamic else "loss_scale"}
+        missing = sorted(needed - set(sd))
+        if missing:
+            raise ValueError(
+                f"state_dict is missing {missing}; pass a dict from FP16Optimizer.state_dict() "
+                "(a plain optimizer state dict goes to .optimizer.load_state_dict)"
+            )
+        if sd["dscale_master_weights_version"] != _STATE_VERSION:
+            raise ValueError(
+                f"state_dict has dscale_master_weights_version="
+                f"{sd['dscale_master_weights_version']!r}; this dscale reads {_STATE_VERSION}"
+            )
+        if bool(sd["dynamic_loss_scale"]) != self.dynamic:
+            raise ValueError(
+                f"state_dict was saved with dynamic_loss_scale={sd['dynamic_loss_scale']!r} but "
+                f"this FP16Optimizer has dynamic_loss_scale={self.dynamic}; build it the same way"
+            )
+        saved = [[tuple(t.shape) for t in g] for g in sd["fp32_from_fp16"]]
+        ours = [[tuple(m.shape) for m in g] for g in self.fp32_from_fp16_groups]
+        if saved != ours:
+            raise ValueError(
+                f"state_dict's fp32 masters have shapes {saved} (per param group) but this "
+                f"FP16Optimizer's are {ours}; load a checkpoint of the same model and param groups"
+            )
