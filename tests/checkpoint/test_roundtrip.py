@@ -1,0 +1,106 @@
+"""Single-process save/load: what comes back, what is kept, async saves, torch scaler files."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from dscale.checkpoint import CheckpointManager, load_scaler_file
+from tests.checkpoint._helpers import make_model, make_scaler, optim_state, params, train
+
+
+def _setup(seed: int = 0):
+    model = make_model(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return model, opt, make_scaler()
+
+
+def test_roundtrip_restores_model_optimizer_scaler_step_and_rng(tmp_path):
+    model, opt, scaler = _setup()
+    train(model, opt, scaler, 5)
+    ckpt = CheckpointManager(tmp_path, keep=2)
+    torch.manual_seed(123)
+    random.seed(7)
+    ckpt.save(5, model=model, optimizer=opt, scaler=scaler)
+    expected_rng = (torch.rand(3), random.random())
+
+    model2, opt2, scaler2 = _setup(seed=99)
+    step = CheckpointManager(tmp_path).resume("auto", model=model2, optimizer=opt2, scaler=scaler2)
+
+    assert step == 5
+    for name, value in params(model).items():
+        torch.testing.assert_close(params(model2)[name], value, rtol=0, atol=0)
+    torch.testing.assert_close(optim_state(model2, opt2), optim_state(model, opt), rtol=0, atol=0)
+    assert scaler2.state_dict() == scaler.state_dict()
+    assert scaler.get_scale() != 1024.0  # the run moved the scale, so the check means something
+    assert torch.equal(torch.rand(3), expected_rng[0])
+    assert random.random() == expected_rng[1]
+    # Both continue identically (dropout draws from the one global RNG, so give each the same).
+    rng = torch.get_rng_state()
+    train(model, opt, scaler, 2, seed=5)
+    torch.set_rng_state(rng)
+    train(model2, opt2, scaler2, 2, seed=5)
+    assert torch.equal(params(model)["0.weight"], params(model2)["0.weight"])
+
+
+def test_every_and_keep_publish_only_the_newest_checkpoints(tmp_path):
+    model, opt, scaler = _setup()
+    ckpt = CheckpointManager(tmp_path, every=2, keep=2)
+    saved = [ckpt.maybe_save(s, model=model, optimizer=opt, scaler=scaler) for s in range(1, 8)]
+    assert saved == [False, True, False, True, False, True, False]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-4", "step-6"]
+    assert sorted(p.name for p in (tmp_path / "step-6").iterdir()) == [
+        ".metadata", "__0_0.distcp", "checksums.sha256"
+    ]
+    assert ckpt.latest() == tmp_path / "step-6"
+
+
+def test_resume_with_nothing_saved_returns_none(tmp_path):
+    model, opt, scaler = _setup()
+    ckpt = CheckpointManager(tmp_path / "empty")
+    assert ckpt.resume("auto", model=model, optimizer=opt, scaler=scaler) is None
+    assert ckpt.resume(None, model=model) is None
+
+
+def test_async_save_is_published_by_wait_and_loads(tmp_path):
+    model, opt, scaler = _setup()
+    train(model, opt, scaler, 4)
+    ckpt = CheckpointManager(tmp_path, async_save=True)
+    ckpt.save(4, model=model, optimizer=opt, scaler=scaler)
+    before = params(model)
+    train(model, opt, scaler, 1)  # changes after save() returned must not leak into step-4
+    ckpt.wait()
+    assert (tmp_path / "step-4" / "checksums.sha256").is_file()
+    model2, opt2, scaler2 = _setup(seed=3)
+    assert ckpt.load(tmp_path / "step-4", model=model2, optimizer=opt2, scaler=scaler2) == 4
+    assert torch.equal(params(model2)["3.weight"], before["3.weight"])
+
+
+def test_torch_scaler_state_saved_with_torch_save_loads(tmp_path):
+    torch_scaler = torch.amp.GradScaler("cpu", init_scale=256.0, growth_interval=7)
+    torch_scaler.load_state_dict({**torch_scaler.state_dict(), "_growth_tracker": 3})
+    torch.save(torch_scaler.state_dict(), tmp_path / "scaler.pt")
+
+    scaler = make_scaler()
+    load_scaler_file(scaler, tmp_path / "scaler.pt")
+
+    assert scaler.get_scale() == 256.0
+    assert scaler.get_growth_interval() == 7
+    assert scaler.state_dict()["_growth_tracker"] == 3
+
+
+def test_checkpoint_of_torch_scaler_loads_into_dscale_scaler_and_back(tmp_path):
+    model, opt, _ = _setup()
+    torch_scaler = torch.amp.GradScaler("cpu", init_scale=64.0)
+    CheckpointManager(tmp_path).save(1, model=model, optimizer=opt, scaler=torch_scaler)
+    scaler = make_scaler(init_scale=2.0)
+    CheckpointManager(tmp_path).resume("auto", model=model, optimizer=opt, scaler=scaler)
+    assert scaler.get_scale() == 64.0
+
+
+@pytest.mark.parametrize(("kwargs", "name"), [({"every": -1}, "every"), ({"keep": 0}, "keep")])
+def test_bad_manager_arguments_name_the_argument(tmp_path, kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        CheckpointManager(tmp_path, **kwargs)
