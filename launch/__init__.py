@@ -1,0 +1,1 @@
+"""The dscale launcher: a Hydra app over ``configs/`` that starts the job through torchelastic."""

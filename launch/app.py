@@ -1,0 +1,77 @@
+"""``python -m launch`` / ``dscale-launch``: compose the config, validate, run the elastic job.
+
+The Hydra task function itself calls ``elastic_launch`` (a Hydra Launcher plugin is consulted only
+in multirun), so a plain run starts one torchrun-style job and ``-m`` runs one job after another,
+each in its own output folder.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+from launch.elastic import launch_config, run_workers, worker_env
+from launch.schema import JobConfig, register
+from launch.summary import build_summary, format_summary, write_summary
+from launch.validate import ConfigError, validate
+
+logger = logging.getLogger("launch")
+
+register()
+
+# Absolute, so the same configs load from a clone, ``python -m launch`` and the installed script
+# (a relative path is read as a Python package when Hydra is called from a module).
+CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "configs")
+
+
+def run_job(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
+    """Validate, launch, summarise; None on a node that does not hold global rank 0."""
+    job = OmegaConf.to_object(cfg)
+    assert isinstance(job, JobConfig)  # noqa: S101 - Hydra built it from our schema
+    nproc = validate(job)
+    plain = OmegaConf.to_container(OmegaConf.structured(job), resolve=True)
+    assert isinstance(plain, dict)  # noqa: S101
+    (run_dir / "config.resolved.yaml").write_text(OmegaConf.to_yaml(plain))
+    config = launch_config(job.launcher, nproc, run_dir)
+    worker_env(nproc)
+    logger.info(
+        "starting %d local ranks (%s rendezvous at %s, max_restarts=%d) in %s",
+        nproc,
+        config.rdzv_backend,
+        config.rdzv_endpoint,
+        config.max_restarts,
+        run_dir,
+    )
+    results = run_workers(config, plain, run_dir)
+    if 0 not in results:
+        return None
+    ranks = results[0]["ranks"]
+    summary = build_summary(ranks, world_size=len(ranks), run_dir=run_dir)
+    write_summary(summary, run_dir)
+    print(format_summary(summary))
+    return summary
+
+
+@hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="job")
+def main(cfg: DictConfig) -> None:
+    """Entry point of ``python -m launch`` and ``dscale-launch``."""
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    try:
+        run_job(cfg, run_dir)
+    except ConfigError as exc:
+        print(f"dscale-launch: bad config: {exc}", file=sys.stderr)
+        sys.exit(2)
+    except ChildFailedError as exc:
+        print(
+            f"dscale-launch: the job failed (logs in {run_dir}/logs and "
+            f"{run_dir}/torchelastic):\n{exc.format_msg()}",
+            file=sys.stderr,
+        )
+        sys.exit(1)

@@ -1,0 +1,74 @@
+"""Build torchelastic's ``LaunchConfig`` the way ``torchrun`` would, and run the workers.
+
+``LaunchConfig``'s own defaults differ from torchrun's (etcd rendezvous, 3 restarts, no
+``OMP_NUM_THREADS``); this module applies torchrun's instead, so ``python -m launch`` behaves like
+``torchrun`` given the same flags.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+from pathlib import Path
+from typing import Any
+
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+from torch.distributed.elastic.rendezvous.utils import _parse_rendezvous_config
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+from torch.distributed.run import parse_min_max_nnodes
+
+from launch.schema import LauncherConfig
+
+logger = logging.getLogger(__name__)
+
+
+def launch_config(lc: LauncherConfig, nproc: int, run_dir: Path) -> LaunchConfig:
+    """torchrun's ``run()`` + ``config_from_args()`` for our keys, with explicit values."""
+    min_nodes, max_nodes = parse_min_max_nnodes(lc.nnodes)
+    backend, endpoint, run_id = lc.rdzv_backend, lc.rdzv_endpoint, lc.rdzv_id
+    rdzv_configs: dict[str, Any] = _parse_rendezvous_config(lc.rdzv_conf)
+    if backend == "static" and not endpoint and max_nodes == 1:
+        # torchrun --standalone: a private c10d store on a free port, so jobs never collide.
+        backend, endpoint, run_id = "c10d", "127.0.0.1:0", str(uuid.uuid4())
+    elif backend == "static":
+        endpoint = endpoint or f"{lc.master_addr}:{lc.master_port}"
+        rdzv_configs["rank"] = lc.node_rank
+    # Ranks other than local rank 0 write to files only; local rank 0 keeps the terminal, so
+    # its progress bar works. torchelastic's per-attempt folders hold the captured streams.
+    redirects = {r: (Std.NONE if r == 0 else Std.ALL) for r in range(nproc)}
+    return LaunchConfig(
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
+        nproc_per_node=nproc,
+        run_id=run_id,
+        role="default",
+        rdzv_endpoint=endpoint,
+        rdzv_backend=backend,
+        rdzv_configs=rdzv_configs,
+        max_restarts=lc.max_restarts,
+        monitor_interval=lc.monitor_interval,
+        start_method=lc.start_method,
+        local_addr=lc.local_addr,
+        logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "torchelastic"), redirects=redirects),
+    )
+
+
+def worker_env(nproc: int) -> None:
+    """What torchrun puts in the environment, plus the fix for restarts on one node.
+
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: on torch 2.13 a re-formed gloo group reads the
+    previous attempt's keys from the shared rendezvous store and fails to connect or hangs
+    (pytorch/pytorch#135712, #167288); a fresh store per attempt makes every restart work.
+    """
+    if nproc > 1:
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+
+
+def run_workers(config: LaunchConfig, cfg: dict[str, Any], run_dir: Path) -> dict[int, Any]:
+    """Start the agent and the workers; return ``{local global rank: worker return value}``."""
+    from launch.worker import worker_main
+
+    results: dict[int, Any] = elastic_launch(config, worker_main)(cfg, str(run_dir))
+    return results

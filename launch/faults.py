@@ -1,0 +1,53 @@
+"""Fault injection: an inf in one rank's gradients, or a SIGKILL of one rank, at chosen steps.
+
+An inf on one rank is the case dscale exists for: every rank must skip that step together. A
+SIGKILL exercises elastic restarts and resume from the last checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from typing import Any
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    # FSDP2 grads are DTensors; poison this rank's shard only.
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def poison_grads(model: nn.Module) -> None:
+    """Write an inf into the first gradient this rank holds."""
+    for p in model.parameters():
+        if p.grad is not None and _local(p.grad).numel() > 0:
+            _local(p.grad).view(-1)[0] = float("inf")
+            return
+    raise RuntimeError("no gradient to poison on this rank; call after backward()")
+
+
+class Faults:
+    """Decides, per step, whether this rank injects an inf or kills itself."""
+
+    def __init__(self, fault: dict[str, Any], rank: int, attempt: int) -> None:
+        self.inf_steps = frozenset(fault["inf_steps"])
+        self.inf_here = rank == fault["inf_rank"]
+        self.kill_step = fault["kill_step"]
+        self.kill_here = rank == fault["kill_rank"] and attempt < fault["kill_attempts"]
+
+    def after_backward(self, step: int, model: nn.Module) -> None:
+        if self.inf_here and step in self.inf_steps:
+            logger.info("fault: inf injected into this rank's gradients at step %d", step)
+            poison_grads(model)
+
+    def before_step(self, step: int) -> None:
+        if self.kill_here and step == self.kill_step:
+            logger.warning("fault: SIGKILL of this rank at step %d", step)
+            for handler in logging.getLogger().handlers:
+                handler.flush()
+            os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,111 @@
+"""The launcher's only contact with dscale: the scaler, metrics and checkpoints.
+
+Each piece is built from its config node with plain keyword arguments, through the libraries'
+public APIs: ``dscale.GradScaler``, ``dscale.metrics`` (exporter, JSONL log for
+``python -m dscale.report``) and ``dscale.checkpoint.CheckpointManager``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from dscale import GradScaler
+from dscale.checkpoint import CheckpointManager
+from dscale.metrics import MetricsLog, start_exporter
+from dscale.stats import track_numerics
+
+logger = logging.getLogger(__name__)
+
+
+def build_scaler(scaler: dict[str, Any], precision: str, device: torch.device) -> GradScaler:
+    """``dscale.GradScaler(**scaler)``; disabled unless the job runs in fp16 (bf16 needs none)."""
+    kwargs = dict(scaler, enabled=scaler["enabled"] and precision == "fp16")
+    return GradScaler(device.type, **kwargs)
+
+
+class Checkpoints:
+    """``CheckpointManager`` bound to this job's model, optimizer and scaler.
+
+    The loop's ``TrainState`` rides along as an ``extra`` entry, so the skipped-step record
+    survives restarts; the step itself is the manager's.
+    """
+
+    def __init__(
+        self, cfg: dict[str, Any], model: nn.Module, optimizer: Any, scaler: Any, train: Any
+    ) -> None:
+        self.enabled = cfg["enabled"]
+        self._resume = cfg["resume"]
+        self._states = {
+            "model": model,
+            "optimizer": optimizer,
+            "scaler": scaler,
+            "extra": {"record": train},
+        }
+        self._manager = (
+            CheckpointManager(cfg["dir"], every=cfg["every"], keep=cfg["keep"])
+            if self.enabled
+            else None
+        )
+
+    def resume(self) -> int | None:
+        """Load what ``checkpoint.resume`` names; return its step, or None for a fresh start."""
+        if self._manager is None:
+            return None
+        step: int | None = self._manager.resume(self._resume, **self._states)
+        return step
+
+    def maybe_save(self, step: int, *, final: bool) -> None:
+        if self._manager is None:
+            return
+        if final:
+            self._manager.save(step, **self._states)
+        else:
+            self._manager.maybe_save(step, **self._states)
+
+    def close(self) -> None:
+        if self._manager is not None:
+            self._manager.wait()
+
+
+@contextlib.contextmanager
+def start_metrics(
+    cfg: dict[str, Any],
+    scaler: GradScaler,
+    model: nn.Module,
+    *,
+    run_dir: Path,
+    rank: int,
+    local_rank: int,
+    log_every: int,
+) -> Iterator[Any]:
+    """Serve this rank's metrics on ``port + local_rank`` and log them under ``run_dir/metrics``.
+
+    The exporter lingers ``metrics.linger_s`` after the block so a scraper sees the final values.
+    """
+    if not cfg["enabled"] or not scaler.is_enabled():
+        yield None
+        return
+    stats = track_numerics(scaler, model)
+    log = MetricsLog(run_dir, stats=stats, rank=rank, every=log_every)
+    scaler.add_observer(log)
+    exporter = start_exporter(
+        scaler,
+        stats,
+        addr=cfg["addr"],
+        port=cfg["port"],
+        rank=rank,
+        local_rank=local_rank,
+        linger_s=cfg["linger_s"],
+    )
+    try:
+        with exporter:
+            yield exporter
+    finally:
+        log.close()

@@ -1,0 +1,194 @@
+"""Typed schema for every config node of the job, registered in Hydra's ConfigStore.
+
+The dataclasses make Hydra reject unknown keys and wrong types while composing, before any process
+starts. Values live in ``configs/``; the consumers (``launch/worker.py`` and the dscale library)
+take plain arguments, never these objects' Hydra wrappers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+
+@dataclass
+class LauncherConfig:
+    """torchrun's flags, with torchrun's defaults (not LaunchConfig's etcd / 3 restarts).
+
+    ``configs/launcher/local.yaml`` fills these from the ``PET_*`` variables that torchrun reads and
+    that Kubeflow sets, so the same command works in a pod.
+    """
+
+    nproc_per_node: str = "auto"  # N, or auto (one per GPU, else 2), cpu, gpu
+    nnodes: str = "1"  # N or MIN:MAX
+    node_rank: int = 0  # only used by the static backend, as in torchrun
+    rdzv_backend: str = "static"  # static + one node + no endpoint = c10d on 127.0.0.1:0
+    rdzv_endpoint: str = ""
+    rdzv_id: str = "none"
+    rdzv_conf: str = ""  # k=v,k=v as torchrun's --rdzv-conf
+    max_restarts: int = 0
+    monitor_interval: float = 0.1
+    start_method: str = "spawn"
+    master_addr: str = "127.0.0.1"  # static backend on several nodes only
+    master_port: int = 29500
+    local_addr: str | None = None
+    pg_timeout_s: float = 300.0  # init_process_group timeout, also bounds every collective
+
+
+@dataclass
+class ParallelConfig:
+    """How the model is spread over ranks: one process, DDP, or FSDP2 ``fully_shard``."""
+
+    strategy: str = "ddp"  # single | ddp | fsdp
+
+
+@dataclass
+class ModelConfig:
+    """Fields shared by every model; ``name`` picks the builder in ``launch/models.py``."""
+
+    name: str = MISSING
+    vocab_size: int = 256
+    d_model: int = 64
+
+
+@dataclass
+class MLPConfig(ModelConfig):
+    """A per-token MLP: embedding, hidden layers, logits. The smallest thing that trains."""
+
+    name: str = "mlp"
+    hidden: int = 256
+    n_layers: int = 2
+
+
+@dataclass
+class GPTConfig(ModelConfig):
+    """A small decoder-only transformer (pre-norm, causal self-attention)."""
+
+    name: str = "gpt_small"
+    n_layers: int = 2
+    n_heads: int = 4
+
+
+@dataclass
+class DataConfig:
+    """Token batches of ``seq_len`` + 1 bytes; ``name`` picks the source in ``launch/data.py``."""
+
+    name: str = MISSING
+    seq_len: int = 64
+    batch_size: int = 8  # per rank
+
+
+@dataclass
+class SyntheticDataConfig(DataConfig):
+    """Text-like byte sequences generated on the fly from a fixed rule plus noise (learnable)."""
+
+    name: str = "synthetic"
+    noise: float = 0.1
+
+
+@dataclass
+class TextDataConfig(DataConfig):
+    """Random windows of a plain text file, one byte per token."""
+
+    name: str = "text"
+    path: str = MISSING
+
+
+@dataclass
+class ScalerConfig:
+    """Every field is a ``dscale.GradScaler`` keyword argument of the same name and default.
+
+    ``device`` and ``process_group`` are not config: the worker picks them.
+    """
+
+    init_scale: float = 2.0**16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    enabled: bool = True
+    min_scale: float | None = None
+    max_scale: float | None = None
+    hysteresis: int = 1
+    hysteresis_refill: str = "on_growth"
+    on_stuck_at_min: str = "warn"
+    stuck_patience: int = 100
+    sync_free: bool = False
+
+
+@dataclass
+class TrainerConfig:
+    """The loop: how long, in which precision, how chatty."""
+
+    max_steps: int = 300
+    precision: str = "fp16"  # fp16 | bf16 | fp32
+    log_every: int = 25
+    seed: int = 0
+    lr: float = 3e-3
+    device: str = "auto"  # auto (cuda when available) | cpu | cuda
+
+
+@dataclass
+class MetricsConfig:
+    """Per-rank Prometheus endpoint: rank r serves on ``port`` + local rank."""
+
+    enabled: bool = True
+    addr: str = "127.0.0.1"
+    port: int = 19400  # dscale.metrics.DEFAULT_PORT
+    linger_s: float = 0.0  # keep serving after the last step so a scraper sees final values
+
+
+@dataclass
+class CheckpointConfig:
+    """Sharded (DCP) checkpoints; ``resume`` is auto (latest in ``dir``), none, or a path."""
+
+    enabled: bool = True
+    dir: str = MISSING
+    every: int = 100
+    keep: int = 2
+    resume: str = "auto"
+
+
+@dataclass
+class FaultConfig:
+    """Fault injection, so users can watch the ranks agree and the job survive.
+
+    ``inf_steps``: put an inf into rank ``inf_rank``'s gradients at these steps.
+    ``kill_step``: rank ``kill_rank`` SIGKILLs itself when it reaches this step, in each of the
+    first ``kill_attempts`` attempts (restarts count as attempts), to exercise elastic restarts.
+    """
+
+    inf_steps: list[int] = field(default_factory=list)
+    inf_rank: int = 1
+    kill_step: int | None = None
+    kill_rank: int = 1
+    kill_attempts: int = 1
+
+
+@dataclass
+class JobConfig:
+    """The whole job. Groups (launcher, parallel, model, data) come from the defaults list."""
+
+    launcher: LauncherConfig = MISSING
+    parallel: ParallelConfig = MISSING
+    model: Any = MISSING
+    data: Any = MISSING
+    scaler: ScalerConfig = field(default_factory=ScalerConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
+
+
+def register() -> None:
+    """Store the schema so that ``configs/*.yaml`` can extend it through their defaults lists."""
+    cs = ConfigStore.instance()
+    cs.store(name="base_job", node=JobConfig)
+    cs.store(group="launcher", name="base_launcher", node=LauncherConfig)
+    cs.store(group="parallel", name="base_parallel", node=ParallelConfig)
+    cs.store(group="model", name="base_mlp", node=MLPConfig)
+    cs.store(group="model", name="base_gpt", node=GPTConfig)
+    cs.store(group="data", name="base_synthetic", node=SyntheticDataConfig)
+    cs.store(group="data", name="base_text", node=TextDataConfig)

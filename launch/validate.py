@@ -1,0 +1,231 @@
+"""Fail before any worker starts: impossible values and busy ports, each named with its fix.
+
+Unknown keys and wrong types are rejected earlier, by Hydra against ``launch/schema.py``. Range
+checks that belong to the library are not written twice: ``GradScaler`` is built here once, on
+the CPU, and its own message is passed on, prefixed with the config key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import inspect
+import os
+import socket
+from pathlib import Path
+
+import torch
+from torch.distributed.run import parse_min_max_nnodes
+
+from dscale import GradScaler
+from launch.schema import JobConfig
+
+
+class ConfigError(ValueError):
+    """A config value that cannot work; the message names the key and the fix."""
+
+
+def _need(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def resolve_nproc(value: str, strategy: str) -> int:
+    """torchrun's ``--nproc-per-node`` values; ``auto`` without a GPU means 2 (1 for single)."""
+    if value.isdigit() and int(value) > 0:
+        return int(value)
+    if value == "auto":
+        if torch.cuda.is_available():
+            return torch.cuda.device_count()
+        return 1 if strategy == "single" else 2
+    if value == "cpu":
+        return len(os.sched_getaffinity(0))
+    if value == "gpu":
+        _need(
+            torch.cuda.is_available(),
+            "launcher.nproc_per_node=gpu but CUDA is not available; use a number or auto",
+        )
+        return torch.cuda.device_count()
+    raise ConfigError(
+        f"launcher.nproc_per_node={value!r} is not a process count; use a positive integer, "
+        "auto, cpu or gpu"
+    )
+
+
+def _launcher(job: JobConfig) -> int:
+    lc = job.launcher
+    try:
+        lo, hi = parse_min_max_nnodes(lc.nnodes)
+    except (ValueError, RuntimeError):
+        lo = hi = -1
+    _need(
+        0 < lo <= hi,
+        f"launcher.nnodes={lc.nnodes!r} is not N or MIN:MAX with 0 < MIN <= MAX; e.g. "
+        "launcher.nnodes=2 or launcher.nnodes=1:4",
+    )
+    _need(
+        lc.rdzv_backend in ("static", "c10d", "etcd", "etcd-v2"),
+        f"launcher.rdzv_backend={lc.rdzv_backend!r} is not a rendezvous backend; use c10d "
+        "(or static, torchrun's default)",
+    )
+    _need(
+        lc.max_restarts >= 0,
+        f"launcher.max_restarts={lc.max_restarts} must be >= 0 (0, torchrun's default, "
+        "means no restart)",
+    )
+    _need(
+        lc.start_method in ("spawn", "fork", "forkserver"),
+        f"launcher.start_method={lc.start_method!r}; use spawn, fork or forkserver",
+    )
+    _need(lc.pg_timeout_s > 0, f"launcher.pg_timeout_s={lc.pg_timeout_s} must be > 0 seconds")
+    nproc = resolve_nproc(str(lc.nproc_per_node), job.parallel.strategy)
+    if job.parallel.strategy == "single":
+        _need(
+            nproc == 1 and hi == 1,
+            f"parallel=single runs one process, got launcher.nproc_per_node={nproc} and "
+            f"launcher.nnodes={lc.nnodes}; use parallel=ddp or launcher.nproc_per_node=1",
+        )
+    return nproc
+
+
+def _trainer(job: JobConfig) -> None:
+    t = job.trainer
+    _need(
+        job.parallel.strategy in ("single", "ddp", "fsdp"),
+        f"parallel.strategy={job.parallel.strategy!r}; choose parallel=single, ddp or fsdp",
+    )
+    _need(
+        t.precision in ("fp16", "bf16", "fp32"),
+        f"trainer.precision={t.precision!r}; choose fp16, bf16 or fp32",
+    )
+    _need(t.max_steps >= 1, f"trainer.max_steps={t.max_steps} must be >= 1")
+    _need(t.log_every >= 1, f"trainer.log_every={t.log_every} must be >= 1")
+    _need(t.lr > 0, f"trainer.lr={t.lr} must be > 0")
+    _need(
+        t.device in ("auto", "cpu", "cuda"),
+        f"trainer.device={t.device!r}; choose auto, cpu or cuda",
+    )
+    _need(
+        t.device != "cuda" or torch.cuda.is_available(),
+        "trainer.device=cuda but CUDA is not available; use trainer.device=auto or cpu",
+    )
+
+
+def _scaler(job: JobConfig) -> None:
+    kwargs = dataclasses.asdict(job.scaler)
+    try:
+        GradScaler(device="cpu", **kwargs)
+    except (ValueError, TypeError) as exc:
+        message = str(exc)
+        named = [k for k in kwargs if k in message] or ["*"]
+        raise ConfigError(f"scaler.{named[0]}: {message}") from exc
+
+
+def _model_and_data(job: JobConfig) -> None:
+    m, d = job.model, job.data
+    for key in ("vocab_size", "d_model", "n_layers", "n_heads", "hidden"):
+        value = getattr(m, key, 1)
+        _need(value >= 1, f"model.{key}={value} must be >= 1")
+    if m.name == "gpt_small":
+        _need(
+            m.d_model % m.n_heads == 0,
+            f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}; "
+            "change one of them",
+        )
+    _need(d.seq_len >= 1, f"data.seq_len={d.seq_len} must be >= 1")
+    _need(d.batch_size >= 1, f"data.batch_size={d.batch_size} must be >= 1")
+    if d.name == "synthetic":
+        _need(0 <= d.noise <= 1, f"data.noise={d.noise} must be in [0, 1]")
+    if d.name == "text":
+        path = Path(d.path).expanduser().resolve()
+        _need(path.is_file(), f"data.path={d.path!r} is not a file; point data.path at a text file")
+        d.path = str(path)  # workers may run elsewhere: pass an absolute path
+        _need(
+            m.vocab_size >= 256,
+            f"data=text needs model.vocab_size >= 256 (bytes), got {m.vocab_size}",
+        )
+
+
+def _port_free(addr: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET) as s:
+        # The exporter's server sets SO_REUSEADDR too, so a port in TIME_WAIT is not "taken".
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((addr, port))
+        except OSError as exc:
+            if exc.errno in (errno.EADDRINUSE, errno.EACCES):
+                return False
+            raise ConfigError(f"metrics.addr={addr!r} cannot be bound: {exc}") from exc
+    return True
+
+
+def _metrics(job: JobConfig, nproc: int) -> None:
+    m = job.metrics
+    if not m.enabled:
+        return
+    last = m.port + nproc - 1
+    _need(
+        m.port >= 1 and last <= 65535,
+        f"metrics.port={m.port} needs ports {m.port}-{last} for {nproc} local ranks; "
+        "pick a base port between 1024 and 65000",
+    )
+    _need(m.linger_s >= 0, f"metrics.linger_s={m.linger_s} must be >= 0")
+    busy = [p for p in range(m.port, last + 1) if not _port_free(m.addr, p)]
+    _need(
+        not busy,
+        f"metrics.port={m.port}: port {busy[0] if busy else ''} is in use on {m.addr} (needed "
+        f"{m.port}-{last} for {nproc} local ranks); pick another with metrics.port=... or turn "
+        "metrics off with metrics.enabled=false",
+    )
+
+
+def _checkpoint(job: JobConfig) -> None:
+    c = job.checkpoint
+    if not c.enabled:
+        return
+    _need(c.every >= 1, f"checkpoint.every={c.every} must be >= 1 (steps between saves)")
+    _need(c.keep >= 1, f"checkpoint.keep={c.keep} must be >= 1")
+    _need(
+        c.resume in ("auto", "none") or Path(c.resume).exists(),
+        f"checkpoint.resume={c.resume!r} is not auto, none or an existing checkpoint path",
+    )
+    c.dir = str(Path(c.dir).expanduser().resolve())
+
+
+def _fault(job: JobConfig, world_size: int) -> None:
+    f = job.fault
+    if f.inf_steps:
+        _need(
+            0 <= f.inf_rank < world_size,
+            f"fault.inf_rank={f.inf_rank} is not a rank of this {world_size}-rank job",
+        )
+        _need(
+            job.trainer.precision == "fp16" and job.scaler.enabled,
+            "fault.inf_steps needs the loss scaler: trainer.precision=fp16 and scaler.enabled=true",
+        )
+        bad = [s for s in f.inf_steps if not 0 <= s < job.trainer.max_steps]
+        _need(not bad, f"fault.inf_steps has {bad}, outside 0..trainer.max_steps-1")
+    if f.kill_step is not None:
+        _need(
+            0 <= f.kill_rank < world_size,
+            f"fault.kill_rank={f.kill_rank} is not a rank of this {world_size}-rank job",
+        )
+
+
+def validate(job: JobConfig) -> int:
+    """Check ``job`` in place (paths made absolute); return the resolved ``nproc_per_node``."""
+    nproc = _launcher(job)
+    _, max_nodes = parse_min_max_nnodes(job.launcher.nnodes)
+    _trainer(job)
+    _scaler(job)
+    _model_and_data(job)
+    _metrics(job, nproc)
+    _checkpoint(job)
+    _fault(job, nproc * max_nodes)
+    return nproc
+
+
+def scaler_parameters() -> list[str]:
+    """``dscale.GradScaler``'s keyword parameters that are config keys (all but device, group)."""
+    params = inspect.signature(GradScaler).parameters
+    return [name for name in params if name not in ("self", "device", "process_group")]
