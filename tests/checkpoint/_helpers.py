@@ -19,7 +19,10 @@ def make_scaler(init_scale: float = 1024.0, growth_interval: int = 2) -> Any:
 def make_model(seed: int = 0, hidden: int = 8) -> torch.nn.Module:
     torch.manual_seed(seed)
     return torch.nn.Sequential(
-        torch.nn.Linear(4, hidden), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(hidden, 4)
+        torch.nn.Linear(4, hidden),
+        torch.nn.ReLU(),
+        torch.nn.Dropout(0.2),
+        torch.nn.Linear(hidden, 4),
     )
 
 
