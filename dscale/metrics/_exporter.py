@@ -7,12 +7,12 @@ import os
 import socket
 import threading
 import types
-from importlib import metadata
 from typing import Any
 
 import torch
 from prometheus_client import CollectorRegistry
 
+import dscale
 from dscale.metrics import _server
 from dscale.metrics._collector import ScalerCollector
 from dscale.metrics._rank_check import RankScaleCheck
@@ -52,6 +52,7 @@ class MetricsExporter:
         self.linger_s = linger_s
         self._server = server
         self._stop_now = threading.Event()
+        self._lingering = threading.Event()  # set while stop() waits; tests wait on it
         self._lock = threading.Lock()
 
     @property
@@ -71,6 +72,7 @@ class MetricsExporter:
             self._stop_now.set()
         elif self._server is not None:
             logger.info("dscale metrics: serving %s for %.0f s more", self.url, linger)
+            self._lingering.set()
             self._stop_now.wait(linger)
         # The rank check stays attached: removing a collective on one rank only would hang the rest.
         with self._lock:
@@ -106,11 +108,7 @@ def _min_scale(scaler: Any) -> float | None:
 
 
 def _build_info() -> dict[str, str]:
-    try:
-        version = metadata.version("dscale")
-    except metadata.PackageNotFoundError:
-        version = "unknown"
-    return {"version": version, "torch": torch.__version__.split("+")[0]}
+    return {"version": dscale.__version__, "torch": torch.__version__.split("+")[0]}
 
 
 def start_exporter(

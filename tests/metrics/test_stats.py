@@ -1,4 +1,4 @@
-"""NumericsStats: norms, non-finite attribution, underflow sampling, and no host sync on the hot path."""
+"""NumericsStats: norms, non-finite attribution, underflow sampling, no host reads when hot."""
 
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ def test_grad_norm_is_the_global_norm_before_and_after_unscaling() -> None:
     assert snap.last_step_skipped is False
 
 
-def test_an_overflow_step_keeps_the_last_applied_norm_and_counts_only_the_offending_params() -> None:
+def test_an_overflow_step_keeps_the_last_applied_norm_and_counts_the_offending_params() -> None:
     params = _params((2,), (2,), (2,))
     stats = NumericsStats(params)
     _step(stats, params, CLEAN, torch.tensor([3.0, 4.0]), torch.zeros(2), torch.zeros(2))

@@ -1,0 +1,152 @@
+"""start_exporter: per-rank HTTP endpoint, busy ports, linger, TLS, and argument checks."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import socket
+import ssl
+import subprocess
+import threading
+import urllib.error
+import urllib.request
+
+import pytest
+import torch
+
+import dscale
+from dscale.metrics import DEFAULT_PORT, start_exporter
+
+pytestmark = pytest.mark.filterwarnings("ignore:dscale.GradScaler. the loss's autograd graph")
+
+
+def _scrape(url: str, context: ssl.SSLContext | None = None) -> str:
+    with urllib.request.urlopen(url, timeout=30, context=context) as resp:
+        return resp.read().decode()
+
+
+def _one_step(scaler) -> None:
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+    scaler.step(opt)
+    scaler.update()
+
+
+def test_the_default_port_avoids_common_gpu_node_ports() -> None:
+    ports = range(DEFAULT_PORT, DEFAULT_PORT + 8)  # 8 local ranks
+    assert not {9400, 9090, 9100, 29400, 29500} & set(ports)
+    assert ports[-1] < 32768  # below Linux's ephemeral range
+
+
+def test_each_rank_serves_on_base_port_plus_local_rank_with_its_labels(free_port: int) -> None:
+    scaler = dscale.GradScaler(device="cpu", init_scale=64.0)
+    exporter = start_exporter(
+        scaler, port=free_port, rank=5, local_rank=1, node="n2", job_name="e", linger_s=0
+    )
+    try:
+        assert exporter.port == free_port + 1
+        text = _scrape(f"http://127.0.0.1:{free_port + 1}/metrics")
+    finally:
+        exporter.stop()
+    assert 'dscale_loss_scale{job_name="e",local_rank="1",node="n2",rank="5"} 64.0' in text
+
+
+def test_rank_and_local_rank_default_to_torchrun_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RANK", "7")
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "run42")
+    scaler = dscale.GradScaler(device="cpu")
+    with start_exporter(scaler, port=0, node="n", linger_s=0) as exporter:
+        assert exporter.url is not None
+        text = _scrape(exporter.url)
+    assert 'job_name="run42",local_rank="3",node="n",rank="7"' in text
+
+
+def test_a_busy_port_is_a_warning_and_training_goes_on(caplog, free_port: int) -> None:
+    scaler = dscale.GradScaler(device="cpu", init_scale=64.0)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", free_port))
+        busy.listen()
+        with caplog.at_level(logging.WARNING, logger="dscale.metrics"):
+            exporter = start_exporter(scaler, port=free_port, local_rank=0, linger_s=60)
+        _one_step(scaler)  # the run is unaffected
+        exporter.stop()  # nothing to linger for: returns at once
+    assert exporter.port is None
+    assert exporter.url is None
+    assert f"cannot serve on 127.0.0.1:{free_port}" in caplog.text
+    assert "training goes on" in caplog.text
+    assert scaler.snapshot()["steps"] == 1
+
+
+def test_stop_keeps_serving_while_it_lingers_then_frees_the_port() -> None:
+    scaler = dscale.GradScaler(device="cpu", init_scale=64.0)
+    exporter = start_exporter(scaler, port=0, linger_s=600)
+    url, port = exporter.url, exporter.port
+    assert url is not None
+    lingering = threading.Thread(target=exporter.stop)
+    lingering.start()
+    try:
+        assert exporter._lingering.wait(timeout=120), "stop() never started lingering"
+        _one_step(scaler)  # values that change during the linger are the ones scraped
+        assert "dscale_optimizer_steps_total" in _scrape(url)
+        assert "} 1.0" in _scrape(url).split("dscale_optimizer_steps_total{", 1)[1].splitlines()[0]
+    finally:
+        exporter.stop(linger_s=0)  # cuts the linger short
+        lingering.join(timeout=120)
+    assert not lingering.is_alive()
+    with pytest.raises(urllib.error.URLError):
+        _scrape(url)
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as a restarted exporter does
+        s.bind(("127.0.0.1", port))  # nobody listens there any more
+
+
+def test_leaving_the_block_with_an_error_does_not_linger(monkeypatch: pytest.MonkeyPatch) -> None:
+    scaler = dscale.GradScaler(device="cpu")
+    calls = []
+    exporter = start_exporter(scaler, port=0, linger_s=600)
+    real_stop = exporter.stop
+    monkeypatch.setattr(exporter, "stop", lambda linger_s=None: calls.append(linger_s))
+    try:
+        exporter.__exit__(KeyError, KeyError("boom"), None)
+        exporter.__exit__(None, None, None)
+    finally:
+        real_stop(linger_s=0)
+    assert calls == [0, None]  # an error stops at once; a clean exit lingers
+
+
+def test_tls_serves_https_with_the_given_certificate(tmp_path) -> None:
+    openssl = shutil.which("openssl")
+    assert openssl, "openssl not found: apt-get install openssl (needed to make a test certificate)"
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        [openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+         "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+         "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    scaler = dscale.GradScaler(device="cpu", init_scale=16.0)
+    with start_exporter(
+        scaler, port=0, certfile=str(cert), keyfile=str(key), linger_s=0
+    ) as exporter:
+        https = f"https://127.0.0.1:{exporter.port}/metrics"
+        text = _scrape(https, ssl.create_default_context(cafile=str(cert)))
+        with pytest.raises(urllib.error.URLError):
+            _scrape(https, ssl.create_default_context())  # not trusted without the CA
+    assert "dscale_loss_scale{" in text
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"port": 70000}, "port must be an int in 0..65535, got 70000"),
+        ({"port": 65535, "local_rank": 1}, "port=65535 \\+ local_rank=1 is past 65535"),
+        ({"linger_s": -1}, "linger_s must be >= 0, got -1"),
+        ({"certfile": "c.pem"}, "certfile and keyfile go together"),
+        ({"check_agreement_every": -2}, "check_agreement_every must be an int >= 1, got -2"),
+    ],
+)
+def test_bad_arguments_name_the_argument(kwargs, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        start_exporter(dscale.GradScaler(device="cpu"), **kwargs)
