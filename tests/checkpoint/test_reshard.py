@@ -1,0 +1,53 @@
+"""Multi-rank (gloo, CPU): resharding 2 -> 1 and 2 -> 4, and per-rank scale mismatch detection."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.checkpoint import _ranks
+from tests.multirank import run_ranks
+
+
+def _assert_same_state(got, want):
+    assert got["step"] == want["step"]
+    assert got["scaler"] == want["scaler"]
+    assert got["params"].keys() == want["params"].keys()
+    for name, value in want["params"].items():
+        torch.testing.assert_close(got["params"][name], value, rtol=0, atol=0)
+    torch.testing.assert_close(got["optim"], want["optim"], rtol=0, atol=0)
+
+
+@pytest.fixture(scope="module")
+def saved_by_two_fsdp2_ranks(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("fsdp2"))
+    return root, run_ranks(_ranks.save_then_check_mismatch, root, "fsdp2", world_size=2,
+                           timeout_s=300, pg_timeout_s=120)
+
+
+def test_scale_mismatch_is_raised_on_every_rank_naming_ranks_and_values(saved_by_two_fsdp2_ranks):
+    _, results = saved_by_two_fsdp2_ranks
+    scale = results[0]["reference"]["scaler"]["scale"]
+    for rank in (0, 1):
+        saved = results[rank]["saved_error"]
+        live = results[rank]["live_error"]
+        assert saved is not None and live is not None, f"rank {rank} did not raise"
+        values = f"(rank 0: {scale:g}, rank 1: {scale / 2:g})"
+        assert f"scale differs between the saving ranks {values}" in saved
+        assert f"rank 0: scale={scale:g}" in live and f"rank 1: scale={scale / 2:g}" in live
+        assert results[rank]["scale_after_failed_load"] == 8.0  # rejected before any change
+
+
+def test_fsdp2_checkpoint_of_2_ranks_loads_on_1_rank_into_a_plain_model(saved_by_two_fsdp2_ranks):
+    root, results = saved_by_two_fsdp2_ranks
+    loaded = run_ranks(_ranks.load_resharded, root, "plain", world_size=1, timeout_s=300,
+                       pg_timeout_s=120)
+    _assert_same_state(loaded[0], results[0]["reference"])
+
+
+def test_fsdp2_checkpoint_of_2_ranks_loads_on_4_fsdp2_ranks(saved_by_two_fsdp2_ranks):
+    root, results = saved_by_two_fsdp2_ranks
+    loaded = run_ranks(_ranks.load_resharded, root, "fsdp2", world_size=4, timeout_s=300,
+                       pg_timeout_s=120)
+    for rank in range(4):
+        _assert_same_state(loaded[rank], results[0]["reference"])
