@@ -1,0 +1,131 @@
+"""The deploy files pass their own tools: promtool, yamllint; the rest is checked structurally."""
+
+from __future__ import annotations
+
+import json
+import re
+import urllib.request
+
+import pytest
+import torch
+import yaml
+
+import dscale
+from dscale.metrics import start_exporter
+from dscale.stats import track_numerics
+from tests.deploy._tools import DEPLOY, PROMETHEUS_DIR, require_tool, run_tool
+
+pytestmark = pytest.mark.filterwarnings("ignore:dscale.GradScaler. the loss.s autograd graph")
+
+RULES = PROMETHEUS_DIR / "rules" / "dscale.rules.yml"
+
+
+@pytest.mark.parametrize("config", ["prometheus.yml", "prometheus-file-sd.yml"])
+def test_promtool_accepts_the_scrape_config(config: str) -> None:
+    out = run_tool(require_tool("promtool"), "check", "config", config, cwd=PROMETHEUS_DIR)
+    assert "SUCCESS: 1 rule files found" in out
+
+
+def test_promtool_accepts_the_rules() -> None:
+    out = run_tool(require_tool("promtool"), "check", "rules", str(RULES))
+    assert "SUCCESS: 5 rules found" in out
+
+
+def test_the_alert_rules_pass_their_promtool_unit_tests() -> None:
+    out = run_tool(
+        require_tool("promtool"), "test", "rules", "dscale.rules_test.yml", cwd=RULES.parent
+    )
+    assert "SUCCESS" in out
+
+
+def test_every_alert_has_a_severity_a_summary_and_a_description() -> None:
+    rules = yaml.safe_load(RULES.read_text())["groups"][0]["rules"]
+    alerts = {r["alert"]: r for r in rules if "alert" in r}
+    assert set(alerts) == {
+        "DScaleLossScaleCollapsed",
+        "DScaleHighSkipRate",
+        "DScaleRanksDisagree",
+        "DScaleExporterDown",
+    }
+    for name, rule in alerts.items():
+        assert rule["labels"]["severity"] in {"critical", "warning", "info"}, name
+        assert {"summary", "description"} <= set(rule["annotations"]), name
+
+
+def test_promtool_lints_the_real_exporter_output_clean() -> None:
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = dscale.GradScaler(device="cpu", init_scale=8.0, growth_interval=1, min_scale=1.0)
+    stats = track_numerics(scaler, model, every=1)
+    for poison in (False, True):
+        opt.zero_grad()
+        scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+        if poison:
+            model.weight.grad[0, 0] = float("inf")
+        scaler.step(opt)
+        scaler.update()
+    with start_exporter(scaler, stats, port=0, linger_s=0) as exporter:
+        assert exporter.url is not None
+        with urllib.request.urlopen(exporter.url, timeout=30) as resp:
+            text = resp.read().decode()
+    assert 'dscale_nonfinite_grads_total{job_name="dscale"' in text
+    run_tool(require_tool("promtool"), "check", "metrics", stdin=text)
+
+
+def test_yamllint_accepts_every_deploy_yaml() -> None:
+    files = sorted(str(p) for p in DEPLOY.rglob("*.y*ml"))
+    assert len(files) >= 6, files
+    run_tool(require_tool("yamllint"), "--strict", "-c", str(DEPLOY / ".yamllint"), *files)
+
+
+def test_the_kubernetes_scrape_config_keeps_only_dscale_metrics_ports() -> None:
+    # Debian's promtool lacks kubernetes_sd_configs, so this file is checked by structure.
+    config = yaml.safe_load((PROMETHEUS_DIR / "prometheus-k8s.yml").read_text())
+    (job,) = config["scrape_configs"]
+    assert job["job_name"] == "dscale"
+    assert job["kubernetes_sd_configs"] == [{"role": "pod"}]
+    relabel = job["relabel_configs"]
+    keeps = {r["source_labels"][0]: r["regex"] for r in relabel if r.get("action") == "keep"}
+    assert keeps["__meta_kubernetes_pod_label_app_kubernetes_io_name"] == "dscale"
+    port_re = re.compile(f"^(?:{keeps['__meta_kubernetes_pod_container_port_name']})$")
+    assert port_re.match("metrics-0") and port_re.match("metrics")
+    assert not port_re.match("http")
+    assert config["rule_files"] == ["rules/dscale.rules.yml"]
+    # Everything but the discovery must be what promtool checked in prometheus.yml.
+    static = yaml.safe_load((PROMETHEUS_DIR / "prometheus.yml").read_text())
+    assert config["global"] == static["global"]
+
+
+def test_the_podmonitor_selects_dscale_pods_on_named_metrics_ports() -> None:
+    pm = yaml.safe_load((DEPLOY / "kubernetes" / "podmonitor.yaml").read_text())
+    assert (pm["apiVersion"], pm["kind"]) == ("monitoring.coreos.com/v1", "PodMonitor")
+    assert pm["spec"]["selector"]["matchLabels"] == {"app.kubernetes.io/name": "dscale"}
+    ports = [e["port"] for e in pm["spec"]["podMetricsEndpoints"]]
+    assert ports == ["metrics-0", "metrics-1"]
+    assert all(e["path"] == "/metrics" for e in pm["spec"]["podMetricsEndpoints"])
+
+
+def test_the_prometheusrule_carries_exactly_the_tested_rules() -> None:
+    wrapper = yaml.safe_load((DEPLOY / "kubernetes" / "prometheusrule.yaml").read_text())
+    assert wrapper["apiVersion"] == "monitoring.coreos.com/v1"
+    assert wrapper["kind"] == "PrometheusRule"
+    assert wrapper["spec"]["groups"] == yaml.safe_load(RULES.read_text())["groups"]
+
+
+def test_the_file_sd_example_is_valid_target_groups() -> None:
+    groups = json.loads((PROMETHEUS_DIR / "targets" / "example.json").read_text())
+    for group in groups:
+        assert set(group) == {"targets", "labels"}
+        assert all(re.fullmatch(r"[\w.-]+:\d+", t) for t in group["targets"])
+
+
+def test_the_grafana_dashboard_has_the_four_required_panels() -> None:
+    dash = json.loads((DEPLOY / "grafana" / "dscale.json").read_text())
+    exprs = {p["title"]: p["targets"][0]["expr"] for p in dash["panels"]}
+    assert "dscale_loss_scale" in exprs["Loss scale per rank"]
+    assert "dscale_optimizer_steps_skipped_total" in exprs["Skip rate"]
+    assert "dscale_grad_norm" in exprs["Grad norm (unscaled)"]
+    assert "by (param)" in exprs["Non-finite grads by parameter (over the range)"]
+    ids = [p["id"] for p in dash["panels"]]
+    assert len(ids) == len(set(ids))
+    assert {v["name"] for v in dash["templating"]["list"]} == {"datasource", "job_name"}
