@@ -43,3 +43,27 @@ def masked_step(
             restored = old if old is not None else torch.zeros_like(tensor)
             tensor.copy_(torch.where(skip_on[dev], restored, tensor))
     return result
+
+
+def params_without_state(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Parameters whose optimizer state the next step will create."""
+    return [
+        p for group in optimizer.param_groups for p in group["params"] if p not in optimizer.state
+    ]
+
+
+def reset_state_created_by_skipped_step(
+    optimizer: torch.optim.Optimizer, params: list[torch.Tensor], found_inf: torch.Tensor
+) -> None:
+    """Zero the state a skipped fused step created (``torch.empty`` garbage), on the device.
+
+    torch's fused SGD allocates its momentum buffer uninitialised on the first step and leaves it
+    so when ``found_inf`` skips that step; every later step then reads the garbage. "step"
+    counters are left alone: the fused kernels already undo their increment.
+    """
+    with torch.no_grad():
+        for param in params:
+            for key, value in optimizer.state.get(param, {}).items():
+                if key != "step" and isinstance(value, torch.Tensor):
+                    skip = found_inf.to(value.device, non_blocking=True) > 0
+                    value.copy_(torch.where(skip, torch.zeros_like(value), value))

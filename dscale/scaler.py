@@ -14,7 +14,11 @@ from typing import Any, Literal, Protocol
 import torch
 
 from dscale import _agreement, _dist, _policy, _state
-from dscale._masked_step import masked_step
+from dscale._masked_step import (
+    masked_step,
+    params_without_state,
+    reset_state_created_by_skipped_step,
+)
 from dscale._unscale import check_and_unscale_, group_by_device_and_dtype, optimizer_grads
 from dscale._warnings import warn_if_scaling_is_not_needed
 
@@ -296,11 +300,14 @@ class GradScaler:
             scale = self._require_scale("step")
             optimizer.grad_scale = None if was_unscaled else scale  # type: ignore[attr-defined]
             optimizer.found_inf = flag  # type: ignore[attr-defined]
+            fresh = params_without_state(optimizer)
             try:
                 retval = optimizer.step(*args, **kwargs)
             finally:
                 del optimizer.grad_scale  # type: ignore[attr-defined]
                 del optimizer.found_inf  # type: ignore[attr-defined]
+            if fresh:
+                reset_state_created_by_skipped_step(optimizer, fresh, flag)
             self._outcomes[id(optimizer)] = flag
         elif self._sync_free:
             retval = masked_step(optimizer, flag, lambda: optimizer.step(*args, **kwargs))

@@ -79,9 +79,7 @@ def run_ranks(
         try:
             while not ctx.join(timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
                 if time.monotonic() >= deadline:
-                    failure = (
-                        f"{fn.__name__} did not finish on {world_size} ranks within {timeout_s:.0f}s"
-                    )
+                    failure = f"{fn.__name__} did not finish on {world_size} ranks in {timeout_s}s"
                     break
         except mp.ProcessRaisedException as exc:
             failure = f"{fn.__name__} raised on a rank: {exc}"

@@ -1,4 +1,4 @@
-"""Every rank takes the same skip / grow / back-off decision, in DDP, FSDP1 and FSDP2 (2 gloo ranks)."""
+"""All ranks take the same skip, grow or back-off decision in DDP, FSDP1 and FSDP2 (gloo)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,89 @@
+"""Beyond torch: min/max clamping, both kinds of hysteresis, and a scale stuck at its minimum."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import dscale
+
+pytestmark = pytest.mark.filterwarnings("ignore:dscale.GradScaler.*:UserWarning")
+
+
+def _drive(scaler, pattern):
+    """One optimizer step per entry: 1 = overflow, 0 = clean; returns the scale after each."""
+    w = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([w], lr=0.0)
+    scales = []
+    for overflow in pattern:
+        opt.zero_grad()
+        scaler.scale(w.sum()).backward()
+        if overflow:
+            w.grad[0] = float("inf")
+        scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+    return scales
+
+
+def test_min_scale_stops_the_underflow_to_zero_that_torch_allows() -> None:
+    theirs = torch.amp.GradScaler("cpu", init_scale=1.0)
+    w = torch.nn.Parameter(torch.ones(1))
+    opt = torch.optim.SGD([w], lr=0.0)
+    for _ in range(200):
+        theirs.scale(w.sum()).backward()
+        w.grad[0] = float("inf")
+        theirs.step(opt)
+        theirs.update()
+    assert theirs.get_scale() == 0.0  # torch's scale collapsed to zero
+    ours = dscale.GradScaler("cpu", init_scale=4.0, min_scale=1.0, stuck_patience=10_000)
+    assert _drive(ours, [1, 1, 1, 1]) == [2.0, 1.0, 1.0, 1.0]
+
+
+def test_max_scale_caps_growth() -> None:
+    scaler = dscale.GradScaler("cpu", init_scale=4.0, growth_interval=1, max_scale=16.0)
+    assert _drive(scaler, [0, 0, 0, 0]) == [8.0, 16.0, 16.0, 16.0]
+    assert scaler.snapshot()["growths"] == 2
+
+
+def test_hysteresis_refilled_on_growth_as_megatron() -> None:
+    scaler = dscale.GradScaler("cpu", init_scale=64.0, growth_interval=2, hysteresis=2)
+    # overflow (tolerated), clean, overflow (backs off: not refilled by the clean step),
+    # overflow (backs off again), clean, clean (grows: refilled), overflow (tolerated)
+    assert _drive(scaler, [1, 0, 1, 1, 0, 0, 1]) == [64.0, 64.0, 32.0, 16.0, 16.0, 32.0, 32.0]
+    assert scaler.snapshot()["skipped_steps"] == 4
+
+
+def test_hysteresis_refilled_by_every_clean_step_as_deepspeed_consecutive() -> None:
+    scaler = dscale.GradScaler(
+        "cpu", init_scale=64.0, growth_interval=100, hysteresis=2,
+        hysteresis_refill="on_clean_step",
+    )
+    # Isolated overflows are all tolerated; two in a row back off.
+    assert _drive(scaler, [1, 0, 1, 0, 1, 1]) == [64.0, 64.0, 64.0, 64.0, 64.0, 32.0]
+
+
+def test_stuck_at_min_scale_raises_naming_the_step_and_the_skips_in_a_row() -> None:
+    scaler = dscale.GradScaler(
+        "cpu", init_scale=2.0, min_scale=1.0, on_stuck_at_min="raise", stuck_patience=5
+    )
+    with pytest.raises(dscale.ScaleCollapsedError, match=r"last 5 steps in a row.*step index 4"):
+        _drive(scaler, [1] * 10)
+    assert scaler.get_scale() == 1.0
+
+
+def test_stuck_at_min_scale_warns_and_training_goes_on(caplog) -> None:
+    scaler = dscale.GradScaler("cpu", init_scale=1.0, min_scale=1.0, stuck_patience=3)
+    with caplog.at_level(logging.WARNING, logger="dscale.scaler"):
+        _drive(scaler, [1, 1, 1, 0, 1])
+    assert len([r for r in caplog.records if "stuck at min_scale" in r.message]) == 1
+
+
+def test_overflows_that_are_not_at_the_minimum_never_trip_the_stuck_policy() -> None:
+    scaler = dscale.GradScaler(
+        "cpu", init_scale=2.0**20, min_scale=1.0, on_stuck_at_min="raise", stuck_patience=3
+    )
+    _drive(scaler, [1] * 6)  # still far above min_scale
+    assert scaler.get_scale() == 2.0**14
