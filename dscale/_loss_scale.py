@@ -14,23 +14,7 @@ from typing import Any
 
 import torch
 
-try:
-    from dscale.scaler import GradScaler
-except ImportError:  # TEMPORARY: until dscale/scaler.py lands; not for commit
-    from torch.amp.grad_scaler import OptState
-
-    class GradScaler(torch.amp.GradScaler):  # type: ignore[no-redef]
-        def step(self, optimizer, *args, **kwargs):  # type: ignore[no-untyped-def]
-            state = self._per_optimizer_states[id(optimizer)]
-            if state["stage"] is OptState.READY:
-                self.unscale_(optimizer)
-            found = sum(v.item() for v in state["found_inf_per_device"].values())
-            self._applied = not found
-            return super().step(optimizer, *args, **kwargs)
-
-        def step_applied(self, optimizer=None):  # type: ignore[no-untyped-def]
-            return self._applied
-
+from dscale.scaler import GradScaler
 
 # apex's DynamicLossScaler names -> what they mean for GradScaler. scale_factor is both the growth
 # factor and the inverse of the backoff factor in apex.

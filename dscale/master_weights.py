@@ -13,7 +13,9 @@ from typing import Any
 
 import torch
 
+from dscale import _master_state
 from dscale._loss_scale import DynamicLossScale, StaticLossScale
+from dscale._master_groups import swap_in_masters
 from dscale._param_lists import (
     master_params_to_model_params,
     model_grads_to_master_grads,
@@ -28,9 +30,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-_HALF = (torch.float16, torch.bfloat16)
-_STATE_VERSION = 1
 
 
 class FP16Optimizer:
@@ -92,58 +91,16 @@ class FP16Optimizer:
                 )
             self._loss_scale = StaticLossScale(static_loss_scale)
 
+        groups = swap_in_masters(optimizer, verbose=verbose)
         self.optimizer = optimizer
-        self.fp16_groups: list[list[torch.Tensor]] = []
-        self.fp32_from_fp16_groups: list[list[torch.nn.Parameter]] = []
-        self.fp32_from_fp32_groups: list[list[torch.Tensor]] = []
-        had_state = bool(optimizer.state)
-        new_params = [
-            self._ingest_group(index, group["params"], verbose)
-            for index, group in enumerate(optimizer.param_groups)
-        ]
-        for group, params in zip(optimizer.param_groups, new_params, strict=True):
-            group["params"] = params
-        if had_state:
-            # Re-keys the existing state onto the masters and casts it to fp32 (apex does this).
-            optimizer.load_state_dict(optimizer.state_dict())
+        self.fp16_groups = groups.fp16
+        self.fp32_from_fp16_groups = groups.masters
+        self.fp32_from_fp32_groups = groups.fp32
         self.overflow = False
         self._grads_to_copy = False  # backward ran, master grads not updated yet
         self._master_grads_ready = False  # master grads updated (and unscaled) this iteration
         if verbose:
             logger.info("FP16Optimizer: %s loss scale", "dynamic" if self.dynamic else "static")
-
-    def _ingest_group(self, index: int, params: list[torch.Tensor], verbose: bool) -> list[Any]:
-        half: list[torch.Tensor] = []
-        masters: list[torch.nn.Parameter] = []
-        fp32: list[torch.Tensor] = []
-        out: list[torch.Tensor] = []
-        for position, p in enumerate(params):
-            if p.dtype in _HALF:
-                master = torch.nn.Parameter(p.detach().clone().float())
-                half.append(p)
-                masters.append(master)
-                out.append(master)
-            elif p.dtype == torch.float32:
-                fp32.append(p)
-                out.append(p)
-            else:
-                raise TypeError(
-                    f"param {position} of param group {index} is {p.dtype}; FP16Optimizer takes "
-                    "fp16, bf16 (given fp32 masters) and fp32 params (used as they are)"
-                )
-        self.fp16_groups.append(half)
-        self.fp32_from_fp16_groups.append(masters)
-        self.fp32_from_fp32_groups.append(fp32)
-        if verbose:
-            logger.info(
-                "FP16Optimizer: param group %d: %d 16-bit params get fp32 masters "
-                "(%d elements), %d fp32 params are used as they are",
-                index,
-                len(half),
-                sum(p.numel() for p in half),
-                len(fp32),
-            )
-        return out
 
     @property
     def dynamic(self) -> bool:
@@ -316,13 +273,11 @@ class FP16Optimizer:
     def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's state, the loss scale (or scaler state) and the fp32 masters.
 
-        Keys: ``dscale_master_weights_version``; ``dynamic_loss_scale``; ``loss_scale`` (static) or
-        ``scaler`` (GradScaler's state dict); ``optimizer``; ``fp32_from_fp16`` (the masters, one
-        list per param group: the model's fp16 weights are rounded and cannot restore them).
-        Tensors are references, as in torch's state dicts; copy before training on.
+        The keys are listed in ``dscale._master_state``. Tensors are references, as in torch's
+        state dicts: copy (or save) before training on. Dynamic mode waits for the device.
         """
         return {
-            "dscale_master_weights_version": _STATE_VERSION,
+            "dscale_master_weights_version": _master_state.VERSION,
             "dynamic_loss_scale": self.dynamic,
             **self._loss_scale.state_dict(),
             "optimizer": self.optimizer.state_dict(),
@@ -335,42 +290,22 @@ class FP16Optimizer:
         The whole dict is checked before anything changes, so a rejected dict leaves this object
         as it was.
         """
-        self._check_state_dict(state_dict)
-        self.optimizer.load_state_dict(state_dict["optimizer"])
-        self._loss_scale.load_state_dict(state_dict)
+        _master_state.check_state_dict(
+            state_dict, dynamic=self.dynamic, masters=self.fp32_from_fp16_groups
+        )
+        previous_scale = self._loss_scale.state_dict()
+        self._loss_scale.load_state_dict(state_dict)  # validates its part before changing
+        try:
+            self.optimizer.load_state_dict(state_dict["optimizer"])
+        except BaseException:
+            self._loss_scale.load_state_dict(previous_scale)
+            raise
         with torch.no_grad():
             for masters, saved in zip(
                 self.fp32_from_fp16_groups, state_dict["fp32_from_fp16"], strict=True
             ):
                 if masters:
-                    torch._foreach_copy_(masters, [t.to(masters[0].device) for t in saved])
+                    torch._foreach_copy_(list(masters), [t.to(masters[0].device) for t in saved])
         self._masters_to_model()
         self._grads_to_copy = False
         self._master_grads_ready = False
-
-    def _check_state_dict(self, sd: Mapping[str, Any]) -> None:
-        needed = {"dscale_master_weights_version", "dynamic_loss_scale", "optimizer"}
-        needed |= {"fp32_from_fp16", "scaler" if self.dynamic else "loss_scale"}
-        missing = sorted(needed - set(sd))
-        if missing:
-            raise ValueError(
-                f"state_dict is missing {missing}; pass a dict from FP16Optimizer.state_dict() "
-                "(a plain optimizer state dict goes to .optimizer.load_state_dict)"
-            )
-        if sd["dscale_master_weights_version"] != _STATE_VERSION:
-            raise ValueError(
-                f"state_dict has dscale_master_weights_version="
-                f"{sd['dscale_master_weights_version']!r}; this dscale reads {_STATE_VERSION}"
-            )
-        if bool(sd["dynamic_loss_scale"]) != self.dynamic:
-            raise ValueError(
-                f"state_dict was saved with dynamic_loss_scale={sd['dynamic_loss_scale']!r} but "
-                f"this FP16Optimizer has dynamic_loss_scale={self.dynamic}; build it the same way"
-            )
-        saved = [[tuple(t.shape) for t in g] for g in sd["fp32_from_fp16"]]
-        ours = [[tuple(m.shape) for m in g] for g in self.fp32_from_fp16_groups]
-        if saved != ours:
-            raise ValueError(
-                f"state_dict's fp32 masters have shapes {saved} (per param group) but this "
-                f"FP16Optimizer's are {ours}; load a checkpoint of the same model and param groups"
-            )
