@@ -82,7 +82,7 @@ def train(
     dtype = DTYPES[precision]
     losses: list[float] = []
     tokens = 0
-    start = time.perf_counter()
+    start, first_step = time.perf_counter(), state.step
     while state.step < max_steps:
         step = state.step
         faults.before_step(step)
@@ -100,7 +100,7 @@ def train(
             state.record_skip(step)
         state.step += 1
         tokens += targets.numel()
-        if progress.wants_loss(step):
+        if step == first_step or progress.wants_loss(step):
             losses.append(loss.item())
             progress.update(step, losses[-1], scaler.get_scale(), state.num_skipped)
         saver.maybe_save(state.step, final=state.step == max_steps)

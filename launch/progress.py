@@ -19,7 +19,7 @@ class Progress:
 
     def wants_loss(self, step: int) -> bool:
         """Whether the loop should read the loss (a host sync) at this step."""
-        return step == 0 or (step + 1) % self.log_every == 0 or step + 1 == self.max_steps
+        return (step + 1) % self.log_every == 0 or step + 1 == self.max_steps
 
     def update(self, step: int, loss: float, scale: float, skipped: int) -> None:
         """Called at every step where ``wants_loss`` was true."""
