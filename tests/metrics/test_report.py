@@ -1,0 +1,77 @@
+"""MetricsLog writes one JSON line per step; python -m dscale.report renders them to a PNG."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import dscale
+from dscale.metrics import MetricsLog
+from dscale.report import main, read_metrics_log, render
+from dscale.stats import track_numerics
+
+pytestmark = pytest.mark.filterwarnings("ignore:dscale.GradScaler. the loss's autograd graph")
+
+
+def _run(run_dir, steps: int, overflow_at: set[int], every: int) -> MetricsLog:
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler = dscale.GradScaler(device="cpu", init_scale=4.0, growth_interval=2)
+    stats = track_numerics(scaler, model)
+    log = MetricsLog(run_dir, stats=stats, rank=1, every=every)
+    scaler.add_observer(log)
+    for step in range(1, steps + 1):
+        opt.zero_grad()
+        scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+        if step in overflow_at:
+            model.weight.grad[0, 0] = float("nan")
+        scaler.step(opt)
+        scaler.update()
+    return log
+
+
+def test_the_log_holds_every_step_once_the_last_block_is_closed(tmp_path) -> None:
+    log = _run(tmp_path, steps=5, overflow_at={3}, every=2)
+    lines = (tmp_path / "metrics" / "rank1.jsonl").read_text().splitlines()
+    assert len(lines) == 4  # two full blocks of 2; step 5 still buffered on the device
+    log.close()
+    rows = read_metrics_log(tmp_path)[1]
+    # init 4, grows after 2 clean steps, halves on the NaN at step 3, grows after steps 4-5.
+    assert [r["scale"] for r in rows] == [4.0, 8.0, 4.0, 4.0, 8.0]
+    assert [r["skipped"] for r in rows] == [False, False, True, False, False]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    assert rows[2]["grad_norm"] == rows[1]["grad_norm"]  # a skipped step keeps the last norm
+    assert rows[0]["grad_norm"] == pytest.approx(2**0.5)  # d(sum)/dW = [1, 1], bias grad 1
+    assert all(json.loads(line)["rank"] == 1 for line in lines)
+
+
+def test_report_renders_a_png_from_the_log(tmp_path) -> None:
+    _run(tmp_path, steps=6, overflow_at={2, 5}, every=3)
+    path = render(tmp_path)
+    assert path == str(tmp_path / "metrics.png")
+    assert (tmp_path / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_command_line_writes_where_asked(tmp_path) -> None:
+    _run(tmp_path, steps=3, overflow_at=set(), every=1)
+    out = tmp_path / "x.png"
+    assert main([str(tmp_path), "--out", str(out)]) == 0
+    assert out.stat().st_size > 0
+
+
+def test_a_run_dir_without_a_log_names_the_fix(tmp_path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "dscale.report", str(tmp_path)], capture_output=True, text=True
+    )
+    assert proc.returncode == 2
+    assert "has no metrics log" in proc.stderr
+    assert "MetricsLog" in proc.stderr
+
+
+def test_every_must_be_positive(tmp_path) -> None:
+    with pytest.raises(ValueError, match="every must be an int >= 1, got 0"):
+        MetricsLog(tmp_path, every=0)
