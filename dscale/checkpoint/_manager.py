@@ -133,10 +133,15 @@ class CheckpointManager:
                                "the previous checkpoints are untouched") from exc
         self._last_step = step
         if not use_async:
+            problem = None
             if self.is_coordinator:
-                _publish.publish(tmp, final)
-                _publish.purge(self.directory, self.keep)
-            _comm.barrier(self.process_group)
+                try:
+                    _publish.publish(tmp, final)
+                    _publish.purge(self.directory, self.keep)
+                except OSError as exc:
+                    problem = exc
+            # Every rank learns whether the rename happened, and raises with rank 0 if not.
+            _comm.gather_then_raise(problem, self.process_group, f"publishing {final}")
 
     def wait(self) -> None:
         """Finish and publish a pending asynchronous save; every rank returns after it."""

@@ -212,8 +212,8 @@ class TrainState:
             return
         rng = state_dict.get("rng", {})
         if "torch_cpu" in rng:
-            torch.set_rng_state(rng["torch_cpu"][me].to(torch.uint8))
+            torch.set_rng_state(rng["torch_cpu"][me].to(torch.uint8).clone())  # no view
         if "python" in rng and "python_gauss" in rng:
             _set_python_rng(rng["python"][me], rng["python_gauss"][me])
         if "cuda" in rng and torch.cuda.is_available():
-            torch.cuda.set_rng_state(rng["cuda"][me].to(torch.uint8))
+            torch.cuda.set_rng_state(rng["cuda"][me].to(torch.uint8).clone())

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dscale.checkpoint import CheckpointManager, ScaleMismatchError, load_checkpoint
+from dscale.checkpoint import CheckpointManager, ScaleMismatchError, _publish, load_checkpoint
 from dscale.checkpoint._verify import verify_scaler_agreement
 from tests.checkpoint._helpers import make_model, make_scaler, optim_state, params, train
 
@@ -39,12 +39,32 @@ def _snapshot(step: int, model, opt, scaler) -> dict[str, Any]:
             "scaler": scaler.state_dict()}
 
 
-def save_then_check_mismatch(rank: int, world: int, root: str, strategy: str) -> dict[str, Any]:
-    """Train and save step 3; then save a scale that differs per rank and load it back."""
+def save_then_check_failures(rank: int, world: int, root: str, strategy: str) -> dict[str, Any]:
+    """Save step 3; fail to publish step 4; save a scale that differs per rank, load it back."""
     model, opt, scaler = _pieces(strategy)
     train(model, opt, scaler, 3, seed=1 + rank)
+    torch.manual_seed(100 + rank)  # each rank's RNG differs and must come back as its own
     CheckpointManager(f"{root}/good").save(3, model=model, optimizer=opt, scaler=scaler)
+    rng_draw = torch.rand(2)
     reference = _snapshot(3, model, opt, scaler)
+
+    # Rank 0 fails between writing and publishing step 4 (disk full, say).
+    def failing_publish(tmp: Any, final: Any) -> None:
+        raise OSError(f"simulated failure before publishing {final}")
+
+    real_publish, _publish.publish = _publish.publish, failing_publish
+    publish_error = None
+    try:
+        CheckpointManager(f"{root}/good").save(4, model=model, optimizer=opt, scaler=scaler)
+    except RuntimeError as exc:
+        publish_error = str(exc)
+    finally:
+        _publish.publish = real_publish
+    fresh_model, fresh_opt, fresh_scaler = _pieces(strategy, seed=5)
+    resumed_step = CheckpointManager(f"{root}/good").resume(
+        "auto", model=fresh_model, optimizer=fresh_opt, scaler=fresh_scaler
+    )
+    rng_restored = torch.equal(torch.rand(2), rng_draw)
 
     # Rank 1 holds another scale (as after a missed agreement); the save keeps both values.
     state = scaler.state_dict()
@@ -64,7 +84,8 @@ def save_then_check_mismatch(rank: int, world: int, root: str, strategy: str) ->
     except ScaleMismatchError as exc:
         saved_error = str(exc)
     return {"reference": reference, "live_error": live_error, "saved_error": saved_error,
-            "scale_after_failed_load": fresh_scaler.get_scale()}
+            "scale_after_failed_load": fresh_scaler.get_scale(), "publish_error": publish_error,
+            "resumed_step": resumed_step, "rng_restored": rng_restored, "rng_draw": rng_draw}
 
 
 def load_resharded(rank: int, world: int, root: str, strategy: str) -> dict[str, Any]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pathlib
+
 import pytest
 import torch
 
@@ -21,7 +23,7 @@ def _assert_same_state(got, want):
 @pytest.fixture(scope="module")
 def saved_by_two_fsdp2_ranks(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("fsdp2"))
-    return root, run_ranks(_ranks.save_then_check_mismatch, root, "fsdp2", world_size=2,
+    return root, run_ranks(_ranks.save_then_check_failures, root, "fsdp2", world_size=2,
                            timeout_s=300, pg_timeout_s=120)
 
 
@@ -36,6 +38,20 @@ def test_scale_mismatch_is_raised_on_every_rank_naming_ranks_and_values(saved_by
         assert f"scale differs between the saving ranks {values}" in saved
         assert f"rank 0: scale={scale:g}" in live and f"rank 1: scale={scale / 2:g}" in live
         assert results[rank]["scale_after_failed_load"] == 8.0  # rejected before any change
+
+
+def test_failed_publish_raises_on_every_rank_and_keeps_the_previous_checkpoint(
+    saved_by_two_fsdp2_ranks,
+):
+    root, results = saved_by_two_fsdp2_ranks
+    for rank in (0, 1):
+        assert "simulated failure before publishing" in results[rank]["publish_error"]
+        assert "rank(s) 0" in results[rank]["publish_error"]
+        assert results[rank]["resumed_step"] == 3
+        assert results[rank]["rng_restored"], f"rank {rank} did not get its own RNG state back"
+    assert not torch.equal(results[0]["rng_draw"], results[1]["rng_draw"])
+    names = sorted(p.name for p in (pathlib.Path(root) / "good").iterdir())
+    assert names == [".step-4.tmp", "step-3"]
 
 
 def test_fsdp2_checkpoint_of_2_ranks_loads_on_1_rank_into_a_plain_model(saved_by_two_fsdp2_ranks):
