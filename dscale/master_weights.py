@@ -51,6 +51,12 @@ class FP16Optimizer:
             interval). Unset keys take GradScaler's defaults (init_scale 2**16), not apex's.
         verbose: log (INFO) what was ingested; apex printed it.
 
+    Attributes:
+        optimizer: the wrapped optimizer; its param groups now hold the masters.
+        fp16_groups, fp32_from_fp16_groups, fp32_from_fp32_groups: per param group, the model's
+            16-bit params, their masters, and the fp32 params used as they are (apex's names).
+        overflow: True when the last step() was skipped for inf/NaN grads (agreed by all ranks).
+
     Example::
 
         model = torch.nn.Linear(8, 8).half()
@@ -242,7 +248,7 @@ class FP16Optimizer:
         self._grads_to_copy = False
         self._master_grads_ready = False
 
-    def clip_master_grads(self, max_norm: float, norm_type: float = 2.0) -> float:
+    def clip_master_grads(self, max_norm: float, norm_type: float | str = 2.0) -> float:
         """Clip the fp32 grads by their total norm; return that norm, or -1 if it is inf/NaN.
 
         -1 means these grads overflowed (apex's signal); they are left as they are and a dynamic
@@ -250,6 +256,7 @@ class FP16Optimizer:
         multi-rank job without DDP-averaged grads, a rank whose own grads are finite returns its
         norm even if another rank overflowed; the step is still skipped on every rank.
         """
+        norm_type = float(norm_type)  # apex also takes the string "inf"
         self._ensure_master_grads()
         grads = self._grads()
         if not grads:

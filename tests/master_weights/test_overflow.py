@@ -83,3 +83,11 @@ def test_clip_master_grads_returns_the_norm_of_the_unscaled_grads_and_clips_them
     assert abs(opt.clip_master_grads(expected / 4) - expected) < 1e-5 * expected
     clipped = flat([g for group in opt.inspect_master_grad_data() for g in group])
     assert abs(torch.linalg.vector_norm(clipped).item() - expected / 4) < 1e-3 * expected
+
+
+def test_clip_master_grads_takes_apex_inf_norm_spelling() -> None:
+    model = mlp()
+    opt = FP16Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), static_loss_scale=8.0)
+    opt.backward(loss_of(model, 0))
+    largest = flat([g for group in opt.inspect_master_grad_data() for g in group]).abs().max()
+    assert opt.clip_master_grads(1e6, norm_type="inf") == largest.item()
