@@ -105,6 +105,7 @@ class FP16Optimizer:
         self.overflow = False
         self._grads_to_copy = False  # backward ran, master grads not updated yet
         self._master_grads_ready = False  # master grads updated (and unscaled) this iteration
+        self._unscaled_since_step = False  # zero_grad() does not undo this one
         if verbose:
             logger.info("FP16Optimizer: %s loss scale", "dynamic" if self.dynamic else "static")
 
@@ -155,6 +156,12 @@ class FP16Optimizer:
                 "for several losses pass update_master_grads=False to every backward() and call "
                 "update_master_grads() once, or call step()/zero_grad() first"
             )
+        if self.dynamic and self._unscaled_since_step:
+            raise RuntimeError(
+                "backward() after zero_grad() in an iteration whose grads were already unscaled: "
+                "with a dynamic loss scale, GradScaler unscales an optimizer's grads once per "
+                "step. Call step() first (it skips the step when the grads overflowed)"
+            )
         self._loss_scale.scale_loss(loss).backward(retain_graph=retain_graph)
         self._grads_to_copy = True
         if update_master_grads:
@@ -173,6 +180,7 @@ class FP16Optimizer:
         for model_params, masters in zip(self.fp16_groups, self.fp32_from_fp16_groups, strict=True):
             model_grads_to_master_grads(model_params, masters)
         self._loss_scale.unscale_(self.optimizer, self._grads())
+        self._unscaled_since_step = True
         self._grads_to_copy = False
         self._master_grads_ready = True
 
@@ -182,6 +190,9 @@ class FP16Optimizer:
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Update the masters (unless the grads overflowed) and round them into the model.
+
+        With a dynamic scale the skip decision is GradScaler's, agreed by all ranks; it reads the
+        agreed flag on the host once (as torch's GradScaler.step does).
 
         With ``closure`` (static scale only), the closure must call this object's ``zero_grad``
         and ``backward(loss)`` and return the loss, as with a plain torch optimizer.
@@ -229,6 +240,7 @@ class FP16Optimizer:
                 "FP16Optimizer: inf/NaN in grads, step skipped; loss scale now %g", self.loss_scale
             )
         self.overflow = not applied
+        self._unscaled_since_step = False
         self._grads_to_copy = False
         self._master_grads_ready = False
 

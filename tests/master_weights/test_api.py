@@ -120,6 +120,18 @@ def test_backward_after_the_master_grads_were_updated_is_refused() -> None:
         opt.backward(loss_of(model, 1))
 
 
+def test_a_new_backward_after_zero_grad_without_step_is_refused_with_a_dynamic_scale() -> None:
+    model = mlp()
+    opt = FP16Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), dynamic_loss_scale=True)
+    opt.backward(loss_of(model, 0))
+    opt.zero_grad()
+    with pytest.raises(RuntimeError, match="Call step"):
+        opt.backward(loss_of(model, 1))
+    opt.step()  # the way out: nothing to apply, and the next iteration works
+    train_step(model, opt, 2)
+    assert not opt.overflow
+
+
 def test_loss_scale_can_be_read_and_set_in_both_modes() -> None:
     static = FP16Optimizer(torch.optim.SGD(mlp().parameters(), lr=0.1), static_loss_scale=8.0)
     assert static.loss_scale == 8.0
