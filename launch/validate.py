@@ -11,6 +11,7 @@ import dataclasses
 import errno
 import inspect
 import os
+import re
 import socket
 from pathlib import Path
 
@@ -117,8 +118,10 @@ def _scaler(job: JobConfig) -> None:
         GradScaler(device="cpu", **kwargs)
     except (ValueError, TypeError) as exc:
         message = str(exc)
-        named = [k for k in kwargs if k in message] or ["*"]
-        raise ConfigError(f"scaler.{named[0]}: {message}") from exc
+        # The library's message starts with the argument it rejects; find that one.
+        found = [(m.start(), k) for k in kwargs if (m := re.search(rf"\b{k}\b", message))]
+        key = min(found)[1] if found else "*"
+        raise ConfigError(f"scaler.{key}: {message}") from exc
 
 
 def _model_and_data(job: JobConfig) -> None:

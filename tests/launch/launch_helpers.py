@@ -1,0 +1,51 @@
+"""Run ``python -m launch`` in a subprocess, the way a user does, and read what it left behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIGS = ROOT / "configs"
+
+# Keep test jobs small and off the default metrics ports, which a real run may hold.
+FAST = ["trainer.log_every=5", "checkpoint.every=5", "data.seq_len=32"]
+
+
+def launch(
+    run_dir: Path, *overrides: str, timeout_s: float = 300, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``python -m launch hydra.run.dir=RUN_DIR OVERRIDES``; bounded by ``timeout_s``."""
+    cmd = [sys.executable, "-m", "launch", f"hydra.run.dir={run_dir}", *overrides]
+    return subprocess.run(
+        cmd,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def output(proc: subprocess.CompletedProcess[str]) -> str:
+    return f"rc={proc.returncode}\n--- stdout ---\n{proc.stdout}\n--- stderr ---\n{proc.stderr}"
+
+
+def summary(run_dir: Path) -> dict[str, Any]:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def worker_config(run_dir: Path, rank: int) -> dict[str, Any]:
+    """The resolved config that rank ``rank`` received."""
+    return json.loads((run_dir / "logs" / f"rank{rank}.config.json").read_text())
+
+
+def skipped_in_metrics_log(run_dir: Path, rank: int) -> list[int]:
+    """Steps that ``dscale.metrics.MetricsLog`` recorded as skipped on ``rank``."""
+    lines = (run_dir / "metrics" / f"rank{rank}.jsonl").read_text().splitlines()
+    rows = [json.loads(line) for line in lines if line.strip()]
+    return sorted({r["step"] for r in rows if r["skipped"]})

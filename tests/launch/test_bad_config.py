@@ -1,0 +1,92 @@
+"""Bad config fails before any worker starts, and the message names the key and the fix."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from launch_helpers import CONFIGS, launch, output
+from omegaconf import OmegaConf
+
+from launch.schema import JobConfig, register
+from launch.validate import ConfigError, validate
+
+register()
+
+
+def _job(*overrides: str) -> JobConfig:
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+        cfg = compose("job", overrides=["checkpoint.dir=/tmp/dscale-bad", *overrides])
+    job = OmegaConf.to_object(cfg)
+    assert isinstance(job, JobConfig)
+    return job
+
+
+def _no_worker_started(run_dir: Path) -> bool:
+    return not (run_dir / "logs").exists() and not (run_dir / "torchelastic").exists()
+
+
+@pytest.mark.parametrize(
+    ("override", "named"),
+    [
+        ("scaler.backoff_factor=2.0", "scaler.backoff_factor"),
+        ("scaler.growth_interval=0", "scaler.growth_interval"),
+        ("scaler.hysteresis_refill=sometimes", "scaler.hysteresis_refill"),
+        ("trainer.precision=fp8", "trainer.precision"),
+        ("trainer.max_steps=0", "trainer.max_steps"),
+        ("launcher.nnodes=3:2", "launcher.nnodes"),
+        ("launcher.nproc_per_node=lots", "launcher.nproc_per_node"),
+        ("launcher.max_restarts=-1", "launcher.max_restarts"),
+        ("model.n_heads=5", "model.n_heads"),
+        ("fault.inf_steps=[5] fault.inf_rank=7", "fault.inf_rank"),
+        ("fault.inf_steps=[5] trainer.precision=bf16", "fault.inf_steps"),
+        ("checkpoint.resume=/no/such/step-5", "checkpoint.resume"),
+        ("data=text data.path=/no/such/file.txt", "data.path"),
+        ("parallel=single launcher.nproc_per_node=2", "parallel=single"),
+    ],
+)
+def test_impossible_value_names_its_key(override: str, named: str) -> None:
+    job = _job("metrics.enabled=false", *override.split())
+    with pytest.raises(ConfigError, match=named.replace(".", r"\.")):
+        validate(job)
+
+
+def test_scaler_message_is_the_librarys_own(tmp_path: Path) -> None:
+    import dscale
+
+    with pytest.raises(ValueError, match="backoff_factor") as lib:
+        dscale.GradScaler("cpu", backoff_factor=2.0)
+    with pytest.raises(ConfigError) as ours:
+        validate(_job("metrics.enabled=false", "scaler.backoff_factor=2.0"))
+    assert str(lib.value) in str(ours.value)
+
+
+def test_unknown_key_fails_at_composition_before_any_worker(tmp_path: Path) -> None:
+    proc = launch(tmp_path, "trainer.max_stepz=5", timeout_s=120)
+    assert proc.returncode != 0, output(proc)
+    assert "trainer.max_stepz" in proc.stderr, output(proc)
+    assert _no_worker_started(tmp_path)
+
+
+def test_bad_value_exits_2_with_the_key_before_any_worker(tmp_path: Path) -> None:
+    proc = launch(tmp_path, "scaler.backoff_factor=2.0", "metrics.enabled=false", timeout_s=120)
+    assert proc.returncode == 2, output(proc)
+    assert "bad config: scaler.backoff_factor" in proc.stderr, output(proc)
+    assert _no_worker_started(tmp_path)
+
+
+def test_taken_metrics_port_fails_before_any_worker(tmp_path: Path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        # Rank 1 serves on base + 1: make the busy port rank 1's, so the whole range is checked.
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", port - 1))  # fails the test if base is taken by chance
+        proc = launch(tmp_path, f"metrics.port={port - 1}", timeout_s=120)
+    assert proc.returncode == 2, output(proc)
+    assert f"metrics.port={port - 1}: port {port} is in use" in proc.stderr, output(proc)
+    assert "metrics.port=..." in proc.stderr  # the fix
+    assert _no_worker_started(tmp_path)
