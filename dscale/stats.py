@@ -59,6 +59,7 @@ class _DeviceState:
         # [grad norm, grad norm scaled, underflow fraction, last step skipped]
         self.values = torch.tensor([nan, nan, nan, 0.0], device=device)
         self.underflow_counts = torch.zeros(2, device=device)  # [small elements, all elements]
+        self.index_cache: dict[tuple[int, ...], Tensor] = {}
 
 
 class NumericsStats:
@@ -127,6 +128,19 @@ class NumericsStats:
                 by_id[id(local)] = i
         return [by_id.get(id(g), len(self._params)) for g in grads]
 
+    def _index_on_device(self, st: _DeviceState, grads: Sequence[Tensor]) -> Tensor:
+        """The grad-to-name index as a device tensor, uploaded once per distinct layout.
+
+        ``torch.tensor(list, device="cuda")`` waits for the GPU (a blocking copy), so the index is
+        cached by its contents: grads are new tensors after ``zero_grad()``, but the layout repeats.
+        """
+        key = tuple(self._grad_index(grads))
+        index = st.index_cache.get(key)
+        if index is None:
+            index = torch.tensor(key, dtype=torch.int64, device=st.device)
+            st.index_cache[key] = index
+        return index
+
     def on_grads(self, optimizer: Any, grads: list[Tensor], scale: Tensor) -> None:
         """Record norms, non-finite flags and (every N steps) underflow of the scaled grads."""
         if not grads:
@@ -140,8 +154,9 @@ class NumericsStats:
         )
         st.sq_sum += norms.square().sum()
         st.inv_scale.copy_(scale.detach().reciprocal())
-        dst = torch.tensor(self._grad_index(grads), device=st.device)
-        st.pending_nonfinite.index_add_(0, dst, (~torch.isfinite(norms)).float())
+        st.pending_nonfinite.index_add_(
+            0, self._index_on_device(st, grads), (~torch.isfinite(norms)).float()
+        )
         if self.underflow_every and self._steps % self.underflow_every == 0:
             small = sum(
                 ((g.detach().abs() < FP16_MIN_NORMAL).sum() for g in grads),
@@ -175,8 +190,7 @@ class NumericsStats:
     def device_values(self) -> dict[str, Tensor]:
         """The current values as device tensors (no sync), for the per-step metrics log."""
         if self._state is None:
-            nan = torch.tensor(float("nan"))
-            return {"grad_norm": nan, "grad_norm_scaled": nan}
+            return {}  # nothing seen yet
         return {"grad_norm": self._state.values[0], "grad_norm_scaled": self._state.values[1]}
 
     def read(self) -> NumericsSnapshot:

@@ -63,7 +63,8 @@ class MetricsLog:
     def on_update(self, scaler: Any, found_inf: Tensor) -> None:
         """Record this iteration's row on the device; write the block when it is full."""
         c = scaler.counters()
-        nan = torch.tensor(float("nan"))
+        device = c["scale"].device
+        nan = torch.full((), float("nan"), device=device)  # made on the device: no blocking copy
         extra = self._stats.device_values() if self._stats is not None else {}
         values = [
             c["steps"],
@@ -72,7 +73,6 @@ class MetricsLog:
             extra.get("grad_norm", nan),
             extra.get("grad_norm_scaled", nan),
         ]
-        device = c["scale"].device
         row = torch.stack([v.detach().to(device=device, dtype=torch.float64) for v in values])
         if self._buf is None:
             self._buf = torch.empty(self.every, len(_COLUMNS), dtype=torch.float64, device=device)
