@@ -26,13 +26,18 @@ def _local(grad: torch.Tensor) -> torch.Tensor:
     return grad
 
 
-def optimizer_grads(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """Rank-local tensors to check for ``optimizer``: DTensors unwrapped, sparse grads' values."""
+def optimizer_grads(
+    optimizer: torch.optim.Optimizer, skip: set[int] | None = None
+) -> list[torch.Tensor]:
+    """Rank-local tensors to check for ``optimizer``: DTensors unwrapped, sparse grads' values.
+
+    ``skip`` holds ids of parameters whose grads were already handled (the DDP hook).
+    """
     out: list[torch.Tensor] = []
     for group in optimizer.param_groups:
         for param in group["params"]:
             grad = param.grad
-            if grad is None:
+            if grad is None or (skip is not None and id(param) in skip):
                 continue
             grad = _local(grad)
             if grad.is_sparse:

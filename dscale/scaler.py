@@ -14,6 +14,7 @@ from typing import Any, Literal, Protocol
 import torch
 
 from dscale import _agreement, _dist, _policy, _state
+from dscale._ddp_hook import HookState, unscale_allreduce_hook
 from dscale._masked_step import (
     masked_step,
     params_without_state,
@@ -173,6 +174,9 @@ class GradScaler:
         self._observers: list[GradObserver] = []
         self._host_skipped_in_a_row = 0
         self._updates_since_stuck_check = 0
+        self._hook_states: list[HookState] = []
+        self._hooked_params: set[int] = set()
+        self._hook_flag: torch.Tensor | None = None
 
     # ----------------------------------------------------------------- device state
     def _lazy_init(self, device: torch.device) -> None:
@@ -249,18 +253,65 @@ class GradScaler:
 
     def _check(
         self, optimizer: torch.optim.Optimizer, state: _OptimizerState, *, unscale: bool
-    ) -> None:
+    ) -> bool:
+        """Check (and unscale) ``optimizer``'s grads; True when they are unscaled afterwards."""
         scale = self._require_scale("unscale_")
-        grads = optimizer_grads(optimizer)
+        hook_flag = self._take_hook_flag()
+        if hook_flag is not None:
+            unscale = True  # the hook unscaled its grads; the others must match them
+        grads = optimizer_grads(optimizer, self._hooked_params if hook_flag is not None else None)
         for observer in self._observers:
             observer.on_grads(optimizer, grads, scale)
         # The reciprocal in fp64, as torch does: fp32 division can be imprecise.
         inv_scale = scale.double().reciprocal().float() if unscale else torch.ones_like(scale)
         group = self._process_group()
+        if hook_flag is not None and not self._has_unhooked_params(optimizer):
+            group = None  # DDP's own all-reduce already made the flag global
         device = scale.device if group is None else _dist.flag_device(group, scale.device)
         with torch.no_grad():
             state.flag = check_and_unscale_(group_by_device_and_dtype(grads), inv_scale, device)
+            if hook_flag is not None:
+                state.flag += hook_flag.to(device, non_blocking=True)
         state.work = None if group is None else _agreement.all_reduce_flag(state.flag, group)
+        return unscale
+
+    # ----------------------------------------------------------------- DDP hook
+    def attach(self, ddp_model: torch.nn.Module) -> None:
+        """Fold the unscale and the inf/NaN check into DDP's gradient all-reduce.
+
+        Replaces DDP's comm hook: each bucket is averaged, unscaled and checked in one pass while
+        it is hot, so step() does no separate unscale pass and the scaler adds no collective for
+        this model's parameters. The flag then covers the whole model: an overflow anywhere in it
+        skips every optimizer over its parameters. Call once, before the first backward.
+        """
+        from torch.nn.parallel import DistributedDataParallel
+
+        if not isinstance(ddp_model, DistributedDataParallel):
+            raise TypeError(
+                "attach() takes a torch.nn.parallel.DistributedDataParallel model, got "
+                f"{type(ddp_model).__name__}; FSDP and single-process models need no attach()"
+            )
+        if not self._enabled:
+            return
+        state = HookState(lambda: self._require_scale("backward"), ddp_model.process_group)
+        ddp_model.register_comm_hook(state, unscale_allreduce_hook)
+        self._hook_states.append(state)
+        self._hooked_params |= {id(p) for p in ddp_model.parameters() if p.requires_grad}
+
+    def _take_hook_flag(self) -> torch.Tensor | None:
+        """This iteration's flag from the DDP hook; None when no hooked bucket was reduced."""
+        if self._hook_flag is None and self._hook_states:
+            flags = [f for s in self._hook_states for f in s.take_flags()]
+            if flags:
+                scale = self._require_scale("step")
+                self._hook_flag = torch.stack([f.to(scale.device) for f in flags]).sum()
+        return self._hook_flag
+
+    def _has_unhooked_params(self, optimizer: torch.optim.Optimizer) -> bool:
+        # Decided from the parameter sets, which every rank shares, never from local grads.
+        return any(
+            id(p) not in self._hooked_params for g in optimizer.param_groups for p in g["params"]
+        )
 
     def _agreed_flag(self, state: _OptimizerState) -> torch.Tensor:
         if state.work is not None:
@@ -293,7 +344,7 @@ class GradScaler:
         fused = getattr(optimizer, "_step_supports_amp_scaling", False)
         was_unscaled = state.stage is _Stage.UNSCALED
         if state.stage is _Stage.READY:
-            self._check(optimizer, state, unscale=not fused)
+            was_unscaled = self._check(optimizer, state, unscale=not fused)
         flag = self._agreed_flag(state)
 
         if fused:
@@ -335,6 +386,7 @@ class GradScaler:
         if new_scale is not None:
             self._set_scale(scale, new_scale)
             self._per_optimizer_states = {}
+            self._hook_flag = None
             return
         states = list(self._per_optimizer_states.values())
         if not states:
@@ -351,6 +403,7 @@ class GradScaler:
             found,
         )
         self._per_optimizer_states = {}
+        self._hook_flag = None
         self._watch_for_collapse(states)
         for observer in self._observers:
             observer.on_update(self, found)
@@ -613,6 +666,10 @@ class GradScaler:
         state["_observers"] = []
         state["_outcomes"] = {}
         state["_last_stepped"] = None
+        # A hook is registered on one live DDP model; a copy must attach() again.
+        state["_hook_states"] = []
+        state["_hooked_params"] = set()
+        state["_hook_flag"] = None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:

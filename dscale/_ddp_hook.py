@@ -1,0 +1,63 @@
+"""Unscale inside DDP's gradient all-reduce: ``GradScaler.attach(ddp_model)``.
+
+DDP's default hook divides each bucket by the world size and all-reduces it. This hook all-reduces
+the scaled bucket and then, in one fused pass over the reduced values, multiplies by
+1 / (world_size * scale) and records whether any value is inf/NaN. The reduced bucket is the same on
+every rank, so the flag is already global: the scaler needs no separate unscale pass and no
+collective of its own for these parameters.
+
+fp16/bf16 buckets are divided by the world size before the all-reduce (as DDP does) so the sum
+cannot overflow where the average would not; the pass after it then multiplies by 1 / scale.
+For a power-of-two world size and scale (dscale's defaults), the result is bitwise the plain path's.
+"""
+
+# No `from __future__ import annotations`: DDP compares the hook's annotations as objects.
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+class HookState:
+    """Per-scaler state the hook shares with the scaler: the flag of the current backward."""
+
+    def __init__(self, scale_of: Callable[[], torch.Tensor], group: Any) -> None:
+        self.scale_of = scale_of
+        self.group = group
+        self.world_size = dist.get_world_size(group)
+        self.found: dict[torch.device, torch.Tensor] = {}
+
+    def flag(self, device: torch.device) -> torch.Tensor:
+        if device not in self.found:
+            self.found[device] = torch.zeros((), dtype=torch.float32, device=device)
+        return self.found[device]
+
+    def take_flags(self) -> list[torch.Tensor]:
+        """The flags recorded since the last call (empty: no bucket was reduced)."""
+        flags = list(self.found.values())
+        self.found = {}
+        return flags
+
+
+def unscale_allreduce_hook(
+    state: HookState, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """DDP comm hook: all-reduce the bucket, then average, unscale and check it in one pass."""
+    buffer = bucket.buffer()
+    scale = state.scale_of().to(buffer.device, non_blocking=True)
+    low_precision = buffer.dtype in (torch.float16, torch.bfloat16)
+    if low_precision:
+        buffer.div_(state.world_size)
+        inv = scale.double().reciprocal().float()
+    else:
+        inv = (scale.double() * state.world_size).reciprocal().float()
+    found = state.flag(buffer.device)
+    work = dist.all_reduce(buffer, group=state.group, async_op=True)
+
+    def finish(fut: torch.futures.Future[Any]) -> torch.Tensor:
+        reduced = fut.value()[0]
+        torch._amp_foreach_non_finite_check_and_unscale_([reduced], found, inv)
+        return reduced
+
+    return work.get_future().then(finish)
