@@ -1,5 +1,8 @@
 """MetricsLog: a per-step JSONL log of the scale, for ``python -m dscale.report`` and for grep.
 
+Columns: rank, step, scale, skipped, growths, backoffs (totals), clean_steps (the growth tracker),
+grad_norm and grad_norm_scaled (null without stats or before the first applied step).
+
 Each update() writes one row into a device buffer (no host sync); every ``every`` steps the buffer
 is copied to the host once and appended to ``RUN_DIR/metrics/rank<R>.jsonl``. So the log has the
 full per-step sawtooth while the GPU waits only once per ``every`` steps.
@@ -20,7 +23,17 @@ from dscale.stats import NumericsStats
 
 logger = logging.getLogger(__name__)
 
-_COLUMNS = ("step", "scale", "skipped", "grad_norm", "grad_norm_scaled")
+_COLUMNS = (
+    "step",
+    "scale",
+    "skipped",
+    "growths",
+    "backoffs",
+    "clean_steps",
+    "grad_norm",
+    "grad_norm_scaled",
+)
+_INT_COLUMNS = ("step", "growths", "backoffs", "clean_steps")
 
 
 class MetricsLog:
@@ -70,6 +83,9 @@ class MetricsLog:
             c["steps"],
             c["scale"],
             found_inf.reshape(()) > 0,
+            c["growths"],
+            c["backoffs"],
+            c["growth_tracker"],
             extra.get("grad_norm", nan),
             extra.get("grad_norm_scaled", nan),
         ]
@@ -92,8 +108,9 @@ class MetricsLog:
                 rec: dict[str, Any] = {"rank": self.rank}
                 for key, value in zip(_COLUMNS, row, strict=True):
                     rec[key] = value if math.isfinite(value) else None
-                rec["step"] = int(row[0])
-                rec["skipped"] = bool(row[2])
+                for key in _INT_COLUMNS:
+                    rec[key] = int(rec[key])
+                rec["skipped"] = bool(rec["skipped"])
                 f.write(json.dumps(rec) + "\n")
 
     def close(self) -> None:

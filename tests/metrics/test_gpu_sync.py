@@ -20,8 +20,9 @@ class _CountersOnly:
     def __init__(self) -> None:
         self.c = {
             "scale": torch.full((), 1024.0, device="cuda"),
-            "steps": torch.zeros((), dtype=torch.int64, device="cuda"),
         }
+        for key in ("steps", "growths", "backoffs", "growth_tracker"):
+            self.c[key] = torch.zeros((), dtype=torch.int64, device="cuda")
 
     def counters(self) -> dict[str, torch.Tensor]:
         return self.c

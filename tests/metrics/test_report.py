@@ -44,6 +44,9 @@ def test_the_log_holds_every_step_once_the_last_block_is_closed(tmp_path) -> Non
     assert [r["scale"] for r in rows] == [4.0, 8.0, 4.0, 4.0, 8.0]
     assert [r["skipped"] for r in rows] == [False, False, True, False, False]
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    assert [(r["growths"], r["backoffs"], r["clean_steps"]) for r in rows] == [
+        (0, 0, 1), (1, 0, 0), (1, 1, 0), (1, 1, 1), (2, 1, 0),
+    ]  # fmt: skip
     assert rows[2]["grad_norm"] == rows[1]["grad_norm"]  # a skipped step keeps the last norm
     assert rows[0]["grad_norm"] == pytest.approx(3**0.5)  # weight grad [1, 1], bias grad 1
     assert all(json.loads(line)["rank"] == 1 for line in lines)
