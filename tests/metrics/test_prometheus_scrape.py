@@ -46,14 +46,24 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _prometheus_config(tmp: Path, base_port: int) -> Path:
-    """deploy/prometheus/prometheus.yml with this job's targets and 1 s intervals."""
-    config = yaml.safe_load((PROMETHEUS_DIR / "prometheus.yml").read_text())
+def _prometheus_config(tmp: Path, base_port: int, discovery: str) -> Path:
+    """deploy/prometheus's config for ``discovery`` with this job's targets and 1 s intervals."""
+    name = {"static": "prometheus.yml", "file_sd": "prometheus-file-sd.yml"}[discovery]
+    config = yaml.safe_load((PROMETHEUS_DIR / name).read_text())
     config["global"].update(scrape_interval="1s", evaluation_interval="1s")
     config["rule_files"] = [str(PROMETHEUS_DIR / r) for r in config["rule_files"]]
     (job,) = config["scrape_configs"]
     job["scrape_interval"] = "1s"
-    job["static_configs"][0]["targets"] = [f"127.0.0.1:{base_port}", f"127.0.0.1:{base_port + 1}"]
+    targets = [f"127.0.0.1:{base_port}", f"127.0.0.1:{base_port + 1}"]
+    if discovery == "static":
+        job["static_configs"][0]["targets"] = targets
+    else:  # what the launcher writes for a run: one target group per run
+        (sd,) = job["file_sd_configs"]
+        sd["files"] = [str(tmp / "targets" / "*.json")]
+        sd["refresh_interval"] = "1s"
+        (tmp / "targets").mkdir()
+        group = [{"targets": targets, "labels": {"run_id": "e2e"}}]
+        (tmp / "targets" / "e2e.json").write_text(json.dumps(group))
     path = tmp / "prometheus.yml"
     path.write_text(yaml.safe_dump(config))
     return path
@@ -124,7 +134,10 @@ def _grafana_exprs() -> list[str]:
 
 
 @pytest.mark.slow
-def test_prometheus_scrapes_both_ranks_final_scale_and_grafana_queries_parse(tmp_path) -> None:
+@pytest.mark.parametrize("discovery", ["static", "file_sd"])
+def test_prometheus_scrapes_both_ranks_final_scale_and_grafana_queries_parse(
+    tmp_path, discovery: str
+) -> None:
     prometheus = require_tool("prometheus")
     base_port, prom_port = _free_port_pair(), _free_port()
     out = tmp_path / "run"
@@ -132,7 +145,7 @@ def test_prometheus_scrapes_both_ranks_final_scale_and_grafana_queries_parse(tmp
     procs: dict[str, subprocess.Popen] = {}
     try:
         procs["prometheus"] = _start(
-            [prometheus, f"--config.file={_prometheus_config(tmp_path, base_port)}",
+            [prometheus, f"--config.file={_prometheus_config(tmp_path, base_port, discovery)}",
              f"--storage.tsdb.path={tmp_path / 'tsdb'}",
              f"--web.listen-address=127.0.0.1:{prom_port}"],
             tmp_path / "prometheus.log",
