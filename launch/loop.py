@@ -98,6 +98,10 @@ def train(
         optimizer.zero_grad(set_to_none=True)
         if not scaler.step_applied(optimizer):
             state.record_skip(step)
+            # Every rank logs this, so the logs show that the ranks skipped the same step.
+            logger.info(
+                "step %d skipped (inf/NaN gradients); scale now %g", step, scaler.get_scale()
+            )
         state.step += 1
         tokens += targets.numel()
         if step == first_step or progress.wants_loss(step):

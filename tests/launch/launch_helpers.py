@@ -20,7 +20,9 @@ def launch(
     run_dir: Path, *overrides: str, timeout_s: float = 300, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
     """``python -m launch hydra.run.dir=RUN_DIR OVERRIDES``; bounded by ``timeout_s``."""
-    cmd = [sys.executable, "-m", "launch", f"hydra.run.dir={run_dir}", *overrides]
+    flags = [o for o in overrides if o.startswith("-")]  # argparse wants -m before overrides
+    rest = [o for o in overrides if not o.startswith("-")]
+    cmd = [sys.executable, "-m", "launch", *flags, f"hydra.run.dir={run_dir}", *rest]
     return subprocess.run(
         cmd,
         cwd=ROOT,

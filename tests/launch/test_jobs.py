@@ -1,0 +1,117 @@
+"""The real job under the real launcher, shortened: python -m launch in a subprocess."""
+
+from __future__ import annotations
+
+import re
+import socket
+from pathlib import Path
+
+import pytest
+from launch_helpers import FAST, launch, output, skipped_in_metrics_log, summary, worker_config
+
+pytestmark = pytest.mark.slow
+
+
+def _free_port_pair() -> int:
+    """A base port whose next port was free too, for 2 local ranks' exporters."""
+    for _ in range(50):
+        with socket.socket() as a:
+            a.bind(("127.0.0.1", 0))
+            base = a.getsockname()[1]
+            if base >= 65535:
+                continue
+            with socket.socket() as b:
+                try:
+                    b.bind(("127.0.0.1", base + 1))
+                except OSError:
+                    continue
+        return int(base)
+    raise RuntimeError("no two adjacent free ports on 127.0.0.1")
+
+
+def _skips_in_rank_log(run_dir: Path, rank: int) -> list[int]:
+    text = (run_dir / "logs" / f"rank{rank}.log").read_text()
+    return [int(s) for s in re.findall(r"step (\d+) skipped", text)]
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_job_runs_and_every_rank_skips_the_step_where_only_rank_1_overflowed(
+    parallel: str, tmp_path: Path
+) -> None:
+    proc = launch(
+        tmp_path,
+        *FAST,
+        f"parallel={parallel}",
+        "trainer.max_steps=30",
+        "scaler.growth_interval=7",  # an override the workers must see
+        "fault.inf_steps=[4,11]",
+        "fault.inf_rank=1",
+        f"metrics.port={_free_port_pair()}",
+    )
+    assert proc.returncode == 0, output(proc)
+    s = summary(tmp_path)
+    assert (s["world_size"], s["steps"], s["resumed_from"]) == (2, 30, None)
+    assert [r["rank"] for r in s["ranks"]] == [0, 1]
+    assert [r["skipped_steps"] for r in s["ranks"]] == [[4, 11], [4, 11]]
+    assert s["ranks"][0]["final_scale"] == s["ranks"][1]["final_scale"]
+    assert s["final_loss"] < s["first_loss"]
+    assert s["tokens_per_s"] > 0
+    # The same skipped steps in each rank's own log and in dscale's metrics log.
+    assert _skips_in_rank_log(tmp_path, 0) == _skips_in_rank_log(tmp_path, 1) == [4, 11]
+    assert skipped_in_metrics_log(tmp_path, 0) == skipped_in_metrics_log(tmp_path, 1)
+    assert len(skipped_in_metrics_log(tmp_path, 0)) == 2
+    for rank in (0, 1):
+        seen = worker_config(tmp_path, rank)
+        assert seen["scaler"]["growth_interval"] == 7
+        assert seen["trainer"]["max_steps"] == 30
+        assert seen["parallel"]["strategy"] == parallel
+    # One run folder: Hydra's files, the resolved config, logs and checkpoints inside it.
+    assert (tmp_path / ".hydra" / "config.yaml").is_file()
+    assert (tmp_path / "config.resolved.yaml").is_file()
+    assert (tmp_path / "checkpoints" / "step-30").is_dir()
+    assert "summary.json" in proc.stdout
+
+
+def test_job_survives_repeated_sigkill_and_resumes_from_the_last_checkpoint(
+    tmp_path: Path,
+) -> None:
+    # Rank 1 SIGKILLs itself at step 12 in attempts 0, 1 and 2; attempt 3 finishes. Each
+    # attempt resumes from step-10, so this also shows that a gloo group re-forms every time.
+    proc = launch(
+        tmp_path,
+        *FAST,
+        "model=mlp",
+        "trainer.max_steps=20",
+        "fault.inf_steps=[3]",
+        "fault.kill_step=12",
+        "fault.kill_attempts=3",
+        "launcher.max_restarts=3",
+        "metrics.enabled=false",
+        timeout_s=420,
+    )
+    assert proc.returncode == 0, output(proc)
+    s = summary(tmp_path)
+    assert (s["steps"], s["resumed_from"], s["restarts"]) == (20, 10, 3)
+    # Step 3 was skipped in attempt 0; the record came back from the checkpoint.
+    assert [r["skipped_steps"] for r in s["ranks"]] == [[3], [3]]
+    kills = (tmp_path / "logs" / "rank1.log").read_text().count("SIGKILL of this rank at step 12")
+    assert kills == 3
+
+
+def test_multirun_runs_one_job_after_another(tmp_path: Path) -> None:
+    proc = launch(
+        tmp_path / "unused",
+        "-m",
+        f"hydra.sweep.dir={tmp_path}",
+        *FAST,
+        "model=mlp",
+        "trainer.max_steps=6",
+        "metrics.enabled=false",
+        "scaler.growth_interval=100,1000",
+    )
+    assert proc.returncode == 0, output(proc)
+    seen = {}
+    for job in ("0", "1"):
+        assert summary(tmp_path / job)["steps"] == 6
+        seen[job] = worker_config(tmp_path / job, 1)["scaler"]["growth_interval"]
+    assert seen == {"0": 100, "1": 1000}
