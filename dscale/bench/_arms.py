@@ -1,0 +1,59 @@
+"""The contenders: a plain optimizer step and the same step through each scaler.
+
+Every scaler starts at the same scale (2**16) and sees gradients that were scaled by it, so each
+one does its full job (check, unscale, decide, update) and no step is skipped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+import dscale
+
+INIT_SCALE = 2.0**16
+OPTIMIZERS = ("sgd", "adam")
+IMPLS = ("foreach", "fused")
+SCALERS = ("dscale", "torch", "sharded")
+
+
+def make_optimizer(
+    params: Sequence[torch.nn.Parameter], kind: str, impl: str
+) -> torch.optim.Optimizer:
+    """SGD or Adam, foreach or fused; a tiny lr keeps repeated steps on scaled grads finite."""
+    if kind not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {kind!r}")
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    flags: dict[str, Any] = {"foreach": True} if impl == "foreach" else {"fused": True}
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=1e-9, momentum=0.9, **flags)
+    return torch.optim.Adam(params, lr=1e-9, **flags)
+
+
+def make_scaler(name: str, device: torch.device) -> Any:
+    """A scaler by name with its scale already initialised (as the first scale() call does)."""
+    if name == "dscale":
+        scaler: Any = dscale.GradScaler(device.type, init_scale=INIT_SCALE)
+    elif name == "torch":
+        scaler = torch.amp.GradScaler(device.type, init_scale=INIT_SCALE)
+    elif name == "sharded":
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        scaler = ShardedGradScaler(device=device.type, init_scale=INIT_SCALE)
+    else:
+        raise ValueError(f"scaler must be one of {SCALERS}, got {name!r}")
+    scaler.scale(torch.ones((), device=device))
+    return scaler
+
+
+def scaler_step(scaler: Any, optimizer: torch.optim.Optimizer) -> Callable[[], None]:
+    """The timed body of a scaler arm: step + update."""
+
+    def run() -> None:
+        scaler.step(optimizer)
+        scaler.update()
+
+    return run

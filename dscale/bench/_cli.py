@@ -1,0 +1,153 @@
+"""Command line of ``python -m dscale.bench``: pick sizes, run every section, print, write JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import tempfile
+import time
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dscale.bench import _ranks, _single
+from dscale.bench._arms import IMPLS, OPTIMIZERS
+from dscale.bench._report import render
+
+# Sizes: "small" is many small tensors, "large" few large ones. quick must stay under a minute
+# on 2 shared cores (make bench); the full run takes a few minutes there.
+CONFIGS: dict[str, dict[str, Any]] = {
+    "full": {
+        "reps": 30,
+        "small": (2000, 256),
+        "large": (8, 4 * 2**20),
+        "counts": [64, 256, 1024, 4096],
+        "numel_for_count": 1024,
+        "numels": [2**14, 2**16, 2**18, 2**20],
+        "count_for_numel": 16,
+        "dist": {"width": 1024, "depth": 8, "batch": 32},
+    },
+    "quick": {
+        "reps": 8,
+        "small": (500, 256),
+        "large": (4, 2**20),
+        "counts": [64, 256, 1024],
+        "numel_for_count": 256,
+        "numels": [2**14, 2**16, 2**18],
+        "count_for_numel": 8,
+        "dist": {"width": 256, "depth": 4, "batch": 16},
+    },
+    "tiny": {  # tests only: every section, seconds
+        "reps": 2,
+        "small": (20, 64),
+        "large": (2, 4096),
+        "counts": [4, 16],
+        "numel_for_count": 64,
+        "numels": [256, 1024],
+        "count_for_numel": 4,
+        "dist": {"width": 16, "depth": 2, "batch": 4},
+    },
+}
+
+
+def machine_info(device: torch.device) -> dict[str, Any]:
+    """What the figures were measured on."""
+    info: dict[str, Any] = {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "device": str(device),
+    }
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    return info
+
+
+def _single_rank_group(tmp: str) -> None:
+    """ShardedGradScaler all-reduces even alone: give it a 1-rank gloo group (dscale skips it)."""
+    store = dist.FileStore(os.path.join(tmp, "store"), 1)
+    dist.init_process_group(
+        "gloo", store=store, rank=0, world_size=1, timeout=timedelta(seconds=60)
+    )
+
+
+def run_single(cfg: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """Every single-process section: step overhead, unscale pass, growth sweep."""
+    reps = cfg["reps"]
+    single = [
+        _single.step_overhead(count, numel, opt, impl, reps, device)
+        for count, numel in (cfg["small"], cfg["large"])
+        for opt in OPTIMIZERS
+        for impl in IMPLS
+    ]
+    unscale = [_single.unscale_pass(c, n, reps, device) for c, n in (cfg["small"], cfg["large"])]
+    sweep = _single.sweep(
+        cfg["counts"], cfg["numel_for_count"], cfg["numels"], cfg["count_for_numel"], reps, device
+    )
+    return {"single": single, "unscale_pass": unscale, "sweep": sweep}
+
+
+def run(
+    config: str = "full", reps: int | None = None, device: str = "cpu", distributed: bool = True
+) -> dict[str, Any]:
+    """Run the benchmark in this process (plus spawned gloo ranks); returns the result dict."""
+    if config not in CONFIGS:
+        raise ValueError(f"config must be one of {sorted(CONFIGS)}, got {config!r}")
+    if reps is not None and reps < 1:
+        raise ValueError(f"reps must be >= 1, got {reps!r}")
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' but CUDA is not available here; use --device cpu")
+    cfg = dict(CONFIGS[config])
+    if reps is not None:
+        cfg["reps"] = reps
+    dev = torch.device(device)
+    start = time.perf_counter()
+    result: dict[str, Any] = {"machine": machine_info(dev), "config": config, "reps": cfg["reps"]}
+    if dist.is_initialized():  # under torchrun: this process is one of many ranks
+        result["distributed"] = _ranks.run_here({**cfg["dist"], "reps": cfg["reps"]})
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            _single_rank_group(tmp)
+            try:
+                result.update(run_single(cfg, dev))
+            finally:
+                dist.destroy_process_group()
+        if distributed:
+            result["distributed"] = _ranks.run_spawned({**cfg["dist"], "reps": cfg["reps"]})
+    result["seconds"] = time.perf_counter() - start
+    return result
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Parse arguments, run, print the tables (rank 0 only) and write ``--json``."""
+    parser = argparse.ArgumentParser(prog="python -m dscale.bench", description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="small sizes, under a minute")
+    parser.add_argument("--json", metavar="PATH", help="write every number here")
+    parser.add_argument("--reps", type=int, help="repetitions per arm (default 30, quick 8)")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--no-distributed", action="store_true", help="skip the 2-rank part")
+    parser.add_argument("--config-for-tests", choices=sorted(CONFIGS), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        dist.init_process_group("gloo", timeout=_ranks.TIMEOUT)
+    try:
+        config = args.config_for_tests or ("quick" if args.quick else "full")
+        result = run(config, args.reps, args.device, not args.no_distributed)
+        if dist.is_initialized() and dist.get_rank() != 0:
+            return
+        print(render(result))  # noqa: T201
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=1)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,136 @@
+"""Multi-rank scenarios on gloo (CPU): whole training steps under DDP and FSDP2.
+
+Here the overhead is measured on the whole step, backward included, because dscale's DDP hook
+moves the unscale into the gradient all-reduce. Every arm has its own model (same initial
+weights) and optimizer; the arms run interleaved in the same order on every rank. A repetition's
+time is the slowest rank's.
+
+Run either inside ``torchrun`` (``WORLD_SIZE`` set: this process is one rank) or by spawning
+``world_size`` local processes that meet through a ``FileStore``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+import dscale
+from dscale.bench._arms import make_scaler
+from dscale.bench._timing import Arm, run_interleaved, summarize
+
+TIMEOUT = timedelta(seconds=120)
+
+
+def has_ddp_hook() -> bool:
+    """Whether this dscale has ``GradScaler.attach`` (the DDP comm hook)."""
+    return hasattr(dscale.GradScaler, "attach")
+
+
+def _mlp(width: int, depth: int) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(width, width) for _ in range(depth)])
+
+
+def _train_step(
+    model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, scaler: Any | None
+) -> Callable[[], None]:
+    def run() -> None:
+        opt.zero_grad(set_to_none=False)
+        loss = model(x).square().mean()
+        if scaler is None:
+            loss.backward()
+            opt.step()
+            return
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+
+    return run
+
+
+def _arm(name: str, model: nn.Module, x: torch.Tensor, scaler: Any | None) -> Arm:
+    opt = torch.optim.SGD(model.parameters(), lr=1e-9, momentum=0.9, foreach=True)
+    return Arm(name, _train_step(model, opt, x, scaler))
+
+
+def _ddp_arms(width: int, depth: int, x: torch.Tensor) -> list[Arm]:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    cpu = torch.device("cpu")
+    arms = [_arm("plain", DDP(_mlp(width, depth)), x, None)]
+    arms += [_arm(n, DDP(_mlp(width, depth)), x, make_scaler(n, cpu)) for n in ("dscale", "torch")]
+    if has_ddp_hook():
+        model = DDP(_mlp(width, depth))
+        scaler = make_scaler("dscale", cpu)
+        scaler.attach(model)
+        arms.append(_arm("dscale+hook", model, x, scaler))
+    return arms
+
+
+def _fsdp_arms(width: int, depth: int, x: torch.Tensor) -> list[Arm]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    cpu = torch.device("cpu")
+
+    def sharded() -> nn.Module:
+        model = _mlp(width, depth)
+        for layer in model:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model
+
+    arms = [_arm("plain", sharded(), x, None)]
+    return arms + [_arm(n, sharded(), x, make_scaler(n, cpu)) for n in ("dscale", "sharded")]
+
+
+def _slowest_rank(times: dict[str, list[float]]) -> dict[str, list[float]]:
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, times)
+    return {name: [max(t) for t in zip(*(g[name] for g in gathered))] for name in times}
+
+
+def run_here(cfg: dict[str, Any]) -> dict[str, Any] | None:
+    """Run the DDP and FSDP2 scenarios on this rank; rank 0 returns the summary, others None."""
+    torch.manual_seed(1 + dist.get_rank())  # each rank its own data, as in data parallelism
+    x = torch.randn(cfg["batch"], cfg["width"])
+    out: dict[str, Any] = {"world_size": dist.get_world_size(), **cfg}
+    for name, build in (("ddp", _ddp_arms), ("fsdp2", _fsdp_arms)):
+        arms = build(cfg["width"], cfg["depth"], x)
+        times = _slowest_rank(run_interleaved(arms, cfg["reps"], torch.device("cpu")))
+        out[name] = {"arms": summarize(times, "plain")}
+    return out if dist.get_rank() == 0 else None
+
+
+def _spawned(rank: int, world_size: int, store_path: str, cfg: dict[str, Any], out: str) -> None:
+    torch.set_num_threads(1)  # one core per rank; more would fight over the same cores
+    store = dist.FileStore(store_path, world_size)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=TIMEOUT)
+    try:
+        result = run_here(cfg)
+        if result is not None:
+            with open(out, "w") as f:
+                json.dump(result, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_spawned(cfg: dict[str, Any], world_size: int = 2) -> dict[str, Any]:
+    """Spawn ``world_size`` local gloo ranks, run the scenarios, return rank 0's result."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result.json")
+        args = (world_size, os.path.join(tmp, "store"), cfg, out)
+        mp.start_processes(_spawned, args=args, nprocs=world_size, start_method="spawn")
+        with open(out) as f:
+            result: dict[str, Any] = json.load(f)
+    return result

@@ -1,0 +1,138 @@
+"""Single-process scenarios: the scalers' step overhead on pre-populated scaled gradients.
+
+All arms share the parameters and the saved scaled gradients; each has its own optimizer (so its
+own state). Before every timed run the gradients are copied back from the saved scaled copy
+(untimed), so every repetition checks and unscales the same values.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+import torch
+
+from dscale._unscale import check_and_unscale_, group_by_device_and_dtype
+from dscale.bench._arms import INIT_SCALE, SCALERS, make_optimizer, make_scaler, scaler_step
+from dscale.bench._syncs import count_host_syncs
+from dscale.bench._timing import Arm, run_interleaved, summarize
+
+
+class Grads:
+    """``count`` parameters of ``numel`` floats with scaled grads, and their saved copy."""
+
+    def __init__(self, count: int, numel: int, device: torch.device, seed: int = 0) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.params = [
+            torch.nn.Parameter(torch.randn(numel, generator=gen).to(device)) for _ in range(count)
+        ]
+        self.saved = [
+            torch.randn(numel, generator=gen).to(device) * INIT_SCALE for _ in range(count)
+        ]
+        self.grads = [saved.clone() for saved in self.saved]
+        for param, grad in zip(self.params, self.grads):
+            param.grad = grad
+        self.nbytes = sum(g.numel() * g.element_size() for g in self.saved)
+
+    def restore(self) -> None:
+        """Put the saved scaled values back into the grads (in place: the optimizers hold them)."""
+        torch._foreach_copy_(self.grads, self.saved)
+
+
+def step_arms(
+    grads: Grads, optimizer: str, impl: str, device: torch.device, scalers: tuple[str, ...]
+) -> list[Arm]:
+    """The plain optimizer step and one scaler arm per name in ``scalers``."""
+    plain = make_optimizer(grads.params, optimizer, impl)
+    arms = [Arm("plain", plain.step, grads.restore)]
+    for name in scalers:
+        opt = make_optimizer(grads.params, optimizer, impl)
+        arms.append(Arm(name, scaler_step(make_scaler(name, device), opt), grads.restore))
+    return arms
+
+
+def host_syncs(arms: list[Arm], device: torch.device) -> dict[str, int]:
+    """Host syncs of one run of each arm (CUDA only; empty on the CPU)."""
+    if device.type != "cuda":
+        return {}
+    out = {}
+    for arm in arms:
+        if arm.prepare is not None:
+            arm.prepare()
+        out[arm.name] = count_host_syncs(arm.run)
+    return out
+
+
+def step_overhead(
+    count: int,
+    numel: int,
+    optimizer: str,
+    impl: str,
+    reps: int,
+    device: torch.device,
+    scalers: tuple[str, ...] = SCALERS,
+) -> dict[str, Any]:
+    """One scenario: per-arm times and overhead over the plain step, plus host syncs on CUDA."""
+    grads = Grads(count, numel, device)
+    arms = step_arms(grads, optimizer, impl, device, scalers)
+    result = summarize(run_interleaved(arms, reps, device), "plain")
+    return {
+        "count": count,
+        "numel": numel,
+        "bytes": grads.nbytes,
+        "optimizer": optimizer,
+        "impl": impl,
+        "arms": result,
+        "host_syncs": host_syncs(arms, device),
+    }
+
+
+def unscale_pass(count: int, numel: int, reps: int, device: torch.device) -> dict[str, Any]:
+    """dscale's check-and-unscale pass against a plain ``_foreach_mul_`` (the bandwidth floor)."""
+    grads = Grads(count, numel, device)
+    inv = torch.full((), 1.0 / INIT_SCALE, device=device)
+
+    def dscale_pass() -> None:
+        check_and_unscale_(group_by_device_and_dtype(grads.grads), inv, device)
+
+    arms = [
+        Arm("foreach_mul", lambda: torch._foreach_mul_(grads.grads, inv), grads.restore),
+        Arm("dscale_unscale", dscale_pass, grads.restore),
+    ]
+    result = summarize(run_interleaved(arms, reps, device), "foreach_mul")
+    return {"count": count, "numel": numel, "bytes": grads.nbytes, "arms": result}
+
+
+def _slope(xs: list[float], ys: list[float]) -> float:
+    return statistics.linear_regression(xs, ys).slope if len(set(xs)) > 1 else float("nan")
+
+
+def sweep(
+    counts: list[int],
+    numel_for_count: int,
+    numels: list[int],
+    count_for_numel: int,
+    reps: int,
+    device: torch.device,
+) -> dict[str, Any]:
+    """How the overhead grows with the number of tensors, and with the bytes (SGD foreach)."""
+    scalers = ("dscale", "torch")
+    by_count = [
+        step_overhead(c, numel_for_count, "sgd", "foreach", reps, device, scalers) for c in counts
+    ]
+    by_bytes = [
+        step_overhead(count_for_numel, n, "sgd", "foreach", reps, device, scalers) for n in numels
+    ]
+    slopes: dict[str, dict[str, float]] = {}
+    for name in scalers:
+        slopes[name] = {
+            "us_per_tensor": _slope(
+                [float(p["count"]) for p in by_count],
+                [p["arms"][name]["overhead_median_us"] for p in by_count],
+            ),
+            "us_per_mib": _slope(
+                [p["bytes"] / 2**20 for p in by_bytes],
+                [p["arms"][name]["overhead_median_us"] for p in by_bytes],
+            ),
+        }
+    return {"by_count": by_count, "by_bytes": by_bytes, "slopes": slopes}

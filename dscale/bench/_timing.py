@@ -1,0 +1,77 @@
+"""Interleaved timing of benchmark arms, and the summary statistics reported for them.
+
+Each repetition runs every arm once, starting at a rotating arm so that no arm always runs first
+(after a cache-cold gap) or last. An arm's ``prepare`` (restoring gradients) runs untimed right
+before its timed ``run``.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Arm:
+    """One contender: ``prepare`` runs untimed, then ``run`` is timed."""
+
+    name: str
+    run: Callable[[], object]
+    prepare: Callable[[], object] | None = None
+
+
+def time_once(fn: Callable[[], object], device: torch.device) -> float:
+    """Seconds ``fn`` takes; on CUDA the queue is drained before and after, so GPU work counts."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
+
+
+def run_interleaved(
+    arms: list[Arm], reps: int, device: torch.device, warmup: int = 2
+) -> dict[str, list[float]]:
+    """Time every arm ``reps`` times, interleaved; returns seconds per arm (warm-up dropped)."""
+    times: dict[str, list[float]] = {arm.name: [] for arm in arms}
+    for rep in range(warmup + reps):
+        shift = rep % len(arms)
+        for arm in arms[shift:] + arms[:shift]:
+            if arm.prepare is not None:
+                arm.prepare()
+            elapsed = time_once(arm.run, device)
+            if rep >= warmup:
+                times[arm.name].append(elapsed)
+    return times
+
+
+def summarize(times: dict[str, list[float]], baseline: str) -> dict[str, dict[str, float]]:
+    """Per arm: median and min time, and the overhead over ``baseline`` (in microseconds).
+
+    ``overhead_median_us`` is the median of the per-repetition differences (paired: both ran in
+    the same repetition, under the same load); ``overhead_min_us`` is min(arm) - min(baseline),
+    the least disturbed estimate.
+    """
+    base = times[baseline]
+    out: dict[str, dict[str, float]] = {}
+    for name, values in times.items():
+        paired = [a - b for a, b in zip(values, base)]
+        out[name] = {
+            "median_us": statistics.median(values) * 1e6,
+            "min_us": min(values) * 1e6,
+            "overhead_median_us": statistics.median(paired) * 1e6,
+            "overhead_min_us": (min(values) - min(base)) * 1e6,
+            "reps": len(values),
+        }
+    return out
+
+
+def ratio(numerator: float, denominator: float) -> float:
+    """``numerator / denominator``, NaN when the denominator is not a positive overhead."""
+    return numerator / denominator if denominator > 0 else float("nan")

@@ -1,0 +1,79 @@
+"""The benchmark runs end to end on a tiny config and reports every arm of every scenario.
+
+No timing assertions: speed is what the benchmark reports, not what tests check.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from dscale.bench import _cli, _ranks
+
+STEP_ARMS = {"plain", "dscale", "torch", "sharded"}
+
+
+def _finite_arm(arm: dict) -> None:
+    for key in ("median_us", "min_us", "overhead_median_us", "overhead_min_us"):
+        assert math.isfinite(arm[key]), (key, arm)
+    assert arm["median_us"] > 0
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory):
+    path = tmp_path_factory.mktemp("bench") / "out.json"
+    _cli.main(["--json", str(path), "--reps", "2", "--config-for-tests", "tiny"])
+    return json.loads(path.read_text())
+
+
+def test_every_single_process_scenario_has_every_arm(result) -> None:
+    seen = {(s["count"], s["optimizer"], s["impl"]) for s in result["single"]}
+    assert len(seen) == 8  # {many small, few large} x {sgd, adam} x {foreach, fused}
+    for scenario in result["single"]:
+        assert set(scenario["arms"]) == STEP_ARMS
+        for arm in scenario["arms"].values():
+            _finite_arm(arm)
+            assert arm["reps"] == 2
+
+
+def test_unscale_pass_and_sweep_are_reported(result) -> None:
+    for scenario in result["unscale_pass"]:
+        assert set(scenario["arms"]) == {"foreach_mul", "dscale_unscale"}
+        for arm in scenario["arms"].values():
+            _finite_arm(arm)
+    sweep = result["sweep"]
+    assert [p["count"] for p in sweep["by_count"]] == _cli.CONFIGS["tiny"]["counts"]
+    assert [p["numel"] for p in sweep["by_bytes"]] == _cli.CONFIGS["tiny"]["numels"]
+    for slopes in sweep["slopes"].values():
+        assert math.isfinite(slopes["us_per_tensor"]) and math.isfinite(slopes["us_per_mib"])
+
+
+def test_two_rank_ddp_and_fsdp2_arms_are_reported(result) -> None:
+    dist_result = result["distributed"]
+    assert dist_result["world_size"] == 2
+    ddp_arms = {"plain", "dscale", "torch"} | ({"dscale+hook"} if _ranks.has_ddp_hook() else set())
+    assert set(dist_result["ddp"]["arms"]) == ddp_arms
+    assert set(dist_result["fsdp2"]["arms"]) == {"plain", "dscale", "sharded"}
+    for arms in (dist_result["ddp"]["arms"], dist_result["fsdp2"]["arms"]):
+        for arm in arms.values():
+            _finite_arm(arm)
+
+
+def test_machine_info_is_written(result) -> None:
+    assert result["machine"]["torch"]
+    assert result["machine"]["device"] == "cpu"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        ({"reps": 0}, "reps must be >= 1, got 0"),
+        ({"device": "tpu"}, "device must be"),
+        ({"config": "huge"}, "config must be one of"),
+    ],
+)
+def test_bad_arguments_raise_value_error_naming_them(kwargs, needle) -> None:
+    with pytest.raises(ValueError, match=needle):
+        _cli.run(**kwargs)
