@@ -1,4 +1,4 @@
-"""Unscale inside DDP's gradient all-reduce: ``GradScaler.attach(ddp_model)``.
+"""Unscale inside the gradient reduction: ``GradScaler.attach(ddp_model or fsdp2_model)``.
 
 DDP's default hook divides each bucket by the world size and all-reduces it. This hook all-reduces
 the scaled bucket and then, in one fused pass over the reduced values, multiplies by
@@ -9,6 +9,11 @@ collective of its own for these parameters.
 fp16/bf16 buckets are divided by the world size before the all-reduce (as DDP does) so the sum
 cannot overflow where the average would not; the pass after it then multiplies by 1 / scale.
 For a power-of-two world size and scale (dscale's defaults), the result is bitwise the plain path's.
+
+FSDP2 has no replaceable reduce-scatter hook that sees the whole reduction, but it runs
+``set_all_reduce_hook`` callbacks on every reduce-scatter output while it is hot; there this module
+unscales and checks the rank's shard in one pass. A shard's flag is local, so the scaler still
+all-reduces it (one element), but step() no longer makes its own pass over those grads.
 """
 
 # No `from __future__ import annotations`: DDP compares the hook's annotations as objects.
@@ -22,10 +27,13 @@ import torch.distributed as dist
 class HookState:
     """Per-scaler state the hook shares with the scaler: the flag of the current backward."""
 
-    def __init__(self, scale_of: Callable[[], torch.Tensor], group: Any) -> None:
+    def __init__(
+        self, scale_of: Callable[[], torch.Tensor], group: Any, *, flag_is_global: bool
+    ) -> None:
         self.scale_of = scale_of
         self.group = group
-        self.world_size = dist.get_world_size(group)
+        self.world_size = dist.get_world_size(group) if group is not None else 1
+        self.flag_is_global = flag_is_global
         self.found: dict[torch.device, torch.Tensor] = {}
 
     def flag(self, device: torch.device) -> torch.Tensor:
@@ -61,3 +69,12 @@ def unscale_allreduce_hook(
         return reduced
 
     return work.get_future().then(finish)
+
+
+def unscale_reduced_shard(state: HookState, reduce_output: torch.Tensor) -> None:
+    """FSDP2 all-reduce hook: unscale and check this rank's reduce-scatter output in place."""
+    scale = state.scale_of().to(reduce_output.device, non_blocking=True)
+    inv = scale.double().reciprocal().float()
+    torch._amp_foreach_non_finite_check_and_unscale_(
+        [reduce_output], state.flag(reduce_output.device), inv
+    )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import warnings
@@ -14,7 +15,7 @@ from typing import Any, Literal, Protocol
 import torch
 
 from dscale import _agreement, _dist, _policy, _state
-from dscale._ddp_hook import HookState, unscale_allreduce_hook
+from dscale._ddp_hook import HookState, unscale_allreduce_hook, unscale_reduced_shard
 from dscale._masked_step import (
     masked_step,
     params_without_state,
@@ -265,7 +266,11 @@ class GradScaler:
         # The reciprocal in fp64, as torch does: fp32 division can be imprecise.
         inv_scale = scale.double().reciprocal().float() if unscale else torch.ones_like(scale)
         group = self._process_group()
-        if hook_flag is not None and not self._has_unhooked_params(optimizer):
+        if (
+            hook_flag is not None
+            and all(s.flag_is_global for s in self._hook_states)
+            and not self._has_unhooked_params(optimizer)
+        ):
             group = None  # DDP's own all-reduce already made the flag global
         device = scale.device if group is None else _dist.flag_device(group, scale.device)
         with torch.no_grad():
@@ -276,27 +281,37 @@ class GradScaler:
         return unscale
 
     # ----------------------------------------------------------------- DDP hook
-    def attach(self, ddp_model: torch.nn.Module) -> None:
-        """Fold the unscale and the inf/NaN check into DDP's gradient all-reduce.
+    def attach(self, model: torch.nn.Module) -> None:
+        """Fold the unscale and the inf/NaN check into the model's gradient reduction.
 
-        Replaces DDP's comm hook: each bucket is averaged, unscaled and checked in one pass while
-        it is hot, so step() does no separate unscale pass and the scaler adds no collective for
-        this model's parameters. The flag then covers the whole model: an overflow anywhere in it
-        skips every optimizer over its parameters. Call once, before the first backward.
+        DDP: replaces the comm hook; each bucket is averaged, unscaled and checked in one pass
+        while it is hot, so step() does no unscale pass and the scaler adds no collective for
+        this model's parameters. FSDP2 (``fully_shard``): each reduce-scatter output is unscaled
+        and checked in an all-reduce hook; the one-element flag all-reduce stays. Either way the
+        flag covers the whole model: an overflow anywhere in it skips every optimizer over its
+        parameters. Call once, before the first backward.
         """
+        from torch.distributed.fsdp import FSDPModule
         from torch.nn.parallel import DistributedDataParallel
 
-        if not isinstance(ddp_model, DistributedDataParallel):
-            raise TypeError(
-                "attach() takes a torch.nn.parallel.DistributedDataParallel model, got "
-                f"{type(ddp_model).__name__}; FSDP and single-process models need no attach()"
-            )
         if not self._enabled:
             return
-        state = HookState(lambda: self._require_scale("backward"), ddp_model.process_group)
-        ddp_model.register_comm_hook(state, unscale_allreduce_hook)
+        scale_of = lambda: self._require_scale("backward")  # noqa: E731
+        if isinstance(model, DistributedDataParallel):
+            state = HookState(scale_of, model.process_group, flag_is_global=True)
+            model.register_comm_hook(state, unscale_allreduce_hook)
+        elif isinstance(model, FSDPModule):
+            state = HookState(scale_of, None, flag_is_global=False)
+            for unit in model.modules():
+                if isinstance(unit, FSDPModule):
+                    unit.set_all_reduce_hook(functools.partial(unscale_reduced_shard, state))
+        else:
+            raise TypeError(
+                "attach() takes a DistributedDataParallel model or an FSDP2 (fully_shard) model, "
+                f"got {type(model).__name__}; other models need no attach()"
+            )
         self._hook_states.append(state)
-        self._hooked_params |= {id(p) for p in ddp_model.parameters() if p.requires_grad}
+        self._hooked_params |= {id(p) for p in model.parameters() if p.requires_grad}
 
     def _take_hook_flag(self) -> torch.Tensor | None:
         """This iteration's flag from the DDP hook; None when no hooked bucket was reduced."""

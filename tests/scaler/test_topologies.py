@@ -59,6 +59,41 @@ def _ddp_run(rank: int, hook: bool, poison_step: int, accumulate: bool) -> dict[
     return {"params": params, "scales": scales, "collectives": len(calls)}
 
 
+def _fsdp2_run(rank: int, hook: bool) -> dict[str, Any]:
+    import dscale
+    import dscale.scaler as scaler_module
+    from tests.scaler._setup import full_params, wrap
+
+    model = wrap(tiny_model(), "fsdp2")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    scaler = dscale.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
+    if hook:
+        scaler.attach(model)
+    seen: list[int] = []
+    real_pass = scaler_module.check_and_unscale_
+
+    def counting_pass(groups: Any, *args: Any) -> Any:
+        seen.append(sum(len(g) for per_dtype in groups.values() for g in per_dtype.values()))
+        return real_pass(groups, *args)
+
+    scaler_module.check_and_unscale_ = counting_pass
+    calls, restore = _count_flag_collectives()
+    params, scales = [], []
+    try:
+        for step in range(4):
+            opt.zero_grad()
+            poison = float("inf") if (step == 2 and rank == 1) else 1.0
+            scaler.scale(model(batch(rank, step)).square().mean() * poison).backward()
+            scaler.step(opt)
+            scaler.update()
+            params.append(full_params(model, "fsdp2"))
+            scales.append(scaler.get_scale())
+    finally:
+        restore()
+        scaler_module.check_and_unscale_ = real_pass
+    return {"params": params, "scales": scales, "collectives": len(calls), "pass_sizes": seen}
+
+
 def _mixed_placements(rank: int, world_size: int) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -136,6 +171,8 @@ def _all(rank: int, world_size: int) -> dict[str, Any]:
         "hook": _ddp_run(rank, hook=True, poison_step=2, accumulate=False),
         "plain_acc": _ddp_run(rank, hook=False, poison_step=3, accumulate=True),
         "hook_acc": _ddp_run(rank, hook=True, poison_step=3, accumulate=True),
+        "fsdp2": _fsdp2_run(rank, hook=False),
+        "fsdp2_hook": _fsdp2_run(rank, hook=True),
         "mixed": _mixed_placements(rank, world_size),
         "group": _chosen_group_and_pickle(rank, world_size),
     }
@@ -160,6 +197,17 @@ def test_topologies_agree_across_ranks() -> None:
     for r in (r0, r1):
         assert torch.equal(r["hook"]["params"][1], r["hook"]["params"][2])
         assert torch.equal(r["hook_acc"]["params"][2], r["hook_acc"]["params"][3])
+
+    # FSDP2 hook: each reduce-scatter output is unscaled and checked while hot; step() makes no
+    # pass over those grads, the one-element flag all-reduce stays, results match the plain path.
+    for r in (r0, r1):
+        assert r["fsdp2_hook"]["scales"] == r["fsdp2"]["scales"] == [1024.0, 2048.0, 1024.0, 1024.0]
+        for a, b in zip(r["fsdp2_hook"]["params"], r["fsdp2"]["params"]):
+            assert torch.equal(a, b)  # power-of-two scale and world size: bitwise
+        assert torch.equal(r["fsdp2_hook"]["params"][1], r["fsdp2_hook"]["params"][2])
+        assert r["fsdp2_hook"]["collectives"] == r["fsdp2"]["collectives"] == 4
+        assert r["fsdp2_hook"]["pass_sizes"] == [0, 0, 0, 0]
+        assert r["fsdp2"]["pass_sizes"] == [4, 4, 4, 4]
 
     # Mixed placements (Shard DTensor, Partial/Replicate DTensor, plain tensor) in one optimizer.
     for r in (r0, r1):
