@@ -19,6 +19,8 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+import torch
+
 FORMAT_VERSION = 1
 
 TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
@@ -117,12 +119,12 @@ def validate(state: Mapping[str, Any]) -> dict[str, Any]:
     out = dict(state)
     for key in ("scale", "growth_factor", "backoff_factor", "min_scale", "max_scale"):
         value = out.get(key)
-        if hasattr(value, "item"):  # a 0-dim tensor, e.g. after a DCP round trip
+        if isinstance(value, torch.Tensor):  # a 0-dim tensor, e.g. after a DCP round trip
             out[key] = float(value.item())
     for key in ("growth_interval", "_growth_tracker", "hysteresis", "_hysteresis_tracker",
                 "dscale_format_version", *COUNTER_KEYS):
         value = out.get(key)
-        if hasattr(value, "item"):
+        if isinstance(value, torch.Tensor):
             out[key] = int(value.item())
     version = out.get("dscale_format_version", FORMAT_VERSION)
     if not _is_int(version) or version > FORMAT_VERSION:
