@@ -38,6 +38,15 @@ def test_every_single_process_scenario_has_every_arm(result) -> None:
             assert arm["reps"] == 2
 
 
+def test_every_phase_of_every_scaler_is_reported(result) -> None:
+    assert len(result["phases"]) == 2  # many small, few large
+    for split in result["phases"]:
+        assert set(split["scalers"]) == {"dscale", "torch", "sharded"}
+        for per_phase in split["scalers"].values():
+            assert set(per_phase) == {"unscale_", "step", "update"}
+            assert all(math.isfinite(v["median_us"]) for v in per_phase.values())
+
+
 def test_unscale_pass_and_sweep_are_reported(result) -> None:
     for scenario in result["unscale_pass"]:
         assert set(scenario["arms"]) == {"foreach_mul", "dscale_unscale"}
@@ -72,6 +81,7 @@ def test_machine_info_is_written(result) -> None:
         ({"reps": 0}, "reps must be >= 1, got 0"),
         ({"device": "tpu"}, "device must be"),
         ({"config": "huge"}, "config must be one of"),
+        ({"threads": 0}, "threads must be >= 1, got 0"),
     ],
 )
 def test_bad_arguments_raise_value_error_naming_them(kwargs, needle) -> None:

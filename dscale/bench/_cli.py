@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dscale.bench import _ranks, _single
+from dscale.bench import _phases, _ranks, _single
 from dscale.bench._arms import IMPLS, OPTIMIZERS
 from dscale.bench._report import render
 
@@ -72,7 +72,9 @@ def machine_info(device: torch.device) -> dict[str, Any]:
 
 def _single_rank_group(tmp: str) -> None:
     """ShardedGradScaler all-reduces even alone: give it a 1-rank gloo group (dscale skips it)."""
-    store = dist.FileStore(os.path.join(tmp, "store"), 1)
+    store = dist.FileStore(  # type: ignore[attr-defined]
+        os.path.join(tmp, "store"), 1
+    )
     dist.init_process_group(
         "gloo", store=store, rank=0, world_size=1, timeout=timedelta(seconds=60)
     )
@@ -91,11 +93,16 @@ def run_single(cfg: dict[str, Any], device: torch.device) -> dict[str, Any]:
     sweep = _single.sweep(
         cfg["counts"], cfg["numel_for_count"], cfg["numels"], cfg["count_for_numel"], reps, device
     )
-    return {"single": single, "unscale_pass": unscale, "sweep": sweep}
+    split = [_phases.phases(c, n, reps, device) for c, n in (cfg["small"], cfg["large"])]
+    return {"single": single, "phases": split, "unscale_pass": unscale, "sweep": sweep}
 
 
 def run(
-    config: str = "full", reps: int | None = None, device: str = "cpu", distributed: bool = True
+    config: str = "full",
+    reps: int | None = None,
+    device: str = "cpu",
+    distributed: bool = True,
+    threads: int = 1,
 ) -> dict[str, Any]:
     """Run the benchmark in this process (plus spawned gloo ranks); returns the result dict."""
     if config not in CONFIGS:
@@ -106,6 +113,9 @@ def run(
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' but CUDA is not available here; use --device cpu")
+    if threads < 1:
+        raise ValueError(f"threads must be >= 1, got {threads!r}")
+    torch.set_num_threads(threads)
     cfg = dict(CONFIGS[config])
     if reps is not None:
         cfg["reps"] = reps
@@ -134,6 +144,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--json", metavar="PATH", help="write every number here")
     parser.add_argument("--reps", type=int, help="repetitions per arm (default 30, quick 8)")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch CPU threads for the single-process part (default 1: steadier on shared cores)",
+    )
     parser.add_argument("--no-distributed", action="store_true", help="skip the 2-rank part")
     parser.add_argument("--config-for-tests", choices=sorted(CONFIGS), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -141,7 +157,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         dist.init_process_group("gloo", timeout=_ranks.TIMEOUT)
     try:
         config = args.config_for_tests or ("quick" if args.quick else "full")
-        result = run(config, args.reps, args.device, not args.no_distributed)
+        result = run(config, args.reps, args.device, not args.no_distributed, args.threads)
         if dist.is_initialized() and dist.get_rank() != 0:
             return
         print(render(result))  # noqa: T201

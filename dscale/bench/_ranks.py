@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
+from torch.multiprocessing.spawn import start_processes
 
 import dscale
 from dscale.bench._arms import make_scaler
@@ -114,7 +114,9 @@ def run_here(cfg: dict[str, Any]) -> dict[str, Any] | None:
 
 def _spawned(rank: int, world_size: int, store_path: str, cfg: dict[str, Any], out: str) -> None:
     torch.set_num_threads(1)  # one core per rank; more would fight over the same cores
-    store = dist.FileStore(store_path, world_size)
+    store = dist.FileStore(  # type: ignore[attr-defined]
+        store_path, world_size
+    )
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=TIMEOUT)
     try:
         result = run_here(cfg)
@@ -130,7 +132,7 @@ def run_spawned(cfg: dict[str, Any], world_size: int = 2) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
         args = (world_size, os.path.join(tmp, "store"), cfg, out)
-        mp.start_processes(_spawned, args=args, nprocs=world_size, start_method="spawn")
+        start_processes(_spawned, args=args, nprocs=world_size, start_method="spawn")
         with open(out) as f:
             result: dict[str, Any] = json.load(f)
     return result

@@ -68,6 +68,15 @@ def render(result: dict[str, Any]) -> str:
         if syncs:
             out += ["", "host syncs per step (CUDA sync debug mode)"]
             out += [f"{label:<30} {counts}" for label, counts in syncs]
+    if "phases" in result:
+        out += ["", "where the time goes (SGD foreach; us, median / min)"]
+        for split in result["phases"]:
+            for name, per_phase in split["scalers"].items():
+                cells = "  ".join(
+                    f"{phase} {v['median_us']:8.1f} / {v['min_us']:8.1f}"
+                    for phase, v in per_phase.items()
+                )
+                out.append(f"{split['count']}x{split['numel']:<10} {name:<8} {cells}")
     if "unscale_pass" in result:
         out += ["", "check-and-unscale pass vs torch._foreach_mul_ (median and min time ratio)"]
         for s in result["unscale_pass"]:
