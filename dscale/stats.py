@@ -109,6 +109,7 @@ class NumericsStats:
         self._steps = 0  # update() calls seen; host-side, so sampling decisions need no sync
         self._exported: list[str] = []  # names with their own series, in order of first overflow
         self._state: _DeviceState | None = None
+        self._saw_grads = False  # host-side: did on_grads see any grad since the last update?
 
     @property
     def steps_observed(self) -> int:
@@ -145,6 +146,7 @@ class NumericsStats:
         """Record norms, non-finite flags and (every N steps) underflow of the scaled grads."""
         if not grads:
             return
+        self._saw_grads = True
         if self._state is None:
             self._state = _DeviceState(grads[0].device, len(self._params))
         st = self._state
@@ -173,10 +175,13 @@ class NumericsStats:
         if st is None:
             return  # no grads seen yet (e.g. update() without backward)
         skipped = (found_inf.detach().to(st.device) > 0).reshape(())
-        norm_scaled = st.sq_sum.sqrt()
         v = st.values
-        v[1] = torch.where(skipped, v[1], norm_scaled)
-        v[0] = torch.where(skipped, v[0], norm_scaled * st.inv_scale)
+        # No grads seen (all handled by scaler.attach()'s hook): keep the last norm.
+        if self._saw_grads:
+            norm_scaled = st.sq_sum.sqrt()
+            v[1] = torch.where(skipped, v[1], norm_scaled)
+            v[0] = torch.where(skipped, v[0], norm_scaled * st.inv_scale)
+        self._saw_grads = False
         if sampled:
             v[2] = st.underflow_counts[0] / st.underflow_counts[1].clamp_min(1.0)
         v[3] = skipped.float()

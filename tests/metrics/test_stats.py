@@ -66,6 +66,17 @@ def test_an_overflow_step_keeps_the_last_applied_norm_and_counts_the_offending_p
     assert snap.nonfinite_grads == {"p0": 1, "p2": 1, "other": 0}
 
 
+def test_an_update_without_grads_keeps_the_last_norm() -> None:
+    # With scaler.attach() the hook handles the grads and observers may see none.
+    params = _params((2,))
+    stats = NumericsStats(params)
+    _step(stats, params, CLEAN, torch.tensor([3.0, 4.0]))
+    stats.on_grads(None, [], SCALE)
+    stats.on_update(None, CLEAN)
+    assert stats.read().grad_norm_scaled == pytest.approx(5.0)
+    assert stats.read().steps_observed == 2
+
+
 def test_nonfinite_grads_are_not_counted_when_the_agreed_flag_says_clean() -> None:
     # A finite-but-huge fp32 grad can overflow its own norm; only agreed overflow steps count.
     params = _params((2,))
