@@ -11,6 +11,8 @@ import torch
 import dscale
 from dscale.stats import FP16_MIN_NORMAL, NumericsStats, track_numerics
 
+pytestmark = pytest.mark.filterwarnings("ignore:dscale.GradScaler. the loss's autograd graph")
+
 SCALE = torch.tensor(1024.0)
 CLEAN = torch.tensor(0.0)
 OVERFLOW = torch.tensor(1.0)
