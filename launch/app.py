@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -33,11 +33,10 @@ CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "configs")
 
 def run_job(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
     """Validate, launch, summarise; None on a node that does not hold global rank 0."""
-    job = OmegaConf.to_object(cfg)
-    assert isinstance(job, JobConfig)  # noqa: S101 - Hydra built it from our schema
+    job = cast(JobConfig, OmegaConf.to_object(cfg))  # Hydra built it from launch/schema.py
     nproc = validate(job)
-    plain = OmegaConf.to_container(OmegaConf.structured(job), resolve=True)
-    assert isinstance(plain, dict)  # noqa: S101
+    # A plain dict crosses into the workers: picklable, fully resolved, no Hydra needed there.
+    plain = cast(dict[str, Any], OmegaConf.to_container(OmegaConf.structured(job), resolve=True))
     (run_dir / "config.resolved.yaml").write_text(OmegaConf.to_yaml(plain))
     config = launch_config(job.launcher, nproc, run_dir)
     worker_env(nproc)
@@ -71,7 +70,7 @@ def main(cfg: DictConfig) -> None:
     except ChildFailedError as exc:
         print(
             f"dscale-launch: the job failed (logs in {run_dir}/logs and "
-            f"{run_dir}/torchelastic):\n{exc.format_msg()}",
+            f"{run_dir}/torchelastic):\n{exc.format_msg()}",  # type: ignore[no-untyped-call]
             file=sys.stderr,
         )
         sys.exit(1)

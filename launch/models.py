@@ -33,7 +33,8 @@ class MLP(nn.Module):
         x = self.embed(tokens)
         for layer in self.layers:
             x = layer(x)
-        return self.head(x)
+        logits: torch.Tensor = self.head(x)
+        return logits
 
 
 class Block(nn.Module):
@@ -51,7 +52,8 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         h = self.ln1(x)
         x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
-        return x + self.mlp(self.ln2(x))
+        out: torch.Tensor = x + self.mlp(self.ln2(x))
+        return out
 
 
 class GPT(nn.Module):
@@ -77,7 +79,8 @@ class GPT(nn.Module):
         x = self.embed(tokens) + self.pos(positions)
         for layer in self.layers:
             x = layer(x, mask)
-        return self.head(self.norm(x))
+        logits: torch.Tensor = self.head(self.norm(x))
+        return logits
 
 
 def build_model(model: dict[str, Any], seq_len: int) -> nn.Module:
