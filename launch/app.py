@@ -20,7 +20,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from launch.elastic import launch_config, run_workers, worker_env
 from launch.schema import JobConfig, register
 from launch.summary import build_summary, format_summary, write_summary
-from launch.validate import ConfigError, validate
+from launch.validate import ConfigError, check_known_keys, validate
 
 logger = logging.getLogger("launch")
 
@@ -33,6 +33,7 @@ CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "configs")
 
 def run_job(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
     """Validate, launch, summarise; None on a node that does not hold global rank 0."""
+    check_known_keys(cfg)
     job = cast(JobConfig, OmegaConf.to_object(cfg))  # Hydra built it from launch/schema.py
     nproc = validate(job)
     # A plain dict crosses into the workers: picklable, fully resolved, no Hydra needed there.

@@ -43,7 +43,7 @@ def write_summary(summary: dict[str, Any], run_dir: Path) -> Path:
 def format_summary(summary: dict[str, Any]) -> str:
     """A few human lines; the JSON file has everything."""
     lines = [
-        f"dscale job finished: {summary['steps']} steps on {summary['world_size']} ranks"
+        f"dscale job finished: {summary['steps']} steps on {summary['world_size']} rank(s)"
         + (f", resumed from step {summary['resumed_from']}" if summary["resumed_from"] else ""),
         f"  loss {summary['first_loss']:.4f} -> {summary['final_loss']:.4f}, "
         f"{summary['tokens_per_s'] or 0:,.0f} tokens/s over {summary['train_seconds']:.1f} s"

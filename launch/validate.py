@@ -8,6 +8,7 @@ the CPU, and its own message is passed on, prefixed with the config key.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import errno
 import inspect
 import os
@@ -16,6 +17,7 @@ import socket
 from pathlib import Path
 
 import torch
+from omegaconf import DictConfig, OmegaConf
 from torch.distributed.run import parse_min_max_nnodes
 
 from dscale import GradScaler
@@ -213,6 +215,27 @@ def _fault(job: JobConfig, world_size: int) -> None:
             0 <= f.kill_rank < world_size,
             f"fault.kill_rank={f.kill_rank} is not a rank of this {world_size}-rank job",
         )
+
+
+def check_known_keys(cfg: DictConfig, prefix: str = "") -> None:
+    """Refuse keys the schema does not have, including ones added with Hydra's ``+key=value``.
+
+    Without ``+`` Hydra already refuses them; with it they would be dropped without a word.
+    """
+    schema = OmegaConf.get_type(cfg)
+    if dataclasses.is_dataclass(schema):
+        known = [f.name for f in dataclasses.fields(schema)]
+        for key in cfg:
+            if key not in known:
+                close = difflib.get_close_matches(str(key), known, n=1)
+                hint = f"did you mean {prefix}{close[0]}? " if close else ""
+                raise ConfigError(
+                    f"{prefix}{key} is not a config key; {hint}see launch/schema.py for the keys"
+                )
+    for key in cfg:
+        node = cfg._get_node(key)
+        if isinstance(node, DictConfig):
+            check_known_keys(node, f"{prefix}{key}.")
 
 
 def validate(job: JobConfig) -> int:

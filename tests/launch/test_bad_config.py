@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import socket
 from pathlib import Path
 
@@ -11,7 +12,7 @@ from launch_helpers import CONFIGS, launch, output
 from omegaconf import OmegaConf
 
 from launch.schema import JobConfig, register
-from launch.validate import ConfigError, validate
+from launch.validate import ConfigError, check_known_keys, validate
 
 register()
 
@@ -61,6 +62,24 @@ def test_scaler_message_is_the_librarys_own(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as ours:
         validate(_job("metrics.enabled=false", "scaler.backoff_factor=2.0"))
     assert str(lib.value) in str(ours.value)
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        (
+            "+trainer.max_stepz=5",
+            "trainer.max_stepz is not a config key; did you mean trainer.max_steps?",
+        ),
+        ("+model.n_head=2", "model.n_head is not a config key; did you mean model.n_heads?"),
+        ("+turbo=1", "turbo is not a config key"),
+    ],
+)
+def test_key_appended_with_plus_is_refused_not_dropped(override: str, message: str) -> None:
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+        cfg = compose("job", overrides=["checkpoint.dir=/tmp/dscale-bad", override])
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        check_known_keys(cfg)
 
 
 def test_unknown_key_fails_at_composition_before_any_worker(tmp_path: Path) -> None:
