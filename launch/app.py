@@ -20,6 +20,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from launch.elastic import launch_config, run_workers, worker_env
 from launch.schema import JobConfig, register
 from launch.summary import build_summary, format_summary, write_summary
+from launch.targets import published_targets, scrape_host
 from launch.validate import ConfigError, check_known_keys, validate
 
 logger = logging.getLogger("launch")
@@ -49,7 +50,15 @@ def run_job(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
         config.max_restarts,
         run_dir,
     )
-    results = run_workers(config, plain, run_dir)
+    m = job.metrics
+    with published_targets(
+        m.targets_dir if m.enabled else None,
+        run_id=config.run_id,
+        node_rank=job.launcher.node_rank,
+        host=scrape_host(m.addr),
+        ports=[m.port + r for r in range(nproc)],
+    ):
+        results = run_workers(config, plain, run_dir)
     if 0 not in results:
         return None
     ranks = results[0]["ranks"]

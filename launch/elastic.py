@@ -28,7 +28,7 @@ def launch_config(lc: LauncherConfig, nproc: int, run_dir: Path) -> LaunchConfig
     min_nodes, max_nodes = parse_min_max_nnodes(lc.nnodes)
     backend, endpoint, run_id = lc.rdzv_backend, lc.rdzv_endpoint, lc.rdzv_id
     rdzv_configs: dict[str, Any] = _parse_rendezvous_config(lc.rdzv_conf)
-    if backend == "static" and not endpoint and max_nodes == 1:
+    if backend in ("static", "c10d") and not endpoint and max_nodes == 1:
         # torchrun --standalone: a private c10d store on a free port, so jobs never collide.
         backend, endpoint, run_id = "c10d", "127.0.0.1:0", str(uuid.uuid4())
     elif backend == "static":

@@ -138,6 +138,7 @@ class MetricsConfig:
     addr: str = "127.0.0.1"
     port: int = 19400  # dscale.metrics.DEFAULT_PORT
     linger_s: float = 0.0  # keep serving after the last step so a scraper sees final values
+    targets_dir: str | None = None  # write Prometheus file_sd targets here while the job runs
 
 
 @dataclass

@@ -81,6 +81,11 @@ def _launcher(job: JobConfig) -> int:
         f"launcher.start_method={lc.start_method!r}; use spawn, fork or forkserver",
     )
     _need(lc.pg_timeout_s > 0, f"launcher.pg_timeout_s={lc.pg_timeout_s} must be > 0 seconds")
+    _need(
+        hi == 1 or lc.rdzv_backend == "static" or bool(lc.rdzv_endpoint),
+        f"launcher.nnodes={lc.nnodes} with launcher.rdzv_backend={lc.rdzv_backend} needs "
+        "launcher.rdzv_endpoint=HOST:PORT on the first node (every node passes the same one)",
+    )
     nproc = resolve_nproc(str(lc.nproc_per_node), job.parallel.strategy)
     if job.parallel.strategy == "single":
         _need(

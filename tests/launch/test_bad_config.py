@@ -40,6 +40,7 @@ def _no_worker_started(run_dir: Path) -> bool:
         ("launcher.nnodes=3:2", "launcher.nnodes"),
         ("launcher.nproc_per_node=lots", "launcher.nproc_per_node"),
         ("launcher.max_restarts=-1", "launcher.max_restarts"),
+        ("launcher.nnodes=2 launcher.rdzv_backend=c10d", "launcher.rdzv_endpoint=HOST:PORT"),
         ("model.n_heads=5", "model.n_heads"),
         ("fault.inf_steps=[5] fault.inf_rank=7", "fault.inf_rank"),
         ("fault.inf_steps=[5] trainer.precision=bf16", "fault.inf_steps"),

@@ -47,8 +47,12 @@ def test_job_runs_and_every_rank_skips_the_step_where_only_rank_1_overflowed(
         "fault.inf_steps=[4,11]",
         "fault.inf_rank=1",
         f"metrics.port={_free_port_pair()}",
+        f"metrics.targets_dir={tmp_path / 'targets'}",
     )
     assert proc.returncode == 0, output(proc)
+    # file_sd targets were published for the run and removed after a normal end.
+    assert (tmp_path / "targets").is_dir()
+    assert list((tmp_path / "targets").iterdir()) == []
     s = summary(tmp_path)
     assert (s["world_size"], s["steps"], s["resumed_from"]) == (2, 30, None)
     assert [r["rank"] for r in s["ranks"]] == [0, 1]

@@ -59,3 +59,8 @@ def test_worker_env_leaves_a_users_omp_setting_alone(monkeypatch: pytest.MonkeyP
     monkeypatch.setenv("OMP_NUM_THREADS", "4")
     worker_env(nproc=2)
     assert os.environ["OMP_NUM_THREADS"] == "4"
+
+
+def test_c10d_on_one_node_without_endpoint_also_gets_a_private_store(tmp_path: Path) -> None:
+    config = launch_config(LauncherConfig(rdzv_backend="c10d"), nproc=2, run_dir=tmp_path)
+    assert (config.rdzv_backend, config.rdzv_endpoint) == ("c10d", "127.0.0.1:0")
