@@ -230,14 +230,14 @@ def check_known_keys(cfg: DictConfig, prefix: str = "") -> None:
     schema = OmegaConf.get_type(cfg)
     if dataclasses.is_dataclass(schema):
         known = [f.name for f in dataclasses.fields(schema)]
-        for key in cfg:
+        for key in map(str, cfg):
             if key not in known:
-                close = difflib.get_close_matches(str(key), known, n=1)
+                close = difflib.get_close_matches(key, known, n=1)
                 hint = f"did you mean {prefix}{close[0]}? " if close else ""
                 raise ConfigError(
                     f"{prefix}{key} is not a config key; {hint}see launch/schema.py for the keys"
                 )
-    for key in cfg:
+    for key in map(str, cfg):
         node = cfg._get_node(key)
         if isinstance(node, DictConfig):
             check_known_keys(node, f"{prefix}{key}.")
