@@ -59,9 +59,9 @@ class SafeReader(FileSystemReader):
             metadata = _MetadataUnpickler(stream).load()
         if not isinstance(metadata, Metadata):
             raise pickle.UnpicklingError(f"{path} does not hold DCP Metadata")
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
+        storage_meta = getattr(metadata, "storage_meta", None) or StorageMeta()
+        storage_meta.load_id = self.load_id
+        metadata.storage_meta = storage_meta
         return metadata
 
 

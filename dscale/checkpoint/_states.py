@@ -42,7 +42,10 @@ def _per_rank(local: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Shard
 
-    mesh = DeviceMesh.from_group(group or groups.WORLD, device_type="cpu")
+    world = group if group is not None else groups.WORLD
+    if world is None:  # only when not initialized, which is_distributed() excluded
+        return row
+    mesh = DeviceMesh.from_group(world, device_type="cpu")
     return DTensor.from_local(row, mesh, [Shard(0)], run_check=False)
 
 
