@@ -55,19 +55,27 @@ def setup_logging(run_dir: Path, rank: int, attempt: int) -> None:
 
 def _guard_set_rng_state() -> None:
     """Work around a torch 2.13 crash: ``torch.set_rng_state(t)`` segfaults when ``t`` is a view
-    with a storage offset (e.g. row 1 of a per-rank ``[world, n]`` tensor), which is what a
-    checkpoint restore on rank 1 passes. Copying such a view first is always safe.
-    TODO(launcher): remove once dscale.checkpoint clones the row itself.
+    with a storage offset (row 1 of a per-rank ``[world, n]`` tensor), which is what a checkpoint
+    restore on rank 1 passes. Copying such a view first is always safe; CUDA's setter gets the
+    same guard. TODO(launcher): remove once dscale.checkpoint clones the row itself.
     """
-    original = torch.set_rng_state
-    if getattr(original, "_dscale_guarded", False):
+    cpu_setter = torch.set_rng_state
+    if getattr(cpu_setter, "_dscale_guarded", False):
         return
+    cuda_setter = torch.cuda.set_rng_state
+
+    def _whole(t: torch.Tensor) -> torch.Tensor:
+        return t.clone() if t.storage_offset() else t
 
     def set_rng_state(new_state: torch.Tensor) -> None:
-        original(new_state.clone() if new_state.storage_offset() else new_state)
+        cpu_setter(_whole(new_state))
+
+    def set_cuda_rng_state(new_state: torch.Tensor, device: Any = "cuda") -> None:
+        cuda_setter(_whole(new_state), device)
 
     set_rng_state._dscale_guarded = True  # type: ignore[attr-defined]
     torch.set_rng_state = set_rng_state
+    torch.cuda.set_rng_state = set_cuda_rng_state
 
 
 def pick_device(name: str, local_rank: int) -> torch.device:
