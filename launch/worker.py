@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import warnings
 from datetime import timedelta
 from pathlib import Path
@@ -48,7 +49,9 @@ def setup_logging(run_dir: Path, rank: int, attempt: int) -> None:
     root.addHandler(file_handler)
     if rank == 0:
         console = logging.StreamHandler()
-        console.setFormatter(logging.Formatter("[rank0] %(message)s"))
+        # On a terminal, clear the progress bar's line first; the next update redraws it.
+        clear = "\r\033[K" if sys.stderr.isatty() else ""
+        console.setFormatter(logging.Formatter(f"{clear}[rank0] %(message)s"))
         console.addFilter(_ConsoleFilter())
         root.addHandler(console)
 
