@@ -189,11 +189,14 @@ class CheckpointManager:
         return self.load(resume, **states)
 
     def _cpu_group(self) -> ProcessGroup | None:
-        """A process group with a CPU backend, which dcp.async_save requires."""
+        """A dedicated gloo group for background saves (made on first use, by every rank).
+
+        dcp.async_save needs a CPU backend, and its collectives run in a background thread: on
+        the training group they would interleave with DDP's all-reduces in a different order on
+        each rank and hang (seen with DDP on gloo). torchtitan does the same.
+        """
         if not _comm.is_distributed(self.process_group):
             return None
-        if "gloo" in str(dist.get_backend(self.process_group)):
-            return self.process_group
         if self._async_group is None:
             ranks = dist.get_process_group_ranks(self.process_group or dist.group.WORLD)
             self._async_group = dist.new_group(ranks=ranks, backend="gloo")

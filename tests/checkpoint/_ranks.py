@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -94,3 +95,45 @@ def load_resharded(rank: int, world: int, root: str, strategy: str) -> dict[str,
     step = CheckpointManager(f"{root}/good").resume("auto", model=model, optimizer=opt,
                                                     scaler=scaler)
     return _snapshot(step, model, opt, scaler)
+
+
+def fsdp1_async_then_ddp(rank: int, world: int, root: str) -> dict[str, Any]:
+    """FSDP1 with async_save=True (saved synchronously instead), reloaded into DDP."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    model = FullyShardedDataParallel(make_model(0), device_id=torch.device("cpu"))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    scaler = make_scaler()
+    train(model, opt, scaler, 3, seed=1 + rank)
+    ckpt = CheckpointManager(root, async_save=True)
+    ckpt.save(3, model=model, optimizer=opt, scaler=scaler)
+    published_before_wait = ckpt.latest() is not None
+    ckpt.wait()
+    reference = _snapshot(3, model, opt, scaler)
+    ddp, ddp_opt, ddp_scaler = _pieces("ddp", seed=4)
+    step = CheckpointManager(root).resume("auto", model=ddp, optimizer=ddp_opt, scaler=ddp_scaler)
+    return {"reference": reference, "loaded": _snapshot(step, ddp, ddp_opt, ddp_scaler),
+            "published_before_wait": published_before_wait}
+
+
+def ddp_async_save(rank: int, world: int, root: str) -> dict[str, Any]:
+    """DDP with async_save=True: published by wait(), loads back."""
+    model, opt, scaler = _pieces("ddp")
+    train(model, opt, scaler, 2, seed=1 + rank)
+    ckpt = CheckpointManager(root, async_save=True, every=2, keep=2)
+    ckpt.maybe_save(2, model=model, optimizer=opt, scaler=scaler)
+    reference = _snapshot(2, model, opt, scaler)
+    train(model, opt, scaler, 2, seed=9)  # must not leak into step-2
+    ckpt.maybe_save(4, model=model, optimizer=opt, scaler=scaler)  # waits for step 2 first
+    ckpt.wait()
+    fresh, fresh_opt, fresh_scaler = _pieces("ddp", seed=4)
+    loaded = CheckpointManager(root).load(f"{root}/step-2", model=fresh, optimizer=fresh_opt,
+                                          scaler=fresh_scaler)
+    return {"reference": reference, "loaded": _snapshot(loaded, fresh, fresh_opt, fresh_scaler),
+            "published": sorted(p.name for p in Path(root).iterdir())}
+
+
+def async_saves(rank: int, world: int, root: str) -> dict[str, Any]:
+    """Both async scenarios in one spawn (spawning costs seconds)."""
+    return {"ddp": ddp_async_save(rank, world, f"{root}/ddp"),
+            "fsdp1": fsdp1_async_then_ddp(rank, world, f"{root}/fsdp1")}
