@@ -6,7 +6,9 @@ Collectives outside DCP itself go through this module only.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import warnings
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -19,6 +21,7 @@ __all__ = [
     "barrier",
     "gather_then_raise",
     "is_distributed",
+    "quiet_single_process",
     "rank",
     "world_size",
 ]
@@ -93,3 +96,15 @@ def _error_type(name: str) -> type[Exception]:
 
     cls = getattr(_errors, name, None)
     return cls if isinstance(cls, type) and issubclass(cls, Exception) else RuntimeError
+
+
+@contextlib.contextmanager
+def quiet_single_process() -> Iterator[None]:
+    """Silence DCP's "assuming the intent is to save in a single process" warning.
+
+    It fires on every call even with ``no_dist=True``; without a process group that is
+    exactly what we mean.
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield

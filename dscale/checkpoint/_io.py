@@ -153,8 +153,10 @@ def load_checkpoint(
     if scaler is not None and not any(k.startswith("scaler.") for k in saved):
         logger.warning("%s holds no scaler state; the scaler keeps its current state", path)
     try:
-        dcp.load(states, storage_reader=SafeReader(path), planner=SafeLoadPlanner(),
-                 process_group=process_group, no_dist=not _comm.is_distributed(process_group))
+        with _comm.quiet_single_process():
+            dcp.load(states, storage_reader=SafeReader(path), planner=SafeLoadPlanner(),
+                     process_group=process_group,
+                     no_dist=not _comm.is_distributed(process_group))
     except CheckpointException as exc:
         raise CheckpointError(f"loading {path} failed: {describe_failure(exc)}") from exc
     if scaler is not None:

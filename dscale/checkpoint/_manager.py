@@ -121,13 +121,14 @@ class CheckpointManager:
             # dcp.async_save cannot stage FSDP1's ShardedTensor (data_ptr not supported).
             logger.info("saving step %d synchronously: async save does not support FSDP1", step)
         try:
-            if use_async:
-                future = dcp.async_save(states, storage_writer=writer,
-                                        process_group=self._cpu_group(), no_dist=no_dist)
-                self._pending = (future, tmp, final)  # type: ignore[assignment]
-            else:
-                dcp.save(states, storage_writer=writer, process_group=self.process_group,
-                         no_dist=no_dist)
+            with _comm.quiet_single_process():
+                if use_async:
+                    future = dcp.async_save(states, storage_writer=writer,
+                                            process_group=self._cpu_group(), no_dist=no_dist)
+                    self._pending = (future, tmp, final)  # type: ignore[assignment]
+                else:
+                    dcp.save(states, storage_writer=writer, process_group=self.process_group,
+                             no_dist=no_dist)
         except CheckpointException as exc:
             raise RuntimeError(f"saving step {step} into {tmp} failed: {describe_failure(exc)}; "
                                "the previous checkpoints are untouched") from exc
