@@ -64,10 +64,13 @@ def test_two_rank_ddp_and_fsdp2_arms_are_reported(result) -> None:
     assert dist_result["world_size"] == 2
     ddp_arms = {"plain", "dscale", "torch"} | ({"dscale+hook"} if _ranks.has_ddp_hook() else set())
     assert set(dist_result["ddp"]["arms"]) == ddp_arms
-    assert set(dist_result["fsdp2"]["arms"]) == {"plain", "dscale", "sharded"}
-    for arms in (dist_result["ddp"]["arms"], dist_result["fsdp2"]["arms"]):
-        for arm in arms.values():
-            _finite_arm(arm)
+    assert {"plain", "dscale", "sharded"} <= set(dist_result["fsdp2"]["arms"])
+    for mode in ("ddp", "fsdp2"):
+        for part in ("arms", "after_backward"):
+            assert set(dist_result[mode][part]) == set(dist_result[mode]["arms"])
+            for arm in dist_result[mode][part].values():
+                _finite_arm(arm)
+                assert arm["reps"] == 2
 
 
 def test_machine_info_is_written(result) -> None:

@@ -30,7 +30,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "numel_for_count": 1024,
         "numels": [2**14, 2**16, 2**18, 2**20],
         "count_for_numel": 16,
-        "dist": {"width": 1024, "depth": 8, "batch": 32},
+        "dist": {"width": 1024, "depth": 8, "batch": 32, "reps": 40},
     },
     "quick": {
         "reps": 8,
@@ -40,7 +40,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "numel_for_count": 256,
         "numels": [2**14, 2**16, 2**18],
         "count_for_numel": 8,
-        "dist": {"width": 256, "depth": 4, "batch": 16},
+        "dist": {"width": 256, "depth": 4, "batch": 16, "reps": 20},
     },
     "tiny": {  # tests only: every section, seconds
         "reps": 2,
@@ -50,7 +50,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "numel_for_count": 64,
         "numels": [256, 1024],
         "count_for_numel": 4,
-        "dist": {"width": 16, "depth": 2, "batch": 4},
+        "dist": {"width": 16, "depth": 2, "batch": 4, "reps": 2},
     },
 }
 
@@ -97,6 +97,11 @@ def run_single(cfg: dict[str, Any], device: torch.device) -> dict[str, Any]:
     return {"single": single, "phases": split, "unscale_pass": unscale, "sweep": sweep}
 
 
+def _dist_cfg(cfg: dict[str, Any], reps: int | None) -> dict[str, Any]:
+    """Whole steps vary more than optimizer steps: the 2-rank part defaults to more reps."""
+    return {**cfg["dist"], "reps": reps if reps is not None else cfg["dist"]["reps"]}
+
+
 def run(
     config: str = "full",
     reps: int | None = None,
@@ -123,7 +128,7 @@ def run(
     start = time.perf_counter()
     result: dict[str, Any] = {"machine": machine_info(dev), "config": config, "reps": cfg["reps"]}
     if dist.is_initialized():  # under torchrun: this process is one of many ranks
-        result["distributed"] = _ranks.run_here({**cfg["dist"], "reps": cfg["reps"]})
+        result["distributed"] = _ranks.run_here(_dist_cfg(cfg, reps))
     else:
         with tempfile.TemporaryDirectory() as tmp:
             _single_rank_group(tmp)
@@ -132,7 +137,7 @@ def run(
             finally:
                 dist.destroy_process_group()
         if distributed:
-            result["distributed"] = _ranks.run_spawned({**cfg["dist"], "reps": cfg["reps"]})
+            result["distributed"] = _ranks.run_spawned(_dist_cfg(cfg, reps))
     result["seconds"] = time.perf_counter() - start
     return result
 
@@ -142,7 +147,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m dscale.bench", description=__doc__)
     parser.add_argument("--quick", action="store_true", help="small sizes, under a minute")
     parser.add_argument("--json", metavar="PATH", help="write every number here")
-    parser.add_argument("--reps", type=int, help="repetitions per arm (default 30, quick 8)")
+    parser.add_argument(
+        "--reps",
+        type=int,
+        help="repetitions per arm (default 30 and 40 for 2 ranks; quick 8 and 20)",
+    )
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument(
         "--threads",

@@ -1,9 +1,10 @@
 """Multi-rank scenarios on gloo (CPU): whole training steps under DDP and FSDP2.
 
 Here the overhead is measured on the whole step, backward included, because dscale's DDP hook
-moves the unscale into the gradient all-reduce. Every arm has its own model (same initial
-weights) and optimizer; the arms run interleaved in the same order on every rank. A repetition's
-time is the slowest rank's.
+moves the unscale into the gradient all-reduce; the part after backward (step + update) is also
+reported on its own, as it is far less noisy than a whole step with gloo all-reduces. Every arm
+has its own model (same initial weights) and optimizer; the arms run interleaved in the same order
+on every rank. A repetition's time is the slowest rank's.
 
 Run either inside ``torchrun`` (``WORLD_SIZE`` set: this process is one rank) or by spawning
 ``world_size`` local processes that meet through a ``FileStore``.
@@ -14,7 +15,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from collections.abc import Callable
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -28,10 +29,11 @@ from dscale.bench._arms import make_scaler
 from dscale.bench._timing import Arm, run_interleaved, summarize
 
 TIMEOUT = timedelta(seconds=120)
+WARMUP = 2
 
 
 def has_ddp_hook() -> bool:
-    """Whether this dscale has ``GradScaler.attach`` (the DDP comm hook)."""
+    """Whether this dscale has ``GradScaler.attach`` (DDP comm hook, FSDP2 all-reduce hook)."""
     return hasattr(dscale.GradScaler, "attach")
 
 
@@ -40,26 +42,31 @@ def _mlp(width: int, depth: int) -> nn.Sequential:
     return nn.Sequential(*[nn.Linear(width, width) for _ in range(depth)])
 
 
-def _train_step(
-    model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, scaler: Any | None
-) -> Callable[[], None]:
-    def run() -> None:
-        opt.zero_grad(set_to_none=False)
-        loss = model(x).square().mean()
-        if scaler is None:
-            loss.backward()
-            opt.step()
-            return
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
+class _TrainStep:
+    """One training step; also records the time after backward (the scaler's step + update)."""
 
-    return run
+    def __init__(
+        self, model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, scaler: Any | None
+    ) -> None:
+        self.model, self.opt, self.x, self.scaler = model, opt, x, scaler
+        self.after_backward: list[float] = []
+
+    def __call__(self) -> None:
+        self.opt.zero_grad(set_to_none=False)
+        loss = self.model(self.x).square().mean()
+        (loss if self.scaler is None else self.scaler.scale(loss)).backward()
+        start = time.perf_counter()
+        if self.scaler is None:
+            self.opt.step()
+        else:
+            self.scaler.step(self.opt)
+            self.scaler.update()
+        self.after_backward.append(time.perf_counter() - start)
 
 
 def _arm(name: str, model: nn.Module, x: torch.Tensor, scaler: Any | None) -> Arm:
     opt = torch.optim.SGD(model.parameters(), lr=1e-9, momentum=0.9, foreach=True)
-    return Arm(name, _train_step(model, opt, x, scaler))
+    return Arm(name, _TrainStep(model, opt, x, scaler))
 
 
 def _ddp_arms(width: int, depth: int, x: torch.Tensor) -> list[Arm]:
@@ -91,7 +98,15 @@ def _fsdp_arms(width: int, depth: int, x: torch.Tensor) -> list[Arm]:
         return model
 
     arms = [_arm("plain", sharded(), x, None)]
-    return arms + [_arm(n, sharded(), x, make_scaler(n, cpu)) for n in ("dscale", "sharded")]
+    arms += [_arm(n, sharded(), x, make_scaler(n, cpu)) for n in ("dscale", "sharded")]
+    if has_ddp_hook():
+        model, scaler = sharded(), make_scaler("dscale", cpu)
+        try:
+            scaler.attach(model)
+        except TypeError:  # a dscale whose attach() takes DDP models only
+            return arms
+        arms.append(_arm("dscale+hook", model, x, scaler))
+    return arms
 
 
 def _slowest_rank(times: dict[str, list[float]]) -> dict[str, list[float]]:
@@ -107,8 +122,12 @@ def run_here(cfg: dict[str, Any]) -> dict[str, Any] | None:
     out: dict[str, Any] = {"world_size": dist.get_world_size(), **cfg}
     for name, build in (("ddp", _ddp_arms), ("fsdp2", _fsdp_arms)):
         arms = build(cfg["width"], cfg["depth"], x)
-        times = _slowest_rank(run_interleaved(arms, cfg["reps"], torch.device("cpu")))
-        out[name] = {"arms": summarize(times, "plain")}
+        times = _slowest_rank(run_interleaved(arms, cfg["reps"], torch.device("cpu"), WARMUP))
+        after = {a.name: a.run.after_backward[WARMUP:] for a in arms}  # type: ignore[attr-defined]
+        out[name] = {
+            "arms": summarize(times, "plain"),
+            "after_backward": summarize(_slowest_rank(after), "plain"),
+        }
     return out if dist.get_rank() == 0 else None
 
 

@@ -112,16 +112,22 @@ def render(result: dict[str, Any]) -> str:
         ]
         out.append(
             step_table(
-                [("ddp", dist_result["ddp"]["arms"])],
+                [
+                    ("ddp whole step", dist_result["ddp"]["arms"]),
+                    ("ddp after backward", dist_result["ddp"]["after_backward"]),
+                ],
                 ("dscale", "dscale+hook", "torch"),
                 [("dscale", "torch"), ("dscale+hook", "torch")],
             )
         )
         out.append(
             step_table(
-                [("fsdp2", dist_result["fsdp2"]["arms"])],
-                ("dscale", "sharded"),
-                [("dscale", "sharded")],
+                [
+                    ("fsdp2 whole step", dist_result["fsdp2"]["arms"]),
+                    ("fsdp2 after backward", dist_result["fsdp2"]["after_backward"]),
+                ],
+                ("dscale", "dscale+hook", "sharded"),
+                [("dscale", "sharded"), ("dscale+hook", "sharded")],
             )
         )
     return "\n".join(out)
