@@ -74,6 +74,7 @@ class CheckpointManager:
         self._async_group: ProcessGroup | None = None
         self._pending: tuple[Future[Any], Path, Path] | None = None
         self._last_step: int | None = None
+        self._async_since_wait = False  # the same on every rank, unlike _pending
 
     def maybe_save(self, step: int, **states: Any) -> bool:
         """Save if ``step`` is a positive multiple of ``every``; return whether it saved.
@@ -126,6 +127,7 @@ class CheckpointManager:
                     future = dcp.async_save(states, storage_writer=writer,
                                             process_group=self._cpu_group(), no_dist=no_dist)
                     self._pending = (future, tmp, final)  # type: ignore[assignment]
+                    self._async_since_wait = True
                 else:
                     dcp.save(states, storage_writer=writer, process_group=self.process_group,
                              no_dist=no_dist)
@@ -145,9 +147,14 @@ class CheckpointManager:
             _comm.gather_then_raise(problem, self.process_group, f"publishing {final}")
 
     def wait(self) -> None:
-        """Finish and publish a pending asynchronous save; every rank returns after it."""
+        """Finish and publish a pending asynchronous save; every rank returns after it.
+
+        Without asynchronous saves this does nothing: synchronous ones are published already.
+        """
         self._finish_pending()
-        _comm.barrier(self.process_group)
+        if self._async_since_wait:
+            self._async_since_wait = False
+            _comm.barrier(self.process_group)
 
     def latest(self) -> Path | None:
         """The newest published checkpoint folder (checksums not yet verified), or None."""

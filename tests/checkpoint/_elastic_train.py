@@ -11,7 +11,6 @@ import argparse
 import json
 import os
 import signal
-import sys
 from datetime import timedelta
 from pathlib import Path
 
@@ -69,9 +68,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    # Skip interpreter teardown: freeing DDP's gloo group at exit can deadlock when the gloo
-    # run loop still holds a finished collective's Python tensors and waits for the GIL that
-    # the exiting main thread holds while joining it (seen with torch 2.13, rank 1 hung).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    dist.destroy_process_group()
