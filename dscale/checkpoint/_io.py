@@ -139,6 +139,11 @@ def load_checkpoint(
         ScaleMismatchError: the ranks' scaler states differ (saved or after load).
     """
     path = Path(path)
+    if path.is_file():
+        raise CheckpointError(
+            f"checkpoint path {path} is a file, not a step-N folder; for a scaler state saved "
+            "with torch.save(scaler.state_dict(), path) use dscale.checkpoint.load_scaler_file"
+        )
     if not path.is_dir():
         raise CheckpointError(
             f"checkpoint folder {path} does not exist; pass a step-N folder written by "

@@ -105,6 +105,8 @@ class CheckpointManager:
         if step == self._last_step:
             logger.debug("step %d is already saved or was loaded; not saving it again", step)
             return
+        states = build_states(step=step, model=model, optimizer=optimizer, scaler=scaler,
+                              extra=extra, group=self.process_group)  # validates arguments
         self._finish_pending()
         if self.is_coordinator:
             self.directory.mkdir(parents=True, exist_ok=True)
@@ -112,8 +114,6 @@ class CheckpointManager:
         _comm.barrier(self.process_group)
         tmp = _publish.temp_dir(self.directory, step)
         final = _publish.step_dir(self.directory, step)
-        states = build_states(step=step, model=model, optimizer=optimizer, scaler=scaler,
-                              extra=extra, group=self.process_group)
         writer = FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True,
                                   thread_count=1, overwrite=True)
         no_dist = not _comm.is_distributed(self.process_group)

@@ -80,6 +80,9 @@ def test_truncated_metadata_is_reported_with_its_file_name(tmp_path):
 def test_missing_folder_and_unpublished_folder_are_named(tmp_path):
     with pytest.raises(CheckpointError, match=r"nope/step-3 does not exist"):
         load_checkpoint(tmp_path / "nope" / "step-3", model=_fresh()[0])
+    (tmp_path / "scaler.pt").write_bytes(b"")
+    with pytest.raises(CheckpointError, match=r"scaler\.pt is a file.*load_scaler_file"):
+        CheckpointManager(tmp_path).resume(tmp_path / "scaler.pt", model=_fresh()[0])
     _saved(tmp_path, steps=(2,))
     (tmp_path / "step-2" / MANIFEST).unlink()
     with pytest.raises(CheckpointError, match=r"checksums\.sha256 is missing"):

@@ -104,3 +104,15 @@ def test_checkpoint_of_torch_scaler_loads_into_dscale_scaler_and_back(tmp_path):
 def test_bad_manager_arguments_name_the_argument(tmp_path, kwargs, name):
     with pytest.raises(ValueError, match=name):
         CheckpointManager(tmp_path, **kwargs)
+
+
+def test_bad_save_arguments_name_the_argument_and_write_nothing(tmp_path):
+    model, opt, scaler = _setup()
+    ckpt = CheckpointManager(tmp_path)
+    with pytest.raises(ValueError, match="optimizer was given without model"):
+        ckpt.save(1, optimizer=opt)
+    with pytest.raises(ValueError, match="extra has the key 'scaler'"):
+        ckpt.save(1, model=model, extra={"scaler": scaler})
+    with pytest.raises(TypeError, match=r"optimizer must be a torch\.optim\.Optimizer"):
+        ckpt.save(1, model=model, optimizer=object())
+    assert not tmp_path.exists() or not any(tmp_path.iterdir())
