@@ -8,7 +8,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dscale.checkpoint import CheckpointManager, ScaleMismatchError, _publish, load_checkpoint
+from dscale.checkpoint import (
+    CheckpointManager,
+    CorruptCheckpointError,
+    ScaleMismatchError,
+    _publish,
+    load_checkpoint,
+)
 from dscale.checkpoint._verify import verify_scaler_agreement
 from tests.checkpoint._helpers import make_model, make_scaler, optim_state, params, train
 
@@ -84,7 +90,21 @@ def save_then_check_failures(rank: int, world: int, root: str, strategy: str) ->
                         scaler=fresh_scaler)
     except ScaleMismatchError as exc:
         saved_error = str(exc)
+    # A corrupt shard that only one rank's share of the checksum work covers.
+    if rank == 0:
+        shard = Path(f"{root}/split/step-4/__1_0.distcp")
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        shard.write_bytes(bytes(data))
+    dist.barrier()
+    corrupt_error = None
+    try:
+        load_checkpoint(f"{root}/split/step-4", model=fresh_model, optimizer=fresh_opt,
+                        scaler=fresh_scaler)
+    except CorruptCheckpointError as exc:
+        corrupt_error = str(exc)
     return {"reference": reference, "live_error": live_error, "saved_error": saved_error,
+            "corrupt_error": corrupt_error,
             "scale_after_failed_load": fresh_scaler.get_scale(), "publish_error": publish_error,
             "resumed_step": resumed_step, "rng_restored": rng_restored, "rng_draw": rng_draw}
 

@@ -51,9 +51,14 @@ def _reseal(folder: pathlib.Path) -> None:
     publish(tmp, folder)
 
 
-def test_flipped_byte_is_detected_and_auto_resume_falls_back(tmp_path, caplog):
+def _truncate(file: pathlib.Path) -> None:
+    file.write_bytes(file.read_bytes()[:-100])
+
+
+@pytest.mark.parametrize("damage", [_flip_byte, _truncate], ids=["flipped_byte", "truncated"])
+def test_damaged_data_file_is_detected_and_auto_resume_falls_back(tmp_path, caplog, damage):
     _saved(tmp_path)
-    _flip_byte(tmp_path / "step-4" / "__0_0.distcp")
+    damage(tmp_path / "step-4" / "__0_0.distcp")
     model, opt, scaler = _fresh()
 
     with pytest.raises(CorruptCheckpointError, match=r"step-4/__0_0\.distcp is corrupt: sha256"):

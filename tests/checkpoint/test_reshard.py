@@ -40,6 +40,14 @@ def test_scale_mismatch_is_raised_on_every_rank_naming_ranks_and_values(saved_by
         assert results[rank]["scale_after_failed_load"] == 8.0  # rejected before any change
 
 
+def test_corrupt_shard_seen_by_one_rank_raises_on_every_rank(saved_by_two_fsdp2_ranks):
+    _, results = saved_by_two_fsdp2_ranks
+    for rank in (0, 1):
+        error = results[rank]["corrupt_error"]
+        assert error is not None, f"rank {rank} did not raise"
+        assert "failed on rank(s) 0" in error and "__1_0.distcp is corrupt" in error
+
+
 def test_failed_publish_raises_on_every_rank_and_keeps_the_previous_checkpoint(
     saved_by_two_fsdp2_ranks,
 ):
