@@ -28,6 +28,7 @@ def build_summary(ranks: list[dict[str, Any]], world_size: int, run_dir: Path) -
                 "rank": r["rank"],
                 "final_scale": r["final_scale"],
                 "skipped_steps": r["skipped_steps"],
+                "num_skipped": r["num_skipped"],  # also counts skips past the list's capacity
             }
             for r in sorted(ranks, key=lambda r: r["rank"])
         ],

@@ -111,11 +111,10 @@ def wrap_model(model: nn.Module, strategy: str, device: torch.device) -> nn.Modu
 
 
 def _run(
-    cfg: dict[str, Any], run_dir: Path, rank: int, local_rank: int, attempt: int
+    cfg: dict[str, Any], run_dir: Path, rank: int, device: torch.device, attempt: int
 ) -> dict[str, Any]:
     trainer, data = cfg["trainer"], cfg["data"]
-    world = dist.get_world_size()
-    device = pick_device(trainer["device"], local_rank)
+    world, local_rank = dist.get_world_size(), int(os.environ["LOCAL_RANK"])
     torch.manual_seed(trainer["seed"])  # the same initial weights on every rank
     model = build_model(cfg["model"], seq_len=data["seq_len"]).to(device)
     model = wrap_model(model, cfg["parallel"]["strategy"], device)
@@ -187,13 +186,14 @@ def worker_main(cfg: dict[str, Any], run_dir: str) -> dict[str, Any]:
     _guard_set_rng_state()
     # What this rank actually received, for humans and for the tests.
     (out / "logs" / f"rank{rank}.config.json").write_text(json.dumps(cfg, indent=2))
-    use_cuda = torch.cuda.is_available() and cfg["trainer"]["device"] != "cpu"
+    device = pick_device(cfg["trainer"]["device"], local_rank)
     dist.init_process_group(
-        "nccl" if use_cuda else "gloo",
+        "nccl" if device.type == "cuda" else "gloo",
         timeout=timedelta(seconds=cfg["launcher"]["pg_timeout_s"]),
+        device_id=device if device.type == "cuda" else None,  # NCCL: bind the rank's GPU now
     )
     try:
-        report = _run(cfg, out, rank, local_rank, attempt)
+        report = _run(cfg, out, rank, device, attempt)
         reports: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(reports, report)
     finally:

@@ -4,7 +4,6 @@ run the same entry point, and the PyTorchJob's command line works with the PET_*
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -100,14 +99,12 @@ def test_trainjob_runs_dscale_launch_on_the_torch_runtime() -> None:
 @pytest.mark.slow
 def test_pytorchjob_command_line_runs_with_the_pet_variables_of_a_pod(tmp_path: Path) -> None:
     """What the operator sets (PET_*) plus the manifest's args, on 127.0.0.1 and tmp dirs."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        rdzv_port = s.getsockname()[1]
     pet = {
         "PET_NNODES": "1",
         "PET_NPROC_PER_NODE": "2",
         "PET_RDZV_BACKEND": "c10d",
-        "PET_RDZV_ENDPOINT": f"127.0.0.1:{rdzv_port}",
+        # Port 0: the agent binds a free port itself, so concurrent jobs cannot race for it.
+        "PET_RDZV_ENDPOINT": "127.0.0.1:0",
         "PET_RDZV_ID": "kubeflow-job",
         "PET_MAX_RESTARTS": "1",
         "HOSTNAME": "dscale-worker-0",
@@ -130,4 +127,5 @@ def test_pytorchjob_command_line_runs_with_the_pet_variables_of_a_pod(tmp_path: 
         "kubeflow-job",
         1,
     )
+    assert seen["rdzv_endpoint"] == "127.0.0.1:0"
     assert (tmp_path / "shared" / "dscale" / "checkpoints" / "step-4").is_dir()
