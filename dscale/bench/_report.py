@@ -12,7 +12,7 @@ def _us(value: float) -> str:
 
 
 def _x(value: float) -> str:
-    return f"{value:6.2f}" if value == value else "   n/a"  # NaN: overhead <= 0, no ratio
+    return f"{value:6.2f}" if value == value else "   n/a"  # NaN: an overhead <= 0, no ratio
 
 
 def _ratios(arms: dict[str, Any], num: str, den: str) -> str:

@@ -73,5 +73,9 @@ def summarize(times: dict[str, list[float]], baseline: str) -> dict[str, dict[st
 
 
 def ratio(numerator: float, denominator: float) -> float:
-    """``numerator / denominator``, NaN when the denominator is not a positive overhead."""
-    return numerator / denominator if denominator > 0 else float("nan")
+    """``numerator / denominator`` of two overheads; NaN unless both are positive.
+
+    An overhead at or below zero is below the noise of the run, and a ratio with it would read as
+    a result ("-2x") when it is none.
+    """
+    return numerator / denominator if numerator > 0 and denominator > 0 else float("nan")
