@@ -8,10 +8,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch.distributed import ProcessGroup
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.stateful import Stateful
 
 from dscale.checkpoint import _comm
@@ -159,7 +159,7 @@ def load_checkpoint(
         logger.warning("%s holds no scaler state; the scaler keeps its current state", path)
     try:
         with _comm.quiet_single_process():
-            dcp.load(states, storage_reader=SafeReader(path), planner=SafeLoadPlanner(),
+            dcp_load(states, storage_reader=SafeReader(path), planner=SafeLoadPlanner(),
                      process_group=process_group,
                      no_dist=not _comm.is_distributed(process_group))
     except CheckpointException as exc:

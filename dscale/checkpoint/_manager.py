@@ -10,10 +10,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch.distributed import ProcessGroup
-from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
+from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from dscale.checkpoint import _comm, _publish
 from dscale.checkpoint._errors import CorruptCheckpointError
@@ -124,12 +125,12 @@ class CheckpointManager:
         try:
             with _comm.quiet_single_process():
                 if use_async:
-                    future = dcp.async_save(states, storage_writer=writer,
+                    future = dcp_async_save(states, storage_writer=writer,
                                             process_group=self._cpu_group(), no_dist=no_dist)
                     self._pending = (future, tmp, final)  # type: ignore[assignment]
                     self._async_since_wait = True
                 else:
-                    dcp.save(states, storage_writer=writer, process_group=self.process_group,
+                    dcp_save(states, storage_writer=writer, process_group=self.process_group,
                              no_dist=no_dist)
         except CheckpointException as exc:
             raise RuntimeError(f"saving step {step} into {tmp} failed: {describe_failure(exc)}; "

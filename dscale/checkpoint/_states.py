@@ -197,7 +197,7 @@ class TrainState:
             "python": _per_rank(py_state, self.group),
             "python_gauss": _per_rank(py_gauss, self.group),
         }
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
+        if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
             rng["cuda"] = _per_rank(torch.cuda.get_rng_state(), self.group)
         return {
             "step": torch.tensor(self.step, dtype=torch.int64),
