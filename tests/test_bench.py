@@ -9,8 +9,10 @@ import json
 import math
 
 import pytest
+import torch
 
 from dscale.bench import _cli, _ranks
+from dscale.bench._syncs import count_host_syncs
 
 STEP_ARMS = {"plain", "dscale", "torch", "sharded"}
 
@@ -90,3 +92,17 @@ def test_machine_info_is_written(result) -> None:
 def test_bad_arguments_raise_value_error_naming_them(kwargs, needle) -> None:
     with pytest.raises(ValueError, match=needle):
         _cli.run(**kwargs)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: counts host syncs")
+def test_sync_counter_sees_an_item_call_and_not_an_async_add() -> None:
+    x = torch.ones((), device="cuda")
+    assert count_host_syncs(lambda: x.item()) == 1
+    assert count_host_syncs(lambda: x.add_(1)) == 0
+
+
+def test_sync_counter_refuses_to_count_without_cuda(monkeypatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RuntimeError, match="needs CUDA"):
+        count_host_syncs(lambda: None)
