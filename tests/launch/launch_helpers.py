@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -23,14 +24,25 @@ def launch(
     flags = [o for o in overrides if o.startswith("-")]  # argparse wants -m before overrides
     rest = [o for o in overrides if not o.startswith("-")]
     cmd = [sys.executable, "-m", "launch", *flags, f"hydra.run.dir={run_dir}", *rest]
-    return subprocess.run(
+    # Own session, so a timeout ends the workers too, not only the launcher.
+    proc = subprocess.Popen(
         cmd,
         cwd=ROOT,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=timeout_s,
         env={**os.environ, **(env or {})},
+        start_new_session=True,
     )
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        raise AssertionError(
+            f"python -m launch did not finish in {timeout_s:.0f} s\n{stdout}\n{stderr}"
+        ) from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
 def output(proc: subprocess.CompletedProcess[str]) -> str:
