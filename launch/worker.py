@@ -56,31 +56,6 @@ def setup_logging(run_dir: Path, rank: int, attempt: int) -> None:
         root.addHandler(console)
 
 
-def _guard_set_rng_state() -> None:
-    """Work around a torch 2.13 crash: ``torch.set_rng_state(t)`` segfaults when ``t`` is a view
-    with a storage offset (row 1 of a per-rank ``[world, n]`` tensor), which is what a checkpoint
-    restore on rank 1 passes. Copying such a view first is always safe; CUDA's setter gets the
-    same guard. TODO(launcher): remove once dscale.checkpoint clones the row itself.
-    """
-    cpu_setter = torch.set_rng_state
-    if getattr(cpu_setter, "_dscale_guarded", False):
-        return
-    cuda_setter = torch.cuda.set_rng_state
-
-    def _whole(t: torch.Tensor) -> torch.Tensor:
-        return t.clone() if t.storage_offset() else t
-
-    def set_rng_state(new_state: torch.Tensor) -> None:
-        cpu_setter(_whole(new_state))
-
-    def set_cuda_rng_state(new_state: torch.Tensor, device: Any = "cuda") -> None:
-        cuda_setter(_whole(new_state), device)
-
-    set_rng_state._dscale_guarded = True  # type: ignore[attr-defined]
-    torch.set_rng_state = set_rng_state
-    torch.cuda.set_rng_state = set_cuda_rng_state
-
-
 def pick_device(name: str, local_rank: int) -> torch.device:
     """``auto``: this rank's GPU when CUDA is there, else the CPU."""
     if name == "cuda" or (name == "auto" and torch.cuda.is_available()):
@@ -183,7 +158,6 @@ def worker_main(cfg: dict[str, Any], run_dir: str) -> dict[str, Any]:
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     out = Path(run_dir)
     setup_logging(out, rank, attempt)
-    _guard_set_rng_state()
     # What this rank actually received, for humans and for the tests.
     (out / "logs" / f"rank{rank}.config.json").write_text(json.dumps(cfg, indent=2))
     device = pick_device(cfg["trainer"]["device"], local_rank)
