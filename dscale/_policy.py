@@ -1,4 +1,4 @@
-"""The scale update rule, as tensor ops on the scaler's device (no host sync, no collectives).
+"""The scale update rule: tensor ops on the device, or host arithmetic when decisions are known.
 
 torch's rule (back off on every overflow, grow after ``growth_interval`` clean steps, never grow to
 inf) is the default. dscale adds clamping to ``[min_scale, max_scale]`` and hysteresis: a number of
@@ -9,6 +9,8 @@ skipped either way; hysteresis only delays the back-off.
 
 from __future__ import annotations
 
+import math
+import struct
 from dataclasses import dataclass
 from typing import Literal
 
@@ -85,3 +87,60 @@ def update_(
     scale.copy_(new_scale)
     growth_tracker.copy_(tracker)
     hysteresis_tracker.copy_(hyst)
+
+
+_F32 = struct.Struct("f")
+
+
+def f32(value: float) -> float:
+    """``value`` rounded to float32, as a Python float (inf where float32 overflows)."""
+    try:
+        return float(_F32.unpack(_F32.pack(value))[0])
+    except OverflowError:
+        return math.copysign(math.inf, value)
+
+
+@dataclass(frozen=True)
+class HostState:
+    """The scaler's state as Python numbers: the authority while every decision is host-known.
+
+    A plain optimizer step already reads the agreed flag on the host to decide the skip, so the
+    update that follows can be plain arithmetic instead of a dozen tiny device ops. Replaced
+    whole on every update, so a reader in another thread always sees one consistent state.
+    """
+
+    scale: float
+    growth_tracker: int
+    hysteresis_tracker: int
+    counters: tuple[int, ...]
+
+
+def next_host_state(policy: ScalePolicy, s: HostState, found: bool) -> HostState:
+    """The same rule as :func:`update_`, on the host; tests hold the two to identical results."""
+    steps, skipped, in_a_row, growths, backoffs = s.counters
+    scale, hyst = s.scale, s.hysteresis_tracker
+    if found:
+        tracker = 0
+        hyst = max(hyst - 1, 0)
+        if hyst <= 0:
+            shrunk = f32(scale * policy.backoff_factor)
+            if policy.min_scale is not None:
+                shrunk = max(shrunk, f32(policy.min_scale))
+            backoffs += shrunk < scale
+            scale = shrunk
+        return HostState(
+            scale, tracker, hyst, (steps + 1, skipped + 1, in_a_row + 1, growths, backoffs)
+        )
+    tracker = s.growth_tracker + 1
+    if tracker >= policy.growth_interval:
+        tracker = 0
+        grown = f32(scale * policy.growth_factor)
+        if policy.max_scale is not None:
+            grown = min(grown, f32(policy.max_scale))
+        if math.isfinite(grown) and grown > scale:
+            growths += 1
+            scale = grown
+        hyst = policy.hysteresis
+    if policy.hysteresis_refill == "on_clean_step":
+        hyst = policy.hysteresis
+    return HostState(scale, tracker, hyst, (steps + 1, skipped, 0, growths, backoffs))

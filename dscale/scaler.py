@@ -21,6 +21,7 @@ from dscale._masked_step import (
     params_without_state,
     reset_state_created_by_skipped_step,
 )
+from dscale._scale_state import COUNTER_NAMES, ScaleState, fresh_host_state
 from dscale._unscale import check_and_unscale_, group_by_device_and_dtype, optimizer_grads
 from dscale._warnings import warn_if_scaling_is_not_needed
 
@@ -159,44 +160,32 @@ class GradScaler:
         self._sync_free = bool(sync_free)
         self._group_arg = process_group
         self._group_ranks = _dist.group_ranks(process_group)
-        # Host copies of the state until the first scale() puts it on a device.
-        self._init_scale = float(init_scale)
-        self._init_growth_tracker = 0
-        self._init_hysteresis_tracker = hysteresis
-        self._init_counters = [0] * _policy.NUM_COUNTERS
-        self._scale: torch.Tensor | None = None
-        self._growth_tracker: torch.Tensor | None = None
-        self._hysteresis_tracker: torch.Tensor | None = None
-        self._counters: torch.Tensor | None = None
+        # The scale and trackers; on the host until the first scale() puts them on a device.
+        self._book = ScaleState(fresh_host_state(float(init_scale), hysteresis))
         self._per_optimizer_states: dict[int, _OptimizerState] = {}
         self._outcomes: dict[int, bool | torch.Tensor] = {}
         self._last_stepped: int | None = None
         self._callbacks: list[Callable[[torch.optim.Optimizer, bool], None]] = []
         self._observers: list[GradObserver] = []
-        self._host_skipped_in_a_row = 0
         self._updates_since_stuck_check = 0
         self._hook_states: list[HookState] = []
         self._hooked_params: set[int] = set()
         self._hook_flag: torch.Tensor | None = None
 
     # ----------------------------------------------------------------- device state
-    def _lazy_init(self, device: torch.device) -> None:
-        self._scale = torch.full((), self._init_scale, dtype=torch.float32, device=device)
-        self._growth_tracker = torch.full(
-            (), self._init_growth_tracker, dtype=torch.int32, device=device
-        )
-        self._hysteresis_tracker = torch.full(
-            (), self._init_hysteresis_tracker, dtype=torch.int32, device=device
-        )
-        self._counters = torch.tensor(self._init_counters, dtype=torch.int64, device=device)
+    def _scale_on(self, device: torch.device) -> torch.Tensor:
+        if self._book.scale is None:
+            self._book.place(device)
+        assert self._book.scale is not None  # noqa: S101 - placed just above
+        return self._book.scale
 
     def _require_scale(self, funcname: str) -> torch.Tensor:
-        if self._scale is None:
+        if self._book.scale is None:
             raise RuntimeError(
                 f"{funcname}() was called before scale(); call scaler.scale(loss).backward() "
                 "earlier in the iteration"
             )
-        return self._scale
+        return self._book.scale
 
     def _process_group(self) -> Any | None:
         if self._group_arg is None and self._group_ranks is not None:
@@ -209,21 +198,17 @@ class GradScaler:
         if not self._enabled:
             return outputs
         if isinstance(outputs, torch.Tensor):
-            if self._scale is None:
-                self._lazy_init(outputs.device)
+            scale = self._scale_on(outputs.device)
             warn_if_scaling_is_not_needed(outputs)
-            assert self._scale is not None  # noqa: S101 - set just above
-            return outputs * self._scale.to(device=outputs.device, non_blocking=True)
+            return outputs * scale.to(device=outputs.device, non_blocking=True)
 
         per_device: dict[torch.device, torch.Tensor] = {}
 
         def apply(value: Any) -> Any:
             if isinstance(value, torch.Tensor):
-                if self._scale is None:
-                    self._lazy_init(value.device)
-                assert self._scale is not None  # noqa: S101 - set just above
                 if value.device not in per_device:
-                    per_device[value.device] = self._scale.to(value.device, non_blocking=True)
+                    scale = self._scale_on(value.device)
+                    per_device[value.device] = scale.to(value.device, non_blocking=True)
                 return value * per_device[value.device]
             if isinstance(value, abc.Iterable):
                 mapped = map(apply, value)
@@ -393,13 +378,14 @@ class GradScaler:
         """Grow, keep or back off the scale once for this iteration, on every rank alike.
 
         Call once per iteration after step() for all optimizers. ``new_scale`` (a float or a
-        one-element tensor) sets the scale directly instead. No host sync.
+        one-element tensor) sets the scale directly instead. No host sync: after plain steps the
+        decision is already known on the host and the update is host arithmetic.
         """
         if not self._enabled:
             return
-        scale = self._require_scale("update")
+        self._require_scale("update")
         if new_scale is not None:
-            self._set_scale(scale, new_scale)
+            self._book.set_scale(_checked_new_scale(new_scale))
             self._per_optimizer_states = {}
             self._hook_flag = None
             return
@@ -411,55 +397,33 @@ class GradScaler:
             )
         flags = [self._agreed_flag(s) for s in states]
         found = flags[0] if len(flags) == 1 else torch.stack(flags).sum()
-        assert self._growth_tracker is not None  # noqa: S101 - initialised with the scale
-        assert self._hysteresis_tracker is not None and self._counters is not None  # noqa: S101
-        _policy.update_(
-            self._policy, scale, self._growth_tracker, self._hysteresis_tracker, self._counters,
-            found,
-        )
+        known = all(s.applied is not None for s in states)
+        skipped = not all(s.applied for s in states) if known else None
+        self._book.update(self._policy, found, skipped)
         self._per_optimizer_states = {}
         self._hook_flag = None
-        self._watch_for_collapse(states)
+        self._watch_for_collapse()
         for observer in self._observers:
             observer.on_update(self, found)
 
-    def _set_scale(self, scale: torch.Tensor, new_scale: float | torch.Tensor) -> None:
-        if isinstance(new_scale, torch.Tensor):
-            if new_scale.numel() != 1 or new_scale.requires_grad:
-                raise ValueError(
-                    "new_scale must be a float or a one-element tensor with requires_grad=False, "
-                    f"got a tensor of shape {tuple(new_scale.shape)}"
-                )
-            scale.copy_(new_scale.detach().reshape(()))
-            return
-        if isinstance(new_scale, bool) or not isinstance(new_scale, (int, float)) or not (
-            math.isfinite(new_scale) and new_scale > 0
-        ):
-            raise ValueError(f"new_scale must be a finite number > 0, got {new_scale!r}")
-        scale.fill_(float(new_scale))
-
-    def _watch_for_collapse(self, states: list[_OptimizerState]) -> None:
-        """Act on a scale stuck at min_scale; reads the device only when it looks stuck."""
+    def _watch_for_collapse(self) -> None:
+        """Act on a scale stuck at min_scale; after device-side updates, checks every N steps."""
         if self._policy.min_scale is None:
             return
-        if all(s.applied is not None for s in states):
-            skipped = not all(s.applied for s in states)
-            self._host_skipped_in_a_row = self._host_skipped_in_a_row + 1 if skipped else 0
-            if self._host_skipped_in_a_row < self._stuck_patience:
-                return
-        else:
+        if self._book.host is None:
             self._updates_since_stuck_check += 1
             if self._updates_since_stuck_check < self._stuck_patience:
                 return
             self._updates_since_stuck_check = 0
-        snap = self.snapshot()
-        in_a_row = int(snap["skipped_in_a_row"])
-        if snap["scale"] > self._policy.min_scale or in_a_row < self._stuck_patience:
+        state = self._book.read()  # free while the host holds the state
+        in_a_row = state.counters[_policy.SKIPPED_IN_A_ROW]
+        if state.scale > self._policy.min_scale or in_a_row < self._stuck_patience:
             return
         message = (
             f"loss scale is stuck at min_scale={self._policy.min_scale:g}: the last {in_a_row} "
             f"steps in a row were skipped for inf/NaN gradients (the latest at step index "
-            f"{int(snap['steps']) - 1}). The gradients overflow even at the smallest scale: look "
+            f"{state.counters[_policy.STEPS] - 1}). The gradients overflow even at the smallest "
+            "scale: look "
             "for the parameters with non-finite grads (dscale_nonfinite_grads_total) or a "
             "diverged loss, or lower min_scale."
         )
@@ -505,60 +469,37 @@ class GradScaler:
         self._observers.remove(observer)
 
     # ----------------------------------------------------------------- inspection
-    def _ensure_state(self) -> None:
-        if self._scale is None:
-            self._lazy_init(torch.device(self._device))
-
     def counters(self) -> dict[str, torch.Tensor]:
-        """The live device tensors (no copy, no sync): scale, trackers and event counters."""
-        self._ensure_state()
-        assert self._counters is not None and self._scale is not None  # noqa: S101
-        c = self._counters
-        return {
-            "scale": self._scale,
-            "growth_tracker": self._growth_tracker,  # type: ignore[dict-item]
-            "hysteresis_tracker": self._hysteresis_tracker,  # type: ignore[dict-item]
-            "steps": c[_policy.STEPS],
-            "skipped_steps": c[_policy.SKIPPED],
-            "skipped_in_a_row": c[_policy.SKIPPED_IN_A_ROW],
-            "growths": c[_policy.GROWTHS],
-            "backoffs": c[_policy.BACKOFFS],
-        }
+        """The live device tensors (no sync): scale, trackers and event counters.
+
+        Keys: scale, growth_tracker, hysteresis_tracker, steps, skipped_steps, skipped_in_a_row,
+        growths, backoffs. Brought up to date from the host copy first (kernel launches only).
+        """
+        self._scale_on(torch.device(self._device))
+        return self._book.tensors()
 
     def snapshot(self) -> dict[str, float | int]:
-        """:meth:`counters` as Python numbers; this waits for the GPU."""
-        if self._scale is None:
-            names = ("steps", "skipped_steps", "skipped_in_a_row", "growths", "backoffs")
-            return {
-                "scale": self._init_scale,
-                "growth_tracker": self._init_growth_tracker,
-                "hysteresis_tracker": self._init_hysteresis_tracker,
-                **dict(zip(names, self._init_counters)),
-            }
-        assert self._growth_tracker is not None and self._hysteresis_tracker is not None  # noqa: S101
-        assert self._counters is not None  # noqa: S101
-        values = torch.cat(
-            [
-                self._scale.double().reshape(1),
-                self._growth_tracker.double().reshape(1),
-                self._hysteresis_tracker.double().reshape(1),
-                self._counters.double(),
-            ]
-        ).tolist()
-        scale, growth, hyst, *counts = values
-        names = ("steps", "skipped_steps", "skipped_in_a_row", "growths", "backoffs")
+        """:meth:`counters` as Python numbers.
+
+        Free after plain steps (the host holds the state); after fused or ``sync_free`` steps it
+        waits for the GPU.
+        """
+        state = self._book.read()
         return {
-            "scale": scale,
-            "growth_tracker": int(growth),
-            "hysteresis_tracker": int(hyst),
-            **{n: int(v) for n, v in zip(names, counts)},
+            "scale": state.scale,
+            "growth_tracker": state.growth_tracker,
+            "hysteresis_tracker": state.hysteresis_tracker,
+            **dict(zip(COUNTER_NAMES, state.counters)),
         }
 
     def get_scale(self) -> float:
-        """The current scale as a Python float (1.0 when disabled); this waits for the GPU."""
+        """The current scale as a Python float (1.0 when disabled).
+
+        Free after plain steps; after fused or ``sync_free`` steps this waits for the GPU.
+        """
         if not self._enabled:
             return 1.0
-        return self._init_scale if self._scale is None else float(self._scale.item())
+        return self._book.read().scale
 
     def is_enabled(self) -> bool:
         """Whether this scaler scales (False: a transparent pass-through)."""
@@ -648,32 +589,23 @@ class GradScaler:
                 "loaded scale %g lies outside [min_scale, max_scale]; using %g", scale, clamped
             )
         self._policy = policy
-        self._init_scale = clamped
-        self._init_growth_tracker = int(s["_growth_tracker"])
-        self._init_hysteresis_tracker = int(s.get("_hysteresis_tracker", policy.hysteresis))
-        self._init_counters = [int(s.get(k, 0)) for k in _state.COUNTER_KEYS]
-        if self._scale is not None:
-            self._lazy_init(self._scale.device)
+        self._book.load(
+            _policy.HostState(
+                _policy.f32(clamped),
+                int(s["_growth_tracker"]),
+                int(s.get("_hysteresis_tracker", policy.hysteresis)),
+                tuple(int(s.get(k, 0)) for k in _state.COUNTER_KEYS),
+            )
+        )
 
     # ----------------------------------------------------------------- pickling
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        if self._enabled:
-            if self._per_optimizer_states:
-                raise RuntimeError(
-                    "A GradScaler instance may only be pickled at the beginning of an iteration, "
-                    "or at the end after scaler.update()."
-                )
-            snap = self.snapshot()
-            state["_init_scale"] = float(snap["scale"])
-            state["_init_growth_tracker"] = int(snap["growth_tracker"])
-            state["_init_hysteresis_tracker"] = int(snap["hysteresis_tracker"])
-            state["_init_counters"] = [
-                int(snap[k])
-                for k in ("steps", "skipped_steps", "skipped_in_a_row", "growths", "backoffs")
-            ]
-            for key in ("_scale", "_growth_tracker", "_hysteresis_tracker", "_counters"):
-                state[key] = None
+        if self._enabled and self._per_optimizer_states:
+            raise RuntimeError(
+                "A GradScaler instance may only be pickled at the beginning of an iteration, "
+                "or at the end after scaler.update()."
+            )
         # A process group is not picklable: keep its ranks and look it up again when used.
         state["_group_arg"] = None
         # Callbacks and observers belong to the running job, not to the scaler's state.
@@ -693,4 +625,19 @@ class GradScaler:
 
 def _policy_args(policy: _policy.ScalePolicy) -> dict[str, Any]:
     return dataclasses.asdict(policy)
+
+
+def _checked_new_scale(new_scale: float | torch.Tensor) -> float | torch.Tensor:
+    if isinstance(new_scale, torch.Tensor):
+        if new_scale.numel() != 1 or new_scale.requires_grad:
+            raise ValueError(
+                "new_scale must be a float or a one-element tensor with requires_grad=False, "
+                f"got a tensor of shape {tuple(new_scale.shape)}"
+            )
+        return new_scale
+    if isinstance(new_scale, bool) or not isinstance(new_scale, (int, float)) or not (
+        math.isfinite(new_scale) and new_scale > 0
+    ):
+        raise ValueError(f"new_scale must be a finite number > 0, got {new_scale!r}")
+    return float(new_scale)
 

@@ -87,3 +87,40 @@ def test_overflows_that_are_not_at_the_minimum_never_trip_the_stuck_policy() -> 
     )
     _drive(scaler, [1] * 6)  # still far above min_scale
     assert scaler.get_scale() == 2.0**14
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {},
+        {"min_scale": 2.0**10, "max_scale": 2.0**14, "stuck_patience": 10_000},
+        {"hysteresis": 3},
+        {"hysteresis": 2, "hysteresis_refill": "on_clean_step", "growth_factor": 3.0},
+        {"backoff_factor": 0.3, "growth_factor": 1.7, "max_scale": 1e9},
+    ],
+)
+def test_host_and_device_updates_follow_the_same_rule_exactly(kwargs) -> None:
+    # Plain steps update on the host; sync_free steps update with device ops. Same trajectory.
+    pattern = [int(i % 7 == 0 or i % 11 in (3, 4) or i % 23 > 20) for i in range(150)]
+    host = dscale.GradScaler("cpu", init_scale=2.0**12, growth_interval=3, **kwargs)
+    device = dscale.GradScaler("cpu", init_scale=2.0**12, growth_interval=3, sync_free=True,
+                               **kwargs)
+    for overflow in pattern:
+        _drive(host, [overflow])
+        _drive(device, [overflow])
+        assert host.state_dict() == device.state_dict()
+    assert host.snapshot()["backoffs"] > 5
+    assert host.snapshot()["growths"] > 5
+
+
+def test_after_plain_steps_the_scale_is_read_without_touching_the_device(monkeypatch) -> None:
+    scaler = dscale.GradScaler("cpu", init_scale=64.0, growth_interval=2)
+    _drive(scaler, [0, 1, 0, 0])
+    reads = []
+    real = torch.Tensor.item
+    monkeypatch.setattr(torch.Tensor, "item", lambda self: reads.append(1) or real(self))
+    assert scaler.get_scale() == 64.0
+    assert scaler.state_dict()["num_steps"] == 4
+    assert reads == []
+    # counters() is brought up to date from the host copy.
+    assert int(scaler.counters()["steps"]) == 4

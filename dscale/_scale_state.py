@@ -1,0 +1,151 @@
+"""Where the scale and its trackers live: on the host while every decision is known there.
+
+A plain optimizer step reads the agreed overflow flag on the host anyway (to skip or not), so the
+update after it is a few lines of arithmetic (``_policy.next_host_state``); the device only hears
+about it when the scale itself changes, because ``scale()`` multiplies by the device tensor. Fused
+optimizers and ``sync_free`` decide on the device, so there the update runs as tensor ops
+(``_policy.update_``) and the host copy is dropped for good; reading it back then waits for the GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from dscale import _policy
+from dscale._policy import HostState
+
+COUNTER_NAMES = ("steps", "skipped_steps", "skipped_in_a_row", "growths", "backoffs")
+
+
+def fresh_host_state(init_scale: float, hysteresis: int) -> HostState:
+    """The state of a new scaler."""
+    return HostState(_policy.f32(init_scale), 0, hysteresis, (0,) * _policy.NUM_COUNTERS)
+
+
+class ScaleState:
+    """The scale, growth and hysteresis trackers, and event counters of one GradScaler."""
+
+    def __init__(self, host: HostState) -> None:
+        self.host: HostState | None = host  # the authority while not None
+        self._flushed: HostState | None = None  # the host state last written to the device
+        self.scale: torch.Tensor | None = None  # fp32, always current: scale() reads it
+        self.growth_tracker: torch.Tensor | None = None
+        self.hysteresis_tracker: torch.Tensor | None = None
+        self.counters: torch.Tensor | None = None
+
+    @property
+    def placed(self) -> bool:
+        return self.scale is not None
+
+    def place(self, device: torch.device) -> None:
+        """Create the device tensors (the first scale() call decides the device, as torch)."""
+        host = self.host
+        assert host is not None  # noqa: S101 - the host holds the state until it is placed
+        self.scale = torch.full((), host.scale, dtype=torch.float32, device=device)
+        self.growth_tracker = torch.full((), host.growth_tracker, dtype=torch.int32, device=device)
+        self.hysteresis_tracker = torch.full(
+            (), host.hysteresis_tracker, dtype=torch.int32, device=device
+        )
+        self.counters = torch.tensor(host.counters, dtype=torch.int64, device=device)
+        self._flushed = host
+
+    def _flush(self) -> None:
+        """Bring the device trackers and counters up to the host state (kernel launches only)."""
+        host = self.host
+        if host is None or host is self._flushed or not self.placed:
+            return
+        assert self.scale is not None and self.counters is not None  # noqa: S101
+        assert self.growth_tracker is not None and self.hysteresis_tracker is not None  # noqa: S101
+        self.scale.fill_(host.scale)
+        self.growth_tracker.fill_(host.growth_tracker)
+        self.hysteresis_tracker.fill_(host.hysteresis_tracker)
+        for i, value in enumerate(host.counters):
+            self.counters[i].fill_(value)
+        self._flushed = host
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The live device tensors, brought up to date first (no host sync)."""
+        self._flush()
+        c = self.counters
+        assert c is not None and self.scale is not None  # noqa: S101
+        assert self.growth_tracker is not None and self.hysteresis_tracker is not None  # noqa: S101
+        return {
+            "scale": self.scale,
+            "growth_tracker": self.growth_tracker,
+            "hysteresis_tracker": self.hysteresis_tracker,
+            **{name: c[i] for i, name in enumerate(COUNTER_NAMES)},
+        }
+
+    def read(self) -> HostState:
+        """The current state as Python numbers; waits for the GPU only after device updates."""
+        host = self.host
+        if host is not None:
+            return host
+        assert self.scale is not None and self.counters is not None  # noqa: S101
+        assert self.growth_tracker is not None and self.hysteresis_tracker is not None  # noqa: S101
+        values = torch.cat(
+            [
+                self.scale.double().reshape(1),
+                self.growth_tracker.double().reshape(1),
+                self.hysteresis_tracker.double().reshape(1),
+                self.counters.double(),
+            ]
+        ).tolist()
+        scale, growth, hyst, *counts = values
+        return HostState(scale, int(growth), int(hyst), tuple(int(c) for c in counts))
+
+    def update(
+        self, policy: _policy.ScalePolicy, found_inf: torch.Tensor, found: bool | None
+    ) -> None:
+        """Apply one iteration: on the host when ``found`` is known there, else on the device."""
+        host = self.host
+        if found is not None and host is not None:
+            new = _policy.next_host_state(policy, host, found)
+            if new.scale != host.scale:
+                assert self.scale is not None  # noqa: S101
+                self.scale.fill_(new.scale)
+            self.host = new
+            return
+        self._flush()
+        assert self.scale is not None and self.counters is not None  # noqa: S101
+        assert self.growth_tracker is not None and self.hysteresis_tracker is not None  # noqa: S101
+        _policy.update_(
+            policy, self.scale, self.growth_tracker, self.hysteresis_tracker, self.counters,
+            found_inf,
+        )
+        self.host = None
+
+    def set_scale(self, new_scale: float | torch.Tensor) -> None:
+        """``update(new_scale=...)``: a float keeps the host copy, a tensor moves to the device."""
+        assert self.scale is not None  # noqa: S101
+        if isinstance(new_scale, torch.Tensor):
+            self._flush()
+            self.scale.copy_(new_scale.detach().reshape(()))
+            self.host = None
+            return
+        if self.host is not None:
+            self.host = dataclasses.replace(self.host, scale=_policy.f32(new_scale))
+        self.scale.fill_(new_scale)
+
+    def load(self, host: HostState) -> None:
+        """Replace the whole state (load_state_dict)."""
+        self.host = host
+        self._flushed = None
+        self._flush()
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Tensors are not pickled (torch's scaler does the same): the copy starts on the host.
+        return {
+            "host": self.read(),
+            "_flushed": None,
+            "scale": None,
+            "growth_tracker": None,
+            "hysteresis_tracker": None,
+            "counters": None,
+        }
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
