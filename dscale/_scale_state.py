@@ -59,11 +59,16 @@ class ScaleState:
             return
         assert self.scale is not None and self.counters is not None  # noqa: S101
         assert self.growth_tracker is not None and self.hysteresis_tracker is not None  # noqa: S101
-        self.scale.fill_(host.scale)
-        self.growth_tracker.fill_(host.growth_tracker)
-        self.hysteresis_tracker.fill_(host.hysteresis_tracker)
+        old = self._flushed
+        if old is None or old.scale != host.scale:
+            self.scale.fill_(host.scale)
+        if old is None or old.growth_tracker != host.growth_tracker:
+            self.growth_tracker.fill_(host.growth_tracker)
+        if old is None or old.hysteresis_tracker != host.hysteresis_tracker:
+            self.hysteresis_tracker.fill_(host.hysteresis_tracker)
         for i, value in enumerate(host.counters):
-            self.counters[i].fill_(value)
+            if old is None or old.counters[i] != value:
+                self.counters[i].fill_(value)
         self._flushed = host
 
     def tensors(self) -> dict[str, torch.Tensor]:
