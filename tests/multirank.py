@@ -40,17 +40,23 @@ def _rank_main(
         world_size=world_size,
         timeout=timedelta(seconds=pg_timeout_s),
     )
+    status = 1
     try:
         value = fn(rank, world_size, *args)
         # Through bytes: tensors sent as-is would share memory with a process about to exit.
         buffer = io.BytesIO()
         torch.save(value, buffer)
         results.put((rank, "ok", buffer.getvalue()))
+        status = 0
     except BaseException:
         results.put((rank, "error", traceback.format_exc()))
-        raise
     finally:
         dist.destroy_process_group()
+        results.close()
+        results.join_thread()  # the result is in the pipe before this process goes
+    # gloo ranks that ran DDP/FSDP2 sometimes abort in C++ teardown after the last Python frame
+    # ("terminate called without an active exception"); the result is sent, so skip destructors.
+    os._exit(status)
 
 
 def run_ranks(
