@@ -14,8 +14,7 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
-test: install
-	$(VENV)/bin/ruff check .
+test: lint
 	$(PY) -m pytest
 
 test-fast: install

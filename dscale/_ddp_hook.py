@@ -49,7 +49,8 @@ class HookState:
 
 
 def unscale_allreduce_hook(
-    state: HookState, bucket: dist.GradBucket  # type: ignore[name-defined]
+    state: HookState,
+    bucket: dist.GradBucket,  # type: ignore[name-defined]
 ) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: all-reduce the bucket, then average, unscale and check it in one pass."""
     buffer = bucket.buffer()

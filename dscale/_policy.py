@@ -78,8 +78,13 @@ def update_(
 
     in_a_row = torch.where(found, counters[SKIPPED_IN_A_ROW] + 1, torch.zeros_like(counters[0]))
     increments = torch.stack(
-        [torch.ones_like(in_a_row), found.long(), torch.zeros_like(in_a_row), grows.long(),
-         backs_off.long()]
+        [
+            torch.ones_like(in_a_row),
+            found.long(),
+            torch.zeros_like(in_a_row),
+            grows.long(),
+            backs_off.long(),
+        ]
     )
     counters.add_(increments)
     counters[SKIPPED_IN_A_ROW] = in_a_row

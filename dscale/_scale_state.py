@@ -118,7 +118,11 @@ class ScaleState:
         assert self.scale is not None and self.counters is not None  # noqa: S101
         assert self.growth_tracker is not None and self.hysteresis_tracker is not None  # noqa: S101
         _policy.update_(
-            policy, self.scale, self.growth_tracker, self.hysteresis_tracker, self.counters,
+            policy,
+            self.scale,
+            self.growth_tracker,
+            self.hysteresis_tracker,
+            self.counters,
             found_inf,
         )
         self.host = None

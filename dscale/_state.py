@@ -77,9 +77,7 @@ def check_scale_args(
         )
     for name, bound in (("min_scale", min_scale), ("max_scale", max_scale)):
         if bound is not None and (not _is_real(bound) or not math.isfinite(bound) or bound <= 0):
-            raise ValueError(
-                f"{prefix}{name} must be None or a finite number > 0, got {bound!r}"
-            )
+            raise ValueError(f"{prefix}{name} must be None or a finite number > 0, got {bound!r}")
     if min_scale is not None and max_scale is not None and min_scale > max_scale:
         raise ValueError(
             f"{prefix}min_scale={min_scale!r} is larger than max_scale={max_scale!r}; "
@@ -121,8 +119,14 @@ def validate(state: Mapping[str, Any]) -> dict[str, Any]:
         value = out.get(key)
         if isinstance(value, torch.Tensor):  # a 0-dim tensor, e.g. after a DCP round trip
             out[key] = float(value.item())
-    for key in ("growth_interval", "_growth_tracker", "hysteresis", "_hysteresis_tracker",
-                "dscale_format_version", *COUNTER_KEYS):
+    for key in (
+        "growth_interval",
+        "_growth_tracker",
+        "hysteresis",
+        "_hysteresis_tracker",
+        "dscale_format_version",
+        *COUNTER_KEYS,
+    ):
         value = out.get(key)
         if isinstance(value, torch.Tensor):
             out[key] = int(value.item())

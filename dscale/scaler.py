@@ -130,11 +130,11 @@ class GradScaler:
         if max_scale is not None and init_scale > max_scale:
             raise ValueError(f"init_scale={init_scale!r} is above max_scale={max_scale!r}")
         if on_stuck_at_min not in ("raise", "warn"):
-            raise ValueError(
-                f"on_stuck_at_min must be 'raise' or 'warn', got {on_stuck_at_min!r}"
-            )
-        if not isinstance(stuck_patience, int) or isinstance(stuck_patience, bool) or (
-            stuck_patience < 1
+            raise ValueError(f"on_stuck_at_min must be 'raise' or 'warn', got {on_stuck_at_min!r}")
+        if (
+            not isinstance(stuck_patience, int)
+            or isinstance(stuck_patience, bool)
+            or (stuck_patience < 1)
         ):
             raise ValueError(f"stuck_patience must be an int >= 1, got {stuck_patience!r}")
         self._device = str(torch.device(device).type) if not isinstance(device, str) else device
@@ -635,9 +635,10 @@ def _checked_new_scale(new_scale: float | torch.Tensor) -> float | torch.Tensor:
                 f"got a tensor of shape {tuple(new_scale.shape)}"
             )
         return new_scale
-    if isinstance(new_scale, bool) or not isinstance(new_scale, (int, float)) or not (
-        math.isfinite(new_scale) and new_scale > 0
+    if (
+        isinstance(new_scale, bool)
+        or not isinstance(new_scale, (int, float))
+        or not (math.isfinite(new_scale) and new_scale > 0)
     ):
         raise ValueError(f"new_scale must be a finite number > 0, got {new_scale!r}")
     return float(new_scale)
-

@@ -27,9 +27,14 @@ def test_gradscaler_keeps_torch_positional_parameters_first() -> None:
     params = list(inspect.signature(dscale.GradScaler).parameters.values())
     positional = [p.name for p in params if p.kind is p.POSITIONAL_OR_KEYWORD]
     assert positional == [
-        "device", "init_scale", "growth_factor", "backoff_factor", "growth_interval", "enabled",
+        "device",
+        "init_scale",
+        "growth_factor",
+        "backoff_factor",
+        "growth_interval",
+        "enabled",
     ]
-    assert all(p.kind is p.KEYWORD_ONLY for p in params[len(positional):])
+    assert all(p.kind is p.KEYWORD_ONLY for p in params[len(positional) :])
 
 
 def test_library_does_not_import_hydra_or_the_launcher() -> None:

@@ -69,8 +69,10 @@ def build_states(
                 f"rename it (reserved: {', '.join(_RESERVED)})"
             )
         if not isinstance(value, Stateful):
-            raise TypeError(f"extra[{name!r}] must have state_dict() and load_state_dict(), "
-                            f"got {type(value).__name__}")
+            raise TypeError(
+                f"extra[{name!r}] must have state_dict() and load_state_dict(), "
+                f"got {type(value).__name__}"
+            )
         states[name] = value
     return states
 
@@ -109,13 +111,20 @@ def _check_keys(path: Path, metadata: Metadata, states: dict[str, Any]) -> None:
         if lacking or missing:
             parts = []
             if missing:
-                parts.append(f"{len(missing)} entries are not in the checkpoint "
-                             f"(e.g. {', '.join(missing[:3])})")
+                parts.append(
+                    f"{len(missing)} entries are not in the checkpoint "
+                    f"(e.g. {', '.join(missing[:3])})"
+                )
             if lacking:
-                parts.append(f"{len(lacking)} saved entries have no place in the {name} "
-                             f"being loaded (e.g. {', '.join(lacking[:3])})")
-            hint = ("is it a checkpoint of another model?" if name == "model" else
-                    "is the optimizer's state initialized (one step taken) and of the same kind?")
+                parts.append(
+                    f"{len(lacking)} saved entries have no place in the {name} "
+                    f"being loaded (e.g. {', '.join(lacking[:3])})"
+                )
+            hint = (
+                "is it a checkpoint of another model?"
+                if name == "model"
+                else "is the optimizer's state initialized (one step taken) and of the same kind?"
+            )
             raise CheckpointError(f"{path} does not match the {name}: {'; '.join(parts)}; {hint}")
 
 
@@ -151,17 +160,28 @@ def load_checkpoint(
         )
     verify_checksums(path, process_group)
     metadata = read_metadata(path)
-    states = build_states(step=0, model=model, optimizer=optimizer, scaler=scaler, extra=extra,
-                          group=process_group, metadata=metadata)
+    states = build_states(
+        step=0,
+        model=model,
+        optimizer=optimizer,
+        scaler=scaler,
+        extra=extra,
+        group=process_group,
+        metadata=metadata,
+    )
     _check_keys(path, metadata, states)
     saved = metadata.state_dict_metadata
     if scaler is not None and not any(k.startswith("scaler.") for k in saved):
         logger.warning("%s holds no scaler state; the scaler keeps its current state", path)
     try:
         with _comm.quiet_single_process():
-            dcp_load(states, storage_reader=SafeReader(path), planner=SafeLoadPlanner(),
-                     process_group=process_group,
-                     no_dist=not _comm.is_distributed(process_group))
+            dcp_load(
+                states,
+                storage_reader=SafeReader(path),
+                planner=SafeLoadPlanner(),
+                process_group=process_group,
+                no_dist=not _comm.is_distributed(process_group),
+            )
     except CheckpointException as exc:
         raise CheckpointError(f"loading {path} failed: {describe_failure(exc)}") from exc
     if scaler is not None:

@@ -61,11 +61,15 @@ class CheckpointManager:
         process_group: ProcessGroup | None = None,
     ) -> None:
         if isinstance(every, bool) or not isinstance(every, int) or every < 0:
-            raise ValueError(f"every must be an int >= 0, got {every!r}; it is the number of "
-                             "steps between saves (0 saves only when save() is called)")
+            raise ValueError(
+                f"every must be an int >= 0, got {every!r}; it is the number of "
+                "steps between saves (0 saves only when save() is called)"
+            )
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
-            raise ValueError(f"keep must be an int >= 1, got {keep!r}; it is how many "
-                             "published checkpoints to keep (2 is a safe choice)")
+            raise ValueError(
+                f"keep must be an int >= 1, got {keep!r}; it is how many "
+                "published checkpoints to keep (2 is a safe choice)"
+            )
         self.directory = Path(directory)
         self.every = every
         self.keep = keep
@@ -106,8 +110,14 @@ class CheckpointManager:
         if step == self._last_step:
             logger.debug("step %d is already saved or was loaded; not saving it again", step)
             return
-        states = build_states(step=step, model=model, optimizer=optimizer, scaler=scaler,
-                              extra=extra, group=self.process_group)  # validates arguments
+        states = build_states(
+            step=step,
+            model=model,
+            optimizer=optimizer,
+            scaler=scaler,
+            extra=extra,
+            group=self.process_group,
+        )  # validates arguments
         self._finish_pending()
         if self.is_coordinator:
             self.directory.mkdir(parents=True, exist_ok=True)
@@ -115,8 +125,9 @@ class CheckpointManager:
         _comm.barrier(self.process_group)
         tmp = _publish.temp_dir(self.directory, step)
         final = _publish.step_dir(self.directory, step)
-        writer = FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True,
-                                  thread_count=1, overwrite=True)
+        writer = FileSystemWriter(
+            tmp, single_file_per_rank=True, sync_files=True, thread_count=1, overwrite=True
+        )
         no_dist = not _comm.is_distributed(self.process_group)
         use_async = self.async_save and not _uses_fsdp1(model)
         if self.async_save and not use_async:
@@ -125,16 +136,26 @@ class CheckpointManager:
         try:
             with _comm.quiet_single_process():
                 if use_async:
-                    future = dcp_async_save(states, storage_writer=writer,
-                                            process_group=self._cpu_group(), no_dist=no_dist)
+                    future = dcp_async_save(
+                        states,
+                        storage_writer=writer,
+                        process_group=self._cpu_group(),
+                        no_dist=no_dist,
+                    )
                     self._pending = (future, tmp, final)  # type: ignore[assignment]
                     self._async_since_wait = True
                 else:
-                    dcp_save(states, storage_writer=writer, process_group=self.process_group,
-                             no_dist=no_dist)
+                    dcp_save(
+                        states,
+                        storage_writer=writer,
+                        process_group=self.process_group,
+                        no_dist=no_dist,
+                    )
         except CheckpointException as exc:
-            raise RuntimeError(f"saving step {step} into {tmp} failed: {describe_failure(exc)}; "
-                               "the previous checkpoints are untouched") from exc
+            raise RuntimeError(
+                f"saving step {step} into {tmp} failed: {describe_failure(exc)}; "
+                "the previous checkpoints are untouched"
+            ) from exc
         self._last_step = step
         if not use_async:
             problem = None
@@ -181,8 +202,9 @@ class CheckpointManager:
             try:
                 return self.load(path, **states)
             except CorruptCheckpointError as exc:
-                logger.warning("skipping checkpoint step %d: %s; trying the previous one",
-                               step, exc)
+                logger.warning(
+                    "skipping checkpoint step %d: %s; trying the previous one", step, exc
+                )
         logger.info("no checkpoint to resume from in %s", self.directory)
         return None
 
@@ -223,8 +245,10 @@ class CheckpointManager:
         try:
             future.result()
         except CheckpointException as exc:
-            raise RuntimeError(f"asynchronous save into {tmp} failed: {describe_failure(exc)}; "
-                               "the previous checkpoints are untouched") from exc
+            raise RuntimeError(
+                f"asynchronous save into {tmp} failed: {describe_failure(exc)}; "
+                "the previous checkpoints are untouched"
+            ) from exc
         # The coordinator's future completes after it has written .metadata, which it does
         # only once every rank's data files are written.
         if self.is_coordinator:

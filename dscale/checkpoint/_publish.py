@@ -123,8 +123,10 @@ def verify_files(path: Path, shard: int = 0, num_shards: int = 1) -> str | None:
     if not path.is_dir():
         return f"checkpoint folder {path} does not exist"
     if not manifest.is_file():
-        return (f"{manifest} is missing: {path} was not published completely "
-                "(a save was interrupted, or it was not written by dscale.checkpoint)")
+        return (
+            f"{manifest} is missing: {path} was not published completely "
+            "(a save was interrupted, or it was not written by dscale.checkpoint)"
+        )
     entries = []
     for number, line in enumerate(manifest.read_text().splitlines(), 1):
         digest, sep, name = line.partition("  ")
@@ -139,6 +141,8 @@ def verify_files(path: Path, shard: int = 0, num_shards: int = 1) -> str | None:
             return f"{file} is missing (listed in {MANIFEST})"
         actual = _sha256(file)
         if actual != digest:
-            return (f"{file} is corrupt: sha256 {actual[:16]}... does not match "
-                    f"{digest[:16]}... recorded in {MANIFEST} when it was saved")
+            return (
+                f"{file} is corrupt: sha256 {actual[:16]}... does not match "
+                f"{digest[:16]}... recorded in {MANIFEST} when it was saved"
+            )
     return None

@@ -99,14 +99,19 @@ def load_scaler_file(scaler: Any, path: str | pathlib.Path) -> None:
     """
     file = pathlib.Path(path)
     if not file.is_file():
-        raise CheckpointError(f"scaler state file {file} does not exist; pass the path of a "
-                              "file written by torch.save(scaler.state_dict(), path)")
+        raise CheckpointError(
+            f"scaler state file {file} does not exist; pass the path of a "
+            "file written by torch.save(scaler.state_dict(), path)"
+        )
     try:
         state = torch.load(file, weights_only=True, map_location="cpu")
     except Exception as exc:
-        raise CheckpointError(f"{file} cannot be loaded as a scaler state dict "
-                              f"({type(exc).__name__}: {exc})") from exc
+        raise CheckpointError(
+            f"{file} cannot be loaded as a scaler state dict ({type(exc).__name__}: {exc})"
+        ) from exc
     if not isinstance(state, dict) or "scale" not in state:
-        raise CheckpointError(f"{file} is not a GradScaler state dict (no 'scale' key); "
-                              "it should come from torch.save(scaler.state_dict(), path)")
+        raise CheckpointError(
+            f"{file} is not a GradScaler state dict (no 'scale' key); "
+            "it should come from torch.save(scaler.state_dict(), path)"
+        )
     scaler.load_state_dict(state)

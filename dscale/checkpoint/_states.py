@@ -210,8 +210,9 @@ class TrainState:
         saved_world = int(state_dict["world_size"])
         world, me = _comm.world_size(self.group), _comm.rank(self.group)
         if saved_world != world:
-            logger.info("RNG states not restored: saved by %d ranks, loading on %d",
-                        saved_world, world)
+            logger.info(
+                "RNG states not restored: saved by %d ranks, loading on %d", saved_world, world
+            )
             return
         rng = state_dict.get("rng", {})
         if "torch_cpu" in rng:

@@ -61,8 +61,12 @@ def main() -> None:
     if rank == 0:
         state = {k: v.detach().clone() for k, v in model.module.state_dict().items()}
         torch.save(state, args.out + ".pt")
-        summary = {"resumed_from": start, "steps": args.steps, "scale": scaler.get_scale(),
-                   "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))}
+        summary = {
+            "resumed_from": start,
+            "steps": args.steps,
+            "scale": scaler.get_scale(),
+            "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+        }
         Path(args.out).write_text(json.dumps(summary))
 
 

@@ -42,8 +42,12 @@ def _pieces(strategy: str, seed: int = 0) -> tuple[torch.nn.Module, Any, Any]:
 
 
 def _snapshot(step: int, model, opt, scaler) -> dict[str, Any]:
-    return {"step": step, "params": params(model), "optim": optim_state(model, opt),
-            "scaler": scaler.state_dict()}
+    return {
+        "step": step,
+        "params": params(model),
+        "optim": optim_state(model, opt),
+        "scaler": scaler.state_dict(),
+    }
 
 
 def save_then_check_failures(rank: int, world: int, root: str, strategy: str) -> dict[str, Any]:
@@ -86,8 +90,9 @@ def save_then_check_failures(rank: int, world: int, root: str, strategy: str) ->
     fresh_model, fresh_opt, fresh_scaler = _pieces(strategy, seed=7)
     saved_error = None
     try:
-        load_checkpoint(f"{root}/split/step-4", model=fresh_model, optimizer=fresh_opt,
-                        scaler=fresh_scaler)
+        load_checkpoint(
+            f"{root}/split/step-4", model=fresh_model, optimizer=fresh_opt, scaler=fresh_scaler
+        )
     except ScaleMismatchError as exc:
         saved_error = str(exc)
     # A corrupt shard that only one rank's share of the checksum work covers.
@@ -99,21 +104,30 @@ def save_then_check_failures(rank: int, world: int, root: str, strategy: str) ->
     dist.barrier()
     corrupt_error = None
     try:
-        load_checkpoint(f"{root}/split/step-4", model=fresh_model, optimizer=fresh_opt,
-                        scaler=fresh_scaler)
+        load_checkpoint(
+            f"{root}/split/step-4", model=fresh_model, optimizer=fresh_opt, scaler=fresh_scaler
+        )
     except CorruptCheckpointError as exc:
         corrupt_error = str(exc)
-    return {"reference": reference, "live_error": live_error, "saved_error": saved_error,
-            "corrupt_error": corrupt_error,
-            "scale_after_failed_load": fresh_scaler.get_scale(), "publish_error": publish_error,
-            "resumed_step": resumed_step, "rng_restored": rng_restored, "rng_draw": rng_draw}
+    return {
+        "reference": reference,
+        "live_error": live_error,
+        "saved_error": saved_error,
+        "corrupt_error": corrupt_error,
+        "scale_after_failed_load": fresh_scaler.get_scale(),
+        "publish_error": publish_error,
+        "resumed_step": resumed_step,
+        "rng_restored": rng_restored,
+        "rng_draw": rng_draw,
+    }
 
 
 def load_resharded(rank: int, world: int, root: str, strategy: str) -> dict[str, Any]:
     """Load ``root/good`` (written by 2 ranks) on this world size; return the full state."""
     model, opt, scaler = _pieces(strategy, seed=11)
-    step = CheckpointManager(f"{root}/good").resume("auto", model=model, optimizer=opt,
-                                                    scaler=scaler)
+    step = CheckpointManager(f"{root}/good").resume(
+        "auto", model=model, optimizer=opt, scaler=scaler
+    )
     return _snapshot(step, model, opt, scaler)
 
 
@@ -132,8 +146,11 @@ def fsdp1_async_then_ddp(rank: int, world: int, root: str) -> dict[str, Any]:
     reference = _snapshot(3, model, opt, scaler)
     ddp, ddp_opt, ddp_scaler = _pieces("ddp", seed=4)
     step = CheckpointManager(root).resume("auto", model=ddp, optimizer=ddp_opt, scaler=ddp_scaler)
-    return {"reference": reference, "loaded": _snapshot(step, ddp, ddp_opt, ddp_scaler),
-            "published_before_wait": published_before_wait}
+    return {
+        "reference": reference,
+        "loaded": _snapshot(step, ddp, ddp_opt, ddp_scaler),
+        "published_before_wait": published_before_wait,
+    }
 
 
 def ddp_async_save(rank: int, world: int, root: str) -> dict[str, Any]:
@@ -147,13 +164,19 @@ def ddp_async_save(rank: int, world: int, root: str) -> dict[str, Any]:
     ckpt.maybe_save(4, model=model, optimizer=opt, scaler=scaler)  # waits for step 2 first
     ckpt.wait()
     fresh, fresh_opt, fresh_scaler = _pieces("ddp", seed=4)
-    loaded = CheckpointManager(root).load(f"{root}/step-2", model=fresh, optimizer=fresh_opt,
-                                          scaler=fresh_scaler)
-    return {"reference": reference, "loaded": _snapshot(loaded, fresh, fresh_opt, fresh_scaler),
-            "published": sorted(p.name for p in Path(root).iterdir())}
+    loaded = CheckpointManager(root).load(
+        f"{root}/step-2", model=fresh, optimizer=fresh_opt, scaler=fresh_scaler
+    )
+    return {
+        "reference": reference,
+        "loaded": _snapshot(loaded, fresh, fresh_opt, fresh_scaler),
+        "published": sorted(p.name for p in Path(root).iterdir()),
+    }
 
 
 def async_saves(rank: int, world: int, root: str) -> dict[str, Any]:
     """Both async scenarios in one spawn (spawning costs seconds)."""
-    return {"ddp": ddp_async_save(rank, world, f"{root}/ddp"),
-            "fsdp1": fsdp1_async_then_ddp(rank, world, f"{root}/fsdp1")}
+    return {
+        "ddp": ddp_async_save(rank, world, f"{root}/ddp"),
+        "fsdp1": fsdp1_async_then_ddp(rank, world, f"{root}/fsdp1"),
+    }

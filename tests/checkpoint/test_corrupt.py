@@ -139,8 +139,9 @@ def test_pickled_payload_in_a_value_does_not_run_on_load(tmp_path):
         load_checkpoint(tmp_path / "step-1", model=model, extra={"notes": _Holder(None)})
     assert not marker.exists()
     # Control: DCP's default planner runs the payload, so the test above can fail.
-    dcp.load({"notes": _Holder(None)}, storage_reader=FileSystemReader(tmp_path / "step-1"),
-             no_dist=True)
+    dcp.load(
+        {"notes": _Holder(None)}, storage_reader=FileSystemReader(tmp_path / "step-1"), no_dist=True
+    )
     assert marker.exists()
 
 

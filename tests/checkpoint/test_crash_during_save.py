@@ -18,7 +18,10 @@ REPO = Path(__file__).resolve().parents[2]
 def test_sigkill_before_publish_keeps_previous_checkpoint_loadable(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "tests.checkpoint._crash_before_publish", str(tmp_path)],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
     # Step 2 was fully written (DCP wrote .metadata) but never published.

@@ -15,7 +15,8 @@ def _pieces(seed: int, steps: int):
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
     model = model.half()
     opt = master_weights.FP16Optimizer(
-        torch.optim.Adam(model.parameters(), lr=1e-2), dynamic_loss_scale=True,
+        torch.optim.Adam(model.parameters(), lr=1e-2),
+        dynamic_loss_scale=True,
         dynamic_loss_args={"init_scale": 256.0, "growth_interval": 2},
     )
     gen = torch.Generator().manual_seed(seed)

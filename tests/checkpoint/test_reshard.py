@@ -23,8 +23,14 @@ def _assert_same_state(got, want):
 @pytest.fixture(scope="module")
 def saved_by_two_fsdp2_ranks(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("fsdp2"))
-    return root, run_ranks(_ranks.save_then_check_failures, root, "fsdp2", world_size=2,
-                           timeout_s=300, pg_timeout_s=120)
+    return root, run_ranks(
+        _ranks.save_then_check_failures,
+        root,
+        "fsdp2",
+        world_size=2,
+        timeout_s=300,
+        pg_timeout_s=120,
+    )
 
 
 def test_scale_mismatch_is_raised_on_every_rank_naming_ranks_and_values(saved_by_two_fsdp2_ranks):
@@ -64,14 +70,16 @@ def test_failed_publish_raises_on_every_rank_and_keeps_the_previous_checkpoint(
 
 def test_fsdp2_checkpoint_of_2_ranks_loads_on_1_rank_into_a_plain_model(saved_by_two_fsdp2_ranks):
     root, results = saved_by_two_fsdp2_ranks
-    loaded = run_ranks(_ranks.load_resharded, root, "plain", world_size=1, timeout_s=300,
-                       pg_timeout_s=120)
+    loaded = run_ranks(
+        _ranks.load_resharded, root, "plain", world_size=1, timeout_s=300, pg_timeout_s=120
+    )
     _assert_same_state(loaded[0], results[0]["reference"])
 
 
 def test_fsdp2_checkpoint_of_2_ranks_loads_on_4_fsdp2_ranks(saved_by_two_fsdp2_ranks):
     root, results = saved_by_two_fsdp2_ranks
-    loaded = run_ranks(_ranks.load_resharded, root, "fsdp2", world_size=4, timeout_s=300,
-                       pg_timeout_s=120)
+    loaded = run_ranks(
+        _ranks.load_resharded, root, "fsdp2", world_size=4, timeout_s=300, pg_timeout_s=120
+    )
     for rank in range(4):
         _assert_same_state(loaded[rank], results[0]["reference"])

@@ -52,7 +52,9 @@ def test_every_and_keep_publish_only_the_newest_checkpoints(tmp_path):
     assert saved == [False, True, False, True, False, True, False]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-4", "step-6"]
     assert sorted(p.name for p in (tmp_path / "step-6").iterdir()) == [
-        ".metadata", "__0_0.distcp", "checksums.sha256"
+        ".metadata",
+        "__0_0.distcp",
+        "checksums.sha256",
     ]
     assert ckpt.latest() == tmp_path / "step-6"
 

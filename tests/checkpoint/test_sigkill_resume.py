@@ -15,14 +15,37 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _torchrun(tmp: Path, name: str, kill_at: int) -> tuple[dict, dict]:
-    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": str(REPO)}
+    env = {
+        **os.environ,
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(REPO),
+    }
     out = tmp / f"{name}.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--max-restarts", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0",
-           "--monitor-interval", "0.5", str(REPO / "tests/checkpoint/_elastic_train.py"),
-           "--dir", str(tmp / name), "--out", str(out), "--steps", "9",
-           "--kill-at", str(kill_at)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "1",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        "127.0.0.1:0",
+        "--monitor-interval",
+        "0.5",
+        str(REPO / "tests/checkpoint/_elastic_train.py"),
+        "--dir",
+        str(tmp / name),
+        "--out",
+        str(out),
+        "--steps",
+        "9",
+        "--kill-at",
+        str(kill_at),
+    ]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return json.loads(out.read_text()), torch.load(str(out) + ".pt", weights_only=True)

@@ -58,7 +58,10 @@ def test_hysteresis_refilled_on_growth_as_megatron() -> None:
 
 def test_hysteresis_refilled_by_every_clean_step_as_deepspeed_consecutive() -> None:
     scaler = dscale.GradScaler(
-        "cpu", init_scale=64.0, growth_interval=100, hysteresis=2,
+        "cpu",
+        init_scale=64.0,
+        growth_interval=100,
+        hysteresis=2,
         hysteresis_refill="on_clean_step",
     )
     # Isolated overflows are all tolerated; two in a row back off.
@@ -103,8 +106,9 @@ def test_host_and_device_updates_follow_the_same_rule_exactly(kwargs) -> None:
     # Plain steps update on the host; sync_free steps update with device ops. Same trajectory.
     pattern = [int(i % 7 == 0 or i % 11 in (3, 4) or i % 23 > 20) for i in range(150)]
     host = dscale.GradScaler("cpu", init_scale=2.0**12, growth_interval=3, **kwargs)
-    device = dscale.GradScaler("cpu", init_scale=2.0**12, growth_interval=3, sync_free=True,
-                               **kwargs)
+    device = dscale.GradScaler(
+        "cpu", init_scale=2.0**12, growth_interval=3, sync_free=True, **kwargs
+    )
     for overflow in pattern:
         _drive(host, [overflow])
         _drive(device, [overflow])

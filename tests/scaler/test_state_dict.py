@@ -108,8 +108,10 @@ def test_state_dict_missing_keys_or_empty_is_a_clear_error() -> None:
 
 def test_tensor_values_from_a_dcp_round_trip_are_accepted() -> None:
     src = dscale.GradScaler("cpu", init_scale=64.0)
-    sd = {k: torch.tensor(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v
-          for k, v in src.state_dict().items()}
+    sd = {
+        k: torch.tensor(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v
+        for k, v in src.state_dict().items()
+    }
     dst = dscale.GradScaler("cpu")
     dst.load_state_dict(sd)
     assert dst.get_scale() == 64.0
