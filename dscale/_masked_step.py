@@ -46,7 +46,9 @@ def masked_step(
 
 
 def params_without_state(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """Parameters whose optimizer state the next step will create."""
+    """Parameters whose optimizer state the next step will create (none once all have state)."""
+    if len(optimizer.state) >= sum(len(g["params"]) for g in optimizer.param_groups):
+        return []  # the common case after the first step: no Python loop over the parameters
     return [
         p for group in optimizer.param_groups for p in group["params"] if p not in optimizer.state
     ]
