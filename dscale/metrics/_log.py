@@ -1,7 +1,9 @@
 """MetricsLog: a per-step JSONL log of the scale, for ``python -m dscale.report`` and for grep.
 
-Columns: rank, step, scale, skipped, growths, backoffs (totals), clean_steps (the growth tracker),
-grad_norm and grad_norm_scaled (null without stats or before the first applied step).
+Columns: rank, step (the 0-based index of the optimizer iteration, as in the launcher's logs and
+summary.json), scale (after that iteration's update), skipped, growths, backoffs (totals),
+clean_steps (the growth tracker), grad_norm and grad_norm_scaled (null without stats or before the
+first applied step).
 
 Each update() writes one row into a device buffer (no host sync); every ``every`` steps the buffer
 is copied to the host once and appended to ``RUN_DIR/metrics/rank<R>.jsonl``. So the log has the
@@ -80,7 +82,7 @@ class MetricsLog:
         nan = torch.full((), float("nan"), device=device)  # made on the device: no blocking copy
         extra = self._stats.device_values() if self._stats is not None else {}
         values = [
-            c["steps"],
+            c["steps"] - 1,  # the count of iterations done, so the index of this one is one less
             c["scale"],
             found_inf.reshape(()) > 0,
             c["growths"],

@@ -62,8 +62,7 @@ def test_job_runs_and_every_rank_skips_the_step_where_only_rank_1_overflowed(
     assert s["tokens_per_s"] > 0
     # The same skipped steps in each rank's own log and in dscale's metrics log.
     assert _skips_in_rank_log(tmp_path, 0) == _skips_in_rank_log(tmp_path, 1) == [4, 11]
-    # MetricsLog's "step" counts iterations done (the scaler's num_steps), so index k is k + 1.
-    assert skipped_in_metrics_log(tmp_path, 0) == skipped_in_metrics_log(tmp_path, 1) == [5, 12]
+    assert skipped_in_metrics_log(tmp_path, 0) == skipped_in_metrics_log(tmp_path, 1) == [4, 11]
     for rank in (0, 1):
         seen = worker_config(tmp_path, rank)
         assert seen["scaler"]["growth_interval"] == 7

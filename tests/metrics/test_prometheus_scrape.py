@@ -196,5 +196,5 @@ def test_prometheus_scrapes_both_ranks_final_scale_and_grafana_queries_parse(
         for proc in procs.values():
             _stop(proc)
     rows = [json.loads(line) for line in (out / "metrics" / "rank1.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == list(range(1, 11))
+    assert [r["step"] for r in rows] == list(range(10))
     assert [r["skipped"] for r in rows] == [False] * 4 + [True] + [False] * 5

@@ -43,7 +43,7 @@ def test_the_log_holds_every_step_once_the_last_block_is_closed(tmp_path) -> Non
     # init 4, grows after 2 clean steps, halves on the NaN at step 3, grows after steps 4-5.
     assert [r["scale"] for r in rows] == [4.0, 8.0, 4.0, 4.0, 8.0]
     assert [r["skipped"] for r in rows] == [False, False, True, False, False]
-    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
     assert [(r["growths"], r["backoffs"], r["clean_steps"]) for r in rows] == [
         (0, 0, 1), (1, 0, 0), (1, 1, 0), (1, 1, 1), (2, 1, 0),
     ]  # fmt: skip
