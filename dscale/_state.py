@@ -15,11 +15,17 @@ Keys:
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Mapping
+from dataclasses import asdict
 from typing import Any
 
 import torch
+
+from dscale._policy import HostState, ScalePolicy, f32
+
+logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 
@@ -151,3 +157,60 @@ def validate(state: Mapping[str, Any]) -> dict[str, Any]:
         if key in out and (not _is_int(out[key]) or out[key] < 0):
             raise ValueError(f"state_dict: {key} must be an int >= 0, got {out[key]!r}")
     return out
+
+
+def to_state_dict(policy: ScalePolicy, host: HostState) -> dict[str, Any]:
+    """The state dict of a scaler with ``policy`` and state ``host``."""
+    steps, skipped, in_a_row, growths, backoffs = host.counters
+    return {
+        "scale": float(host.scale),
+        "growth_factor": policy.growth_factor,
+        "backoff_factor": policy.backoff_factor,
+        "growth_interval": policy.growth_interval,
+        "_growth_tracker": host.growth_tracker,
+        "dscale_format_version": FORMAT_VERSION,
+        "min_scale": policy.min_scale,
+        "max_scale": policy.max_scale,
+        "hysteresis": policy.hysteresis,
+        "hysteresis_refill": policy.hysteresis_refill,
+        "_hysteresis_tracker": host.hysteresis_tracker,
+        "num_steps": steps,
+        "num_skipped_steps": skipped,
+        "num_skipped_in_a_row": in_a_row,
+        "num_growths": growths,
+        "num_backoffs": backoffs,
+    }
+
+
+def from_state_dict(
+    state: Mapping[str, Any], current: ScalePolicy
+) -> tuple[ScalePolicy, HostState]:
+    """Validate ``state`` and turn it into a policy and a state; ``current`` fills missing keys.
+
+    Raises:
+        ValueError: naming the key and the value; nothing has been changed anywhere.
+    """
+    s = validate(state)
+    policy = ScalePolicy(
+        growth_factor=float(s["growth_factor"]),
+        backoff_factor=float(s["backoff_factor"]),
+        growth_interval=int(s["growth_interval"]),
+        min_scale=s.get("min_scale", current.min_scale),
+        max_scale=s.get("max_scale", current.max_scale),
+        hysteresis=int(s.get("hysteresis", current.hysteresis)),
+        hysteresis_refill=s.get("hysteresis_refill", current.hysteresis_refill),
+    )
+    check_scale_args(init_scale=1.0, **asdict(policy), prefix="state_dict: ")
+    scale = float(s["scale"])
+    clamped = min(max(scale, policy.min_scale or scale), policy.max_scale or scale)
+    if clamped != scale:
+        logger.warning(
+            "loaded scale %g lies outside [min_scale, max_scale]; using %g", scale, clamped
+        )
+    host = HostState(
+        f32(clamped),
+        int(s["_growth_tracker"]),
+        int(s.get("_hysteresis_tracker", policy.hysteresis)),
+        tuple(int(s.get(k, 0)) for k in COUNTER_KEYS),
+    )
+    return policy, host

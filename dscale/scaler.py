@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import math
 import warnings
@@ -15,12 +14,12 @@ from typing import Any, Literal, Protocol
 import torch
 
 from dscale import _agreement, _dist, _policy, _state
-from dscale._ddp_hook import HookState, unscale_allreduce_hook, unscale_reduced_shard
 from dscale._masked_step import (
     masked_step,
     params_without_state,
     reset_state_created_by_skipped_step,
 )
+from dscale._reduction_hooks import ReductionHooks
 from dscale._scale_state import COUNTER_NAMES, ScaleState, fresh_host_state
 from dscale._unscale import check_and_unscale_, group_by_device_and_dtype, optimizer_grads
 from dscale._warnings import warn_if_scaling_is_not_needed
@@ -168,9 +167,7 @@ class GradScaler:
         self._callbacks: list[Callable[[torch.optim.Optimizer, bool], None]] = []
         self._observers: list[GradObserver] = []
         self._updates_since_stuck_check = 0
-        self._hook_states: list[HookState] = []
-        self._hooked_params: set[int] = set()
-        self._hook_flag: torch.Tensor | None = None
+        self._hooks = ReductionHooks()
 
     # ----------------------------------------------------------------- device state
     def _scale_on(self, device: torch.device) -> torch.Tensor:
@@ -242,20 +239,16 @@ class GradScaler:
     ) -> bool:
         """Check (and unscale) ``optimizer``'s grads; True when they are unscaled afterwards."""
         scale = self._require_scale("unscale_")
-        hook_flag = self._take_hook_flag()
+        hook_flag = self._hooks.take_flag(scale.device)
         if hook_flag is not None:
             unscale = True  # the hook unscaled its grads; the others must match them
-        grads = optimizer_grads(optimizer, self._hooked_params if hook_flag is not None else None)
+        grads = optimizer_grads(optimizer, self._hooks.params if hook_flag is not None else None)
         for observer in self._observers:
             observer.on_grads(optimizer, grads, scale)
         # The reciprocal in fp64, as torch does: fp32 division can be imprecise.
         inv_scale = scale.double().reciprocal().float() if unscale else torch.ones_like(scale)
         group = self._process_group()
-        if (
-            hook_flag is not None
-            and all(s.flag_is_global for s in self._hook_states)
-            and not self._has_unhooked_params(optimizer)
-        ):
+        if hook_flag is not None and self._hooks.flag_is_global_for(optimizer):
             group = None  # DDP's own all-reduce already made the flag global
         device = scale.device if group is None else _dist.flag_device(group, scale.device)
         with torch.no_grad():
@@ -265,7 +258,7 @@ class GradScaler:
         state.work = None if group is None else _agreement.all_reduce_flag(state.flag, group)
         return unscale
 
-    # ----------------------------------------------------------------- DDP hook
+    # ----------------------------------------------------------------- reduction hooks
     def attach(self, model: torch.nn.Module) -> None:
         """Fold the unscale and the inf/NaN check into the model's gradient reduction.
 
@@ -276,42 +269,8 @@ class GradScaler:
         flag covers the whole model: an overflow anywhere in it skips every optimizer over its
         parameters. Call once, before the first backward.
         """
-        from torch.distributed.fsdp import FSDPModule
-        from torch.nn.parallel import DistributedDataParallel
-
-        if not self._enabled:
-            return
-        scale_of = lambda: self._require_scale("backward")  # noqa: E731
-        if isinstance(model, DistributedDataParallel):
-            state = HookState(scale_of, model.process_group, flag_is_global=True)
-            model.register_comm_hook(state, unscale_allreduce_hook)
-        elif isinstance(model, FSDPModule):
-            state = HookState(scale_of, None, flag_is_global=False)
-            for unit in model.modules():
-                if isinstance(unit, FSDPModule):
-                    unit.set_all_reduce_hook(functools.partial(unscale_reduced_shard, state))
-        else:
-            raise TypeError(
-                "attach() takes a DistributedDataParallel model or an FSDP2 (fully_shard) model, "
-                f"got {type(model).__name__}; other models need no attach()"
-            )
-        self._hook_states.append(state)
-        self._hooked_params |= {id(p) for p in model.parameters() if p.requires_grad}
-
-    def _take_hook_flag(self) -> torch.Tensor | None:
-        """This iteration's flag from the DDP hook; None when no hooked bucket was reduced."""
-        if self._hook_flag is None and self._hook_states:
-            flags = [f for s in self._hook_states for f in s.take_flags()]
-            if flags:
-                scale = self._require_scale("step")
-                self._hook_flag = torch.stack([f.to(scale.device) for f in flags]).sum()
-        return self._hook_flag
-
-    def _has_unhooked_params(self, optimizer: torch.optim.Optimizer) -> bool:
-        # Decided from the parameter sets, which every rank shares, never from local grads.
-        return any(
-            id(p) not in self._hooked_params for g in optimizer.param_groups for p in g["params"]
-        )
+        if self._enabled:
+            self._hooks.attach(model, lambda: self._require_scale("backward"))
 
     def _agreed_flag(self, state: _OptimizerState) -> torch.Tensor:
         if state.work is not None:
@@ -387,7 +346,7 @@ class GradScaler:
         if new_scale is not None:
             self._book.set_scale(_checked_new_scale(new_scale))
             self._per_optimizer_states = {}
-            self._hook_flag = None
+            self._hooks.reset()
             return
         states = list(self._per_optimizer_states.values())
         if not states:
@@ -401,7 +360,7 @@ class GradScaler:
         skipped = not all(s.applied for s in states) if known else None
         self._book.update(self._policy, found, skipped)
         self._per_optimizer_states = {}
-        self._hook_flag = None
+        self._hooks.reset()
         self._watch_for_collapse()
         for observer in self._observers:
             observer.on_update(self, found)
@@ -538,65 +497,23 @@ class GradScaler:
     def state_dict(self) -> dict[str, Any]:
         """The scaler state: torch's five keys plus dscale's trackers (see ``dscale._state``).
 
-        Empty when disabled. Call it after update(). This waits for the GPU.
+        Empty when disabled. Call it after update(). Waits for the GPU only after fused or
+        sync-free steps (otherwise the host holds the state).
         """
         if not self._enabled:
             return {}
-        snap = self.snapshot()
-        p = self._policy
-        return {
-            "scale": float(snap["scale"]),
-            "growth_factor": p.growth_factor,
-            "backoff_factor": p.backoff_factor,
-            "growth_interval": p.growth_interval,
-            "_growth_tracker": int(snap["growth_tracker"]),
-            "dscale_format_version": _state.FORMAT_VERSION,
-            "min_scale": p.min_scale,
-            "max_scale": p.max_scale,
-            "hysteresis": p.hysteresis,
-            "hysteresis_refill": p.hysteresis_refill,
-            "_hysteresis_tracker": int(snap["hysteresis_tracker"]),
-            "num_steps": int(snap["steps"]),
-            "num_skipped_steps": int(snap["skipped_steps"]),
-            "num_skipped_in_a_row": int(snap["skipped_in_a_row"]),
-            "num_growths": int(snap["growths"]),
-            "num_backoffs": int(snap["backoffs"]),
-        }
+        return _state.to_state_dict(self._policy, self._book.read())
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict from dscale's or torch's GradScaler; no-op when disabled.
 
         The dict is validated completely first: a rejected one (ValueError) changes nothing.
+        Keys that torch's dict lacks keep this scaler's settings; its trackers start fresh.
         """
         if not self._enabled:
             return
-        s = _state.validate(state_dict)
-        p = self._policy
-        policy = _policy.ScalePolicy(
-            growth_factor=float(s["growth_factor"]),
-            backoff_factor=float(s["backoff_factor"]),
-            growth_interval=int(s["growth_interval"]),
-            min_scale=s.get("min_scale", p.min_scale),
-            max_scale=s.get("max_scale", p.max_scale),
-            hysteresis=int(s.get("hysteresis", p.hysteresis)),
-            hysteresis_refill=s.get("hysteresis_refill", p.hysteresis_refill),
-        )
-        _state.check_scale_args(init_scale=1.0, **_policy_args(policy), prefix="state_dict: ")
-        scale = float(s["scale"])
-        clamped = min(max(scale, policy.min_scale or scale), policy.max_scale or scale)
-        if clamped != scale:
-            logger.warning(
-                "loaded scale %g lies outside [min_scale, max_scale]; using %g", scale, clamped
-            )
-        self._policy = policy
-        self._book.load(
-            _policy.HostState(
-                _policy.f32(clamped),
-                int(s["_growth_tracker"]),
-                int(s.get("_hysteresis_tracker", policy.hysteresis)),
-                tuple(int(s.get(k, 0)) for k in _state.COUNTER_KEYS),
-            )
-        )
+        self._policy, host = _state.from_state_dict(state_dict, self._policy)
+        self._book.load(host)
 
     # ----------------------------------------------------------------- pickling
     def __getstate__(self) -> dict[str, Any]:
@@ -613,10 +530,8 @@ class GradScaler:
         state["_observers"] = []
         state["_outcomes"] = {}
         state["_last_stepped"] = None
-        # A hook is registered on one live DDP model; a copy must attach() again.
-        state["_hook_states"] = []
-        state["_hooked_params"] = set()
-        state["_hook_flag"] = None
+        # Hooks are registered on live models; a copy must attach() again.
+        state["_hooks"] = ReductionHooks()
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:

@@ -17,6 +17,7 @@ all-reduces it (one element), but step() no longer makes its own pass over those
 """
 
 # No `from __future__ import annotations`: DDP compares the hook's annotations as objects.
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -79,3 +80,55 @@ def unscale_reduced_shard(state: HookState, reduce_output: torch.Tensor) -> None
     torch._amp_foreach_non_finite_check_and_unscale_(
         [reduce_output], state.flag(reduce_output.device), inv
     )
+
+
+class ReductionHooks:
+    """The models a scaler is attached to, and the flag their hooks recorded this iteration."""
+
+    def __init__(self) -> None:
+        self.states: list[HookState] = []
+        self.params: set[int] = set()
+        self._flag: torch.Tensor | None = None
+
+    def attach(self, model: torch.nn.Module, scale_of: Callable[[], torch.Tensor]) -> None:
+        """Register the hook that fits ``model`` (DDP or FSDP2); TypeError for anything else."""
+        from torch.distributed.fsdp import FSDPModule
+        from torch.nn.parallel import DistributedDataParallel
+
+        if isinstance(model, DistributedDataParallel):
+            state = HookState(scale_of, model.process_group, flag_is_global=True)
+            model.register_comm_hook(state, unscale_allreduce_hook)
+        elif isinstance(model, FSDPModule):
+            state = HookState(scale_of, None, flag_is_global=False)
+            for unit in model.modules():
+                if isinstance(unit, FSDPModule):
+                    unit.set_all_reduce_hook(functools.partial(unscale_reduced_shard, state))
+        else:
+            raise TypeError(
+                "attach() takes a DistributedDataParallel model or an FSDP2 (fully_shard) model, "
+                f"got {type(model).__name__}; other models need no attach()"
+            )
+        self.states.append(state)
+        self.params |= {id(p) for p in model.parameters() if p.requires_grad}
+
+    def take_flag(self, device: torch.device) -> torch.Tensor | None:
+        """This iteration's flag (kept for every optimizer); None when no hook ran since reset."""
+        if self._flag is None and self.states:
+            flags = [f for s in self.states for f in s.take_flags()]
+            if flags:
+                self._flag = torch.stack([f.to(device) for f in flags]).sum()
+        return self._flag
+
+    def reset(self) -> None:
+        """Forget this iteration's flag (update() calls it)."""
+        self._flag = None
+
+    def flag_is_global_for(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether the hooks' flag alone is already the same on every rank for ``optimizer``.
+
+        True only for DDP hooks covering all its parameters: decided from the parameter sets,
+        which every rank shares, never from local grads.
+        """
+        return all(s.flag_is_global for s in self.states) and all(
+            id(p) in self.params for g in optimizer.param_groups for p in g["params"]
+        )
