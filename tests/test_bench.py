@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from dscale.bench import _cli, _ranks
+from dscale.bench import _cli
 from dscale.bench._syncs import count_host_syncs
 
 STEP_ARMS = {"plain", "dscale", "torch", "sharded"}
@@ -64,9 +64,8 @@ def test_unscale_pass_and_sweep_are_reported(result) -> None:
 def test_two_rank_ddp_and_fsdp2_arms_are_reported(result) -> None:
     dist_result = result["distributed"]
     assert dist_result["world_size"] == 2
-    ddp_arms = {"plain", "dscale", "torch"} | ({"dscale+hook"} if _ranks.has_ddp_hook() else set())
-    assert set(dist_result["ddp"]["arms"]) == ddp_arms
-    assert {"plain", "dscale", "sharded"} <= set(dist_result["fsdp2"]["arms"])
+    assert set(dist_result["ddp"]["arms"]) == {"plain", "dscale", "torch", "dscale+hook"}
+    assert set(dist_result["fsdp2"]["arms"]) == {"plain", "dscale", "sharded", "dscale+hook"}
     for mode in ("ddp", "fsdp2"):
         for part in ("arms", "after_backward"):
             assert set(dist_result[mode][part]) == set(dist_result[mode]["arms"])

@@ -24,17 +24,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.multiprocessing.spawn import start_processes
 
-import dscale
 from dscale.bench._arms import make_scaler
 from dscale.bench._timing import Arm, run_interleaved, summarize
 
 TIMEOUT = timedelta(seconds=120)
 WARMUP = 2
-
-
-def has_ddp_hook() -> bool:
-    """Whether this dscale has ``GradScaler.attach`` (DDP comm hook, FSDP2 all-reduce hook)."""
-    return hasattr(dscale.GradScaler, "attach")
 
 
 def _mlp(width: int, depth: int) -> nn.Sequential:
@@ -75,11 +69,10 @@ def _ddp_arms(width: int, depth: int, x: torch.Tensor) -> list[Arm]:
     cpu = torch.device("cpu")
     arms = [_arm("plain", DDP(_mlp(width, depth)), x, None)]
     arms += [_arm(n, DDP(_mlp(width, depth)), x, make_scaler(n, cpu)) for n in ("dscale", "torch")]
-    if has_ddp_hook():
-        model = DDP(_mlp(width, depth))
-        scaler = make_scaler("dscale", cpu)
-        scaler.attach(model)
-        arms.append(_arm("dscale+hook", model, x, scaler))
+    model = DDP(_mlp(width, depth))
+    scaler = make_scaler("dscale", cpu)
+    scaler.attach(model)
+    arms.append(_arm("dscale+hook", model, x, scaler))
     return arms
 
 
@@ -99,13 +92,9 @@ def _fsdp_arms(width: int, depth: int, x: torch.Tensor) -> list[Arm]:
 
     arms = [_arm("plain", sharded(), x, None)]
     arms += [_arm(n, sharded(), x, make_scaler(n, cpu)) for n in ("dscale", "sharded")]
-    if has_ddp_hook():
-        model, scaler = sharded(), make_scaler("dscale", cpu)
-        try:
-            scaler.attach(model)
-        except TypeError:  # a dscale whose attach() takes DDP models only
-            return arms
-        arms.append(_arm("dscale+hook", model, x, scaler))
+    model, scaler = sharded(), make_scaler("dscale", cpu)
+    scaler.attach(model)
+    arms.append(_arm("dscale+hook", model, x, scaler))
     return arms
 
 
