@@ -21,6 +21,7 @@ from dscale._masked_step import (
 )
 from dscale._reduction_hooks import ReductionHooks
 from dscale._scale_state import COUNTER_NAMES, ScaleState, fresh_host_state
+from dscale._torch_compat import TorchGradScalerSurface
 from dscale._unscale import check_and_unscale_, group_by_device_and_dtype, optimizer_grads
 from dscale._warnings import warn_if_scaling_is_not_needed
 
@@ -59,7 +60,8 @@ class _OptimizerState:
     applied: bool | None = None  # known on the host when step() synced for its decision
 
 
-class GradScaler:
+# issue 13: a subclass of torch.amp.GradScaler; torch's internals are answered in _torch_compat.
+class GradScaler(TorchGradScalerSurface):
     """Dynamic loss scaler for fp16 training that keeps every rank in agreement.
 
     A drop-in for ``torch.amp.GradScaler``: same arguments, methods and state dict. Each rank checks

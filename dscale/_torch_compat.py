@@ -1,0 +1,191 @@
+"""torch.amp.GradScaler's private surface, answered from dscale's own state.
+
+Frameworks and in-house trainers read torch's internals (accelerate calls
+``_lazy_init_scale_growth_tracker``; loggers read ``_scale`` and ``_growth_tracker``; custom loops
+read ``_per_optimizer_states[id(opt)]["stage"]`` and ``_found_inf_per_device(opt)``) and check
+``isinstance(scaler, torch.amp.GradScaler)``. :class:`TorchGradScalerSurface` makes
+``dscale.GradScaler`` a subclass of torch's class and answers those reads from dscale's state,
+without a host sync. Every method torch's class defines is overridden, here or in ``scaler.py``, so
+no torch code ever runs against dscale's state; the ones with no meaning here raise.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.amp.grad_scaler import OptState
+
+if TYPE_CHECKING:
+    from dscale._policy import ScalePolicy
+    from dscale._scale_state import ScaleState
+
+__all__ = ["OptimizerStates", "TorchGradScalerSurface"]
+
+
+def _torch_view(state: Any) -> dict[str, Any]:
+    """torch's per-optimizer dict for one of dscale's per-optimizer states (no host sync)."""
+    if state is None:
+        return {"stage": OptState.READY, "found_inf_per_device": {}}
+    found: dict[torch.device, torch.Tensor] = {}
+    if state.flag is not None:
+        if state.work is not None:  # the agreed flag, as torch's holds the rank's decision
+            state.work.wait()
+            state.work = None
+        found[state.flag.device] = state.flag
+    return {"stage": OptState[state.stage.name], "found_inf_per_device": found}
+
+
+class OptimizerStates(dict):  # type: ignore[type-arg]
+    """dscale's per-optimizer states; ``states[id(opt)]`` reads like torch's.
+
+    dscale itself uses ``get``, ``setdefault`` and ``values`` (the real states). Indexing returns
+    torch's shape, ``{"stage": OptState, "found_inf_per_device": {device: flag}}``, a fresh READY
+    one for an optimizer not stepped since the last update() (torch's defaultdict), without
+    inserting it, so that a read never changes what update() sees.
+    """
+
+    def __getitem__(self, key: Any) -> dict[str, Any]:
+        return _torch_view(self.get(key))
+
+
+class TorchGradScalerSurface(torch.amp.GradScaler):
+    """The base of ``dscale.GradScaler``: torch's class, with its internals answered by dscale.
+
+    torch's ``__init__`` never runs (dscale's does not call it), so none of torch's attributes
+    exist as data; the ones code in the wild reads are properties over dscale's state.
+    """
+
+    _book: ScaleState
+    _policy: ScalePolicy
+    _enabled: bool
+    _device: str
+
+    # ----------------------------------------------------------------- attributes
+    @property  # type: ignore[override]
+    def _scale(self) -> torch.Tensor | None:
+        """The live fp32 scale tensor (None before the first scale(), as torch); no host sync."""
+        if not self._enabled:
+            return None
+        return self._book.scale
+
+    @_scale.setter
+    def _scale(self, value: Any) -> None:
+        _refuse_write("_scale", "scaler.update(new_scale=...) or scaler.load_state_dict(...)")
+
+    @property  # type: ignore[override]
+    def _growth_tracker(self) -> torch.Tensor | None:
+        """The int32 growth tracker on the scale's device (None before the first scale()).
+
+        While the host holds the state (after plain steps) this is a new tensor made from the host
+        value (a fill, no sync); after fused or sync-free steps it is the live device tensor.
+        """
+        book = self._book
+        if not self._enabled or book.scale is None:
+            return None
+        if book.host is None:
+            return book.growth_tracker
+        return torch.full((), book.host.growth_tracker, dtype=torch.int32, device=book.scale.device)
+
+    @_growth_tracker.setter
+    def _growth_tracker(self, value: Any) -> None:
+        _refuse_write("_growth_tracker", "scaler.load_state_dict(...)")
+
+    @property  # type: ignore[override]
+    def _per_optimizer_states(self) -> dict[int, Any]:
+        states: OptimizerStates = self.__dict__.setdefault(
+            "_dscale_optimizer_states", OptimizerStates()
+        )
+        return states
+
+    @_per_optimizer_states.setter
+    def _per_optimizer_states(self, states: dict[int, Any]) -> None:
+        # dscale's own code resets this with a plain dict; keep torch's reading of it.
+        self.__dict__["_dscale_optimizer_states"] = OptimizerStates(states)
+
+    @property
+    def _growth_factor(self) -> float:  # type: ignore[override]
+        return self._policy.growth_factor
+
+    @property
+    def _backoff_factor(self) -> float:  # type: ignore[override]
+        return self._policy.backoff_factor
+
+    @property
+    def _growth_interval(self) -> int:  # type: ignore[override]
+        return self._policy.growth_interval
+
+    # ----------------------------------------------------------------- methods
+    def _lazy_init_scale_growth_tracker(self, dev: torch.device | str) -> None:
+        """Put the scale on ``dev`` now instead of at the first scale() (accelerate's FSDP2 load).
+
+        A no-op when the scale already lives on that device.
+        """
+        if not self._enabled:
+            return
+        device = torch.device(dev)
+        book = self._book
+        if book.scale is None:
+            book.place(device)
+            return
+        if book.scale.device.type != device.type or (
+            device.index is not None and book.scale.device != device
+        ):
+            raise RuntimeError(
+                f"_lazy_init_scale_growth_tracker({str(dev)!r}): the scale already lives on "
+                f"{book.scale.device}; a GradScaler keeps its scale on one device"
+            )
+
+    def _check_scale_growth_tracker(self, funcname: str) -> tuple[torch.Tensor, torch.Tensor]:
+        scale, tracker = self._scale, self._growth_tracker
+        if scale is None or tracker is None:
+            raise RuntimeError(
+                f"{funcname}() was called before scale(); call scaler.scale(loss).backward() "
+                "earlier in the iteration"
+            )
+        return scale, tracker
+
+    def _get_scale_async(self) -> torch.Tensor | None:
+        return self._scale
+
+    def _get_growth_tracker(self) -> int:
+        """The growth tracker as an int; waits for the GPU only after device-side updates."""
+        if not self._enabled:
+            return 0
+        return self._book.read().growth_tracker
+
+    def _found_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[Any, Any]:
+        """``{device: flag}`` for ``optimizer``'s last check: the flag agreed by every rank."""
+        found: dict[Any, Any] = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+        return found
+
+    def _unscale_grads_(
+        self,
+        optimizer: torch.optim.Optimizer,
+        inv_scale: torch.Tensor,
+        found_inf: torch.Tensor,
+        allow_fp16: bool,
+    ) -> dict[torch.device, torch.Tensor]:
+        raise _unsupported("_unscale_grads_", "scaler.unscale_(optimizer)")
+
+    def _maybe_opt_step(
+        self, optimizer: torch.optim.Optimizer, optimizer_state: dict[str, Any], *a: Any, **k: Any
+    ) -> float | None:
+        raise _unsupported("_maybe_opt_step", "scaler.step(optimizer)")
+
+    def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        raise _unsupported("_check_inf_per_device", "scaler.step(optimizer)")
+
+
+def _refuse_write(name: str, fix: str) -> None:
+    raise AttributeError(
+        f"dscale.GradScaler.{name} is read-only: it reflects dscale's own state, which a write "
+        f"here would not change. Use {fix}"
+    )
+
+
+def _unsupported(name: str, fix: str) -> NotImplementedError:
+    return NotImplementedError(
+        f"dscale.GradScaler does not implement torch's private {name}(): a rank-local check "
+        f"here would bypass the agreement across ranks. Call {fix} instead"
+    )
