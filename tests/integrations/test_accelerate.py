@@ -1,0 +1,308 @@
+"""accelerate and the HF Trainer with use_dscale, on 2 gloo ranks (accelerate's MULTI_CPU, DDP).
+
+An inf lands in rank 1's grads only, at one step. With dscale every rank skips, the params stay
+identical, the scale halves once, step_was_skipped says so (fused and sync-free included) and the
+LR schedule holds; save_state/load_state resumes exactly. The same runs with torch's scaler put in
+the way the issue found necessary show what goes wrong: ranks diverge, the schedule advances.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import pytest
+import torch
+
+import dscale
+from dscale.integrations import _support
+from dscale.integrations.accelerate import use_dscale
+from tests.integrations._frameworks import (
+    INF_STEP,
+    INIT_SCALE,
+    STEPS,
+    TinyNet,
+    batch,
+    flat_params,
+    framework_env,
+    poison,
+)
+from tests.multirank import run_ranks
+
+OPTIMIZERS = {
+    "sgd": (lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9), False),
+    "adamw_fused": (lambda p: torch.optim.AdamW(p, lr=0.01, fused=True), False),
+    "sgd_sync_free": (lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9), True),
+}
+
+
+def _accelerator(**kwargs: Any) -> Any:
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    return Accelerator(mixed_precision="fp16", cpu=True, **kwargs)
+
+
+def _setup(optimizer: str, scaler_kind: str) -> tuple[Any, ...]:
+    make_opt, sync_free = OPTIMIZERS[optimizer]
+    acc = _accelerator()
+    if scaler_kind == "dscale":
+        use_dscale(acc, dscale.GradScaler("cpu", init_scale=INIT_SCALE, sync_free=sync_free))
+    else:  # what it took before: two private assignments and torch's scaler
+        acc.scaler = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE)
+        acc.native_amp = True
+    model = TinyNet()
+    opt = make_opt(model.parameters())
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 0.9**i)
+    return acc, *acc.prepare(model, opt, sched)
+
+
+def _train(rank: int, acc: Any, model: Any, opt: Any, sched: Any, steps: range) -> list[dict]:
+    rows = []
+    for step in steps:
+        loss = model(batch(rank, step)).float().square().mean()
+        acc.backward(loss)
+        if rank == 1 and step == INF_STEP:
+            poison(model)
+        acc.clip_grad_norm_(model.parameters(), 10.0)  # unscales first
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        rows.append(
+            {
+                "skipped": opt.step_was_skipped,
+                "scale": acc.scaler.get_scale(),
+                "sched": sched.scheduler.last_epoch,
+                "params": flat_params(model),
+                "hidden": acc.unwrap_model(model).hidden_dtype,
+            }
+        )
+    return rows
+
+
+def _trainer_run(rank: int, tmp: str, scaler_kind: str) -> list[dict]:
+    from accelerate.state import AcceleratorState, GradientState
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+    class Regression(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = TinyNet()
+
+        def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict:
+            return {"loss": (self.net(x).squeeze(-1).float() - labels).square().mean()}
+
+    data = [{"x": batch(0, i, rows=1)[0], "labels": batch(1, i, rows=1)[0, 0]} for i in range(64)]
+    rows: list[dict] = []
+
+    class PoisonOnRank1(Trainer):
+        def training_step(self, model, inputs, num_items_in_batch=None):  # type: ignore[override]
+            loss = super().training_step(model, inputs, num_items_in_batch)
+            if rank == 1 and self.state.global_step == INF_STEP:
+                poison(model)  # after backward (DDP reduced), before clipping and step
+            return loss
+
+    class Record(TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            rows.append(
+                {
+                    "sched": trainer.lr_scheduler.last_epoch,
+                    "lr": trainer.lr_scheduler.get_last_lr()[0],
+                    "params": flat_params(model),
+                }
+            )
+
+    args = TrainingArguments(
+        output_dir=f"{tmp}/trainer-{scaler_kind}",
+        max_steps=STEPS,
+        per_device_train_batch_size=2,
+        learning_rate=0.01,
+        lr_scheduler_type="linear",
+        optim="adamw_torch_fused",  # the Trainer's default on GPU: step() runs on skipped steps
+        fp16=True,
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        logging_strategy="no",
+        disable_tqdm=True,
+        ddp_find_unused_parameters=False,
+        seed=0,
+    )
+    trainer = PoisonOnRank1(model=Regression(), args=args, train_dataset=data, callbacks=[Record()])
+    if scaler_kind == "dscale":
+        use_dscale(trainer.accelerator, dscale.GradScaler("cpu", init_scale=INIT_SCALE))
+    else:
+        trainer.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE)
+        trainer.accelerator.native_amp = True
+    trainer.train()
+    return rows
+
+
+def _accelerate_checks(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
+    framework_env(rank, world_size)
+    out: dict[str, Any] = {}
+    # accelerate on its own: fp16 on CPU quietly runs fp32 with no scaler.
+    acc = _accelerator()
+    model = acc.prepare(TinyNet())
+    model(batch(rank, 0))
+    out["plain"] = {"scaler": acc.scaler, "hidden": acc.unwrap_model(model).hidden_dtype}
+
+    for name in OPTIMIZERS:
+        out[f"dscale-{name}"] = _train(rank, *_setup(name, "dscale"), range(STEPS))
+    out["torch-adamw_fused"] = _train(rank, *_setup("adamw_fused", "torch"), range(STEPS))
+
+    # save_state after the skipped step, then resume in fresh objects: equal to the full run.
+    acc, model, opt, sched = _setup("adamw_fused", "dscale")
+    _train(rank, acc, model, opt, sched, range(INF_STEP + 1))
+    acc.save_state(f"{tmp}/state")
+    saved = acc.scaler.state_dict()
+    acc, model, opt, sched = _setup("adamw_fused", "dscale")
+    acc.load_state(f"{tmp}/state")
+    out["resume"] = {
+        "loaded": acc.scaler.state_dict(),
+        "saved": saved,
+        "rows": _train(rank, acc, model, opt, sched, range(INF_STEP + 1, STEPS)),
+    }
+
+    out["trainer-dscale"] = _trainer_run(rank, tmp, "dscale")
+    out["trainer-torch"] = _trainer_run(rank, tmp, "torch")
+
+    # Bad input, on the way through: said once and passed through, or a clear error.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        bf16 = _accelerator_bf16()
+        use_dscale(bf16, dscale.GradScaler("cpu"))
+        use_dscale(bf16, dscale.GradScaler("cpu"))
+    out["bf16"] = {"scaler": bf16.scaler, "warnings": [str(w.message) for w in caught]}
+    return out
+
+
+def _accelerator_bf16() -> Any:
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    return Accelerator(mixed_precision="bf16", cpu=True)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, Any]]:
+    # One spawn for every accelerate and Trainer check (a spawn costs seconds here).
+    return run_ranks(_accelerate_checks, str(tmp_path_factory.mktemp("acc")), timeout_s=300)
+
+
+SKIPS = [step == INF_STEP for step in range(STEPS)]
+
+
+def _applied_so_far(skips: list[bool]) -> list[int]:
+    return [sum(not s for s in skips[: i + 1]) for i in range(len(skips))]
+
+
+def test_accelerate_alone_runs_fp16_on_cpu_as_fp32_without_a_scaler(runs) -> None:
+    assert runs[0]["plain"] == {"scaler": None, "hidden": torch.float32}
+
+
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+def test_every_rank_skips_when_only_rank_1_overflows_with_accelerate(runs, optimizer) -> None:
+    rows = {rank: runs[rank][f"dscale-{optimizer}"] for rank in (0, 1)}
+    for rank in (0, 1):
+        assert [r["skipped"] for r in rows[rank]] == SKIPS, rank
+        assert [r["scale"] for r in rows[rank]] == [
+            INIT_SCALE if s < INF_STEP else INIT_SCALE / 2 for s in range(STEPS)
+        ]
+        # accelerate steps the scheduler once per process per applied step.
+        assert [r["sched"] for r in rows[rank]] == [2 * n for n in _applied_so_far(SKIPS)]
+        assert {r["hidden"] for r in rows[rank]} == {torch.float16}  # fp16 autocast on CPU
+    for a, b in zip(rows[0], rows[1], strict=True):
+        assert torch.equal(a["params"], b["params"])
+    # the skipped step changed nothing
+    assert torch.equal(rows[0][INF_STEP]["params"], rows[0][INF_STEP - 1]["params"])
+
+
+def test_torch_scaler_in_accelerate_lets_ranks_diverge_and_the_schedule_advance(runs) -> None:
+    rows = {rank: runs[rank]["torch-adamw_fused"] for rank in (0, 1)}
+    # rank 1 skipped its fused update, but accelerate reports it as applied...
+    assert torch.equal(rows[1][INF_STEP]["params"], rows[1][INF_STEP - 1]["params"])
+    assert [r["skipped"] for r in rows[1]] == [False] * STEPS
+    assert [r["sched"] for r in rows[1]] == [2 * (s + 1) for s in range(STEPS)]
+    # ...and rank 0 applied it: the replicas are no longer the same model.
+    assert not torch.equal(rows[0][INF_STEP]["params"], rows[1][INF_STEP]["params"])
+    assert rows[0][INF_STEP]["scale"] == INIT_SCALE != rows[1][INF_STEP]["scale"]
+
+
+def test_accelerate_save_and_load_state_resume_exactly(runs) -> None:
+    for rank in (0, 1):
+        resume = runs[rank]["resume"]
+        assert resume["loaded"] == resume["saved"]
+        assert resume["saved"]["scale"] == INIT_SCALE / 2
+        assert resume["saved"]["num_skipped_steps"] == 1
+        full = runs[rank]["dscale-adamw_fused"][INF_STEP + 1 :]
+        for a, b in zip(resume["rows"], full, strict=True):
+            assert torch.equal(a["params"], b["params"])
+            assert (a["scale"], a["sched"], a["skipped"]) == (b["scale"], b["sched"], b["skipped"])
+
+
+def test_hf_trainer_holds_its_lr_schedule_on_the_skipped_step_with_fused_adamw(runs) -> None:
+    for rank in (0, 1):
+        rows = runs[rank]["trainer-dscale"]
+        assert [r["sched"] for r in rows] == _applied_so_far(SKIPS)
+    for a, b in zip(runs[0]["trainer-dscale"], runs[1]["trainer-dscale"], strict=True):
+        assert torch.equal(a["params"], b["params"])
+        assert a["lr"] == b["lr"]
+
+
+def test_hf_trainer_with_torch_scaler_advances_the_schedule_and_ranks_diverge(runs) -> None:
+    rows = {rank: runs[rank]["trainer-torch"] for rank in (0, 1)}
+    assert [r["sched"] for r in rows[1]] == list(range(1, STEPS + 1))
+    assert not torch.equal(rows[0][-1]["params"], rows[1][-1]["params"])
+
+
+def test_bf16_accelerator_is_said_once_and_left_alone(runs) -> None:
+    bf16 = runs[0]["bf16"]
+    assert bf16["scaler"] is None
+    said = [w for w in bf16["warnings"] if "mixed_precision='bf16'" in w]
+    assert len(said) == 1, bf16["warnings"]
+
+
+def test_use_dscale_refuses_torch_scaler_late_calls_and_wrong_device() -> None:
+    from accelerate import Accelerator
+
+    acc = Accelerator(mixed_precision="fp16", cpu=True)
+    with pytest.raises(TypeError, match=r"takes a dscale\.GradScaler, got torch's GradScaler"):
+        use_dscale(acc, torch.amp.GradScaler("cpu"))
+    with pytest.raises(ValueError, match=r"scaler device='meta'.*dscale.GradScaler\('cpu'"):
+        use_dscale(acc, dscale.GradScaler("meta"))
+    acc.prepare(torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1))
+    with pytest.raises(ValueError, match=r"after accelerator.prepare\(\)"):
+        use_dscale(acc, dscale.GradScaler("cpu"))
+
+
+def test_unsupported_accelerate_version_names_the_supported_range(monkeypatch) -> None:
+    from importlib import metadata
+
+    real = metadata.version
+    monkeypatch.setattr(
+        metadata, "version", lambda name: "0.34.2" if name == "accelerate" else real(name)
+    )
+    supported = r"supports accelerate >=1\.15,<1\.16; found accelerate 0\.34\.2"
+    with pytest.raises(RuntimeError, match=supported):
+        use_dscale(object(), dscale.GradScaler("cpu"))
+
+
+def test_disabled_scaler_is_said_once_and_passes_through() -> None:
+    from accelerate import Accelerator
+
+    acc = Accelerator(mixed_precision="fp16", cpu=True)
+    _support._said.clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        use_dscale(acc, dscale.GradScaler("cpu", enabled=False))
+        use_dscale(acc, dscale.GradScaler("cpu", enabled=False))
+    assert acc.scaler is None
+    assert len([w for w in caught if "disabled" in str(w.message)]) == 1
