@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 
 import torch
@@ -54,11 +55,52 @@ def poison(model: nn.Module) -> None:
     local.view(-1)[0] = float("inf")
 
 
-def flat_params(model: nn.Module) -> torch.Tensor:
+def flat_params(model: nn.Module) -> str:
+    """A digest of every parameter, gathered whole: equal digests mean bit-identical params.
+
+    A digest, not the tensors: tests/multirank.py's result pipe deadlocks on results past the
+    pipe buffer (64 KiB), and these runs return many rows.
+    """
     parts = []
     for p in model.parameters():
         t = p.detach()
         if hasattr(t, "full_tensor"):
             t = t.full_tensor()
         parts.append(t.float().reshape(-1).clone())
-    return torch.cat(parts)
+    return hashlib.sha256(torch.cat(parts).numpy().tobytes()).hexdigest()[:32]
+
+
+def poison_after_reduce(ddp: nn.Module, when) -> None:
+    """On ranks where ``when()`` is True, an inf lands in DDP's reduced grads (this rank only).
+
+    For code paths that check the grads inside backward() (FP16Optimizer.backward), where
+    poisoning after backward() would be too late.
+    """
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    def hook(state, bucket):
+        def after(fut):
+            reduced = fut.value()
+            if when():
+                reduced.view(-1)[0] = float("inf")
+            return reduced
+
+        return allreduce_hook(None, bucket).then(after)
+
+    ddp.register_comm_hook(None, hook)
+
+
+def same_state(a: object, b: object) -> bool:
+    """Exact equality of nested state dicts holding tensors."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype
+            and torch.equal(a, b)
+        )
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same_state(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(same_state(x, y) for x, y in zip(a, b))
+    return a == b

@@ -220,19 +220,19 @@ def test_every_rank_skips_when_only_rank_1_overflows_with_accelerate(runs, optim
         assert [r["sched"] for r in rows[rank]] == [2 * n for n in _applied_so_far(SKIPS)]
         assert {r["hidden"] for r in rows[rank]} == {torch.float16}  # fp16 autocast on CPU
     for a, b in zip(rows[0], rows[1], strict=True):
-        assert torch.equal(a["params"], b["params"])
+        assert a["params"] == b["params"]
     # the skipped step changed nothing
-    assert torch.equal(rows[0][INF_STEP]["params"], rows[0][INF_STEP - 1]["params"])
+    assert rows[0][INF_STEP]["params"] == rows[0][INF_STEP - 1]["params"]
 
 
 def test_torch_scaler_in_accelerate_lets_ranks_diverge_and_the_schedule_advance(runs) -> None:
     rows = {rank: runs[rank]["torch-adamw_fused"] for rank in (0, 1)}
     # rank 1 skipped its fused update, but accelerate reports it as applied...
-    assert torch.equal(rows[1][INF_STEP]["params"], rows[1][INF_STEP - 1]["params"])
+    assert rows[1][INF_STEP]["params"] == rows[1][INF_STEP - 1]["params"]
     assert [r["skipped"] for r in rows[1]] == [False] * STEPS
     assert [r["sched"] for r in rows[1]] == [2 * (s + 1) for s in range(STEPS)]
     # ...and rank 0 applied it: the replicas are no longer the same model.
-    assert not torch.equal(rows[0][INF_STEP]["params"], rows[1][INF_STEP]["params"])
+    assert rows[0][INF_STEP]["params"] != rows[1][INF_STEP]["params"]
     assert rows[0][INF_STEP]["scale"] == INIT_SCALE != rows[1][INF_STEP]["scale"]
 
 
@@ -244,7 +244,7 @@ def test_accelerate_save_and_load_state_resume_exactly(runs) -> None:
         assert resume["saved"]["num_skipped_steps"] == 1
         full = runs[rank]["dscale-adamw_fused"][INF_STEP + 1 :]
         for a, b in zip(resume["rows"], full, strict=True):
-            assert torch.equal(a["params"], b["params"])
+            assert a["params"] == b["params"]
             assert (a["scale"], a["sched"], a["skipped"]) == (b["scale"], b["sched"], b["skipped"])
 
 
@@ -253,14 +253,14 @@ def test_hf_trainer_holds_its_lr_schedule_on_the_skipped_step_with_fused_adamw(r
         rows = runs[rank]["trainer-dscale"]
         assert [r["sched"] for r in rows] == _applied_so_far(SKIPS)
     for a, b in zip(runs[0]["trainer-dscale"], runs[1]["trainer-dscale"], strict=True):
-        assert torch.equal(a["params"], b["params"])
+        assert a["params"] == b["params"]
         assert a["lr"] == b["lr"]
 
 
 def test_hf_trainer_with_torch_scaler_advances_the_schedule_and_ranks_diverge(runs) -> None:
     rows = {rank: runs[rank]["trainer-torch"] for rank in (0, 1)}
     assert [r["sched"] for r in rows[1]] == list(range(1, STEPS + 1))
-    assert not torch.equal(rows[0][-1]["params"], rows[1][-1]["params"])
+    assert rows[0][-1]["params"] != rows[1][-1]["params"]
 
 
 def test_bf16_accelerator_is_said_once_and_left_alone(runs) -> None:
