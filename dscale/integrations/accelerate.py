@@ -27,9 +27,13 @@ from typing import Any
 from dscale.integrations._support import check_scaler, require_version, say_once
 from dscale.scaler import GradScaler
 
-__all__ = ["SUPPORTED", "use_dscale"]
+__all__ = ["SUPPORTED", "DScaleAcceleratedOptimizer", "use_dscale"]
 
 SUPPORTED = ("1.15", "1.16")  # accelerate >=1.15,<1.16: what the tests ran on
+require_version("accelerate", *SUPPORTED, extra="accelerate")
+
+from accelerate.optimizer import AcceleratedOptimizer  # noqa: E402
+from accelerate.utils import DistributedType  # noqa: E402
 
 
 def use_dscale(accelerator: Any, scaler: GradScaler) -> None:
@@ -45,8 +49,6 @@ def use_dscale(accelerator: Any, scaler: GradScaler) -> None:
             themselves), or a scaler on another device type than the Accelerator.
     """
     require_version("accelerate", *SUPPORTED, extra="accelerate")
-    from accelerate.utils import DistributedType
-
     where = "dscale.integrations.accelerate.use_dscale"
     if not check_scaler(scaler, where):
         return
@@ -84,38 +86,30 @@ def _report_skips_from(accelerator: Any) -> None:
 
     def prepare_optimizer(optimizer: Any, device_placement: Any = None) -> Any:
         prepared = original(optimizer, device_placement=device_placement)
-        if not isinstance(prepared, _optimizer_class()):
-            prepared.__class__ = _optimizer_class()
+        if isinstance(prepared, AcceleratedOptimizer) and not isinstance(
+            prepared, DScaleAcceleratedOptimizer
+        ):
+            prepared.__class__ = DScaleAcceleratedOptimizer
         return prepared
 
     # prepare() looks the method up on the instance, so this covers prepare() and FSDP2 alike.
     accelerator.prepare_optimizer = prepare_optimizer
 
 
-_CLASS: list[type] = []
-
-
-def _optimizer_class() -> type:
+class DScaleAcceleratedOptimizer(AcceleratedOptimizer):  # type: ignore[misc]
     """An AcceleratedOptimizer whose ``step_was_skipped`` is dscale's agreed decision."""
-    if _CLASS:
-        return _CLASS[0]
-    from accelerate.optimizer import AcceleratedOptimizer
 
-    class DScaleAcceleratedOptimizer(AcceleratedOptimizer):  # type: ignore[misc]
-        def step(self, closure: Any = None) -> None:
-            self._dscale_stepped = False
-            super().step(closure)
-            scaler = self.scaler
-            self._dscale_stepped = (
-                scaler is not None and scaler.is_enabled() and self.gradient_state.sync_gradients
-            )
+    def step(self, closure: Any = None) -> None:
+        self._dscale_stepped = False
+        super().step(closure)
+        scaler = self.scaler
+        self._dscale_stepped = (
+            scaler is not None and scaler.is_enabled() and self.gradient_state.sync_gradients
+        )
 
-        @property
-        def step_was_skipped(self) -> bool:
-            """Whether the last step was skipped for inf/NaN grads, on every rank alike."""
-            if getattr(self, "_dscale_stepped", False):
-                return not self.scaler.step_applied(self.optimizer)
-            return bool(self._is_overflow)
-
-    _CLASS.append(DScaleAcceleratedOptimizer)
-    return DScaleAcceleratedOptimizer
+    @property
+    def step_was_skipped(self) -> bool:
+        """Whether the last step was skipped for inf/NaN grads, on every rank alike."""
+        if getattr(self, "_dscale_stepped", False):
+            return not self.scaler.step_applied(self.optimizer)
+        return bool(self._is_overflow)

@@ -306,3 +306,18 @@ def test_disabled_scaler_is_said_once_and_passes_through() -> None:
         use_dscale(acc, dscale.GradScaler("cpu", enabled=False))
     assert acc.scaler is None
     assert len([w for w in caught if "disabled" in str(w.message)]) == 1
+
+
+def test_prepared_optimizer_reports_from_dscale_and_pickles() -> None:
+    import pickle
+
+    from accelerate import Accelerator
+
+    from dscale.integrations.accelerate import DScaleAcceleratedOptimizer
+
+    acc = Accelerator(mixed_precision="fp16", cpu=True)
+    use_dscale(acc, dscale.GradScaler("cpu"))
+    opt = acc.prepare(torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1))
+    assert type(opt) is DScaleAcceleratedOptimizer
+    assert opt.step_was_skipped is False  # not stepped yet
+    assert type(pickle.loads(pickle.dumps(opt))) is DScaleAcceleratedOptimizer

@@ -205,3 +205,31 @@ def test_disabled_scaler_reads_like_a_disabled_torch_scaler() -> None:
     scaler = dscale.GradScaler("cpu", enabled=False)
     assert scaler._scale is None and scaler._growth_tracker is None
     assert scaler._get_growth_tracker() == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (sync debug mode)")
+@pytest.mark.parametrize("sync_free", [False, True], ids=["fused", "sync_free"])
+def test_private_reads_do_not_sync_with_the_gpu(sync_free: bool) -> None:
+    model = nn.Linear(64, 64).cuda()
+    fused = not sync_free
+    opt = torch.optim.Adam(model.parameters(), fused=fused, foreach=None if fused else True)
+    scaler = dscale.GradScaler("cuda", sync_free=sync_free)
+    for _ in range(2):
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = model(torch.randn(8, 64, device="cuda")).float().square().mean()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            view = scaler._per_optimizer_states[id(opt)]
+            assert view["stage"] is OptState.STEPPED
+            assert view["found_inf_per_device"]
+            assert scaler._found_inf_per_device(opt)
+            scaler.update()
+            assert scaler._scale.device.type == "cuda"
+            assert scaler._growth_tracker.device.type == "cuda"
+            assert scaler._get_scale_async() is scaler._scale
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        opt.zero_grad()
