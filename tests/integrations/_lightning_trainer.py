@@ -70,6 +70,18 @@ class LitNet(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
+class ShardedLitNet(LitNet):
+    """LitNet with FSDP2 applied by the Trainer's ModelParallelStrategy."""
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.device_mesh["data_parallel"]
+        fully_shard(self.net.fc1, mesh=mesh)
+        fully_shard(self.net.fc2, mesh=mesh)
+        fully_shard(self.net, mesh=mesh)
+
+
 def _loader(rank: int) -> Any:
     # 8 samples, batch 4, DistributedSampler over 2 ranks: one batch per rank per epoch.
     data = torch.cat([batch(r, 0) for r in range(2)])
@@ -84,10 +96,15 @@ def _fit(
     clip: float | None,
     ckpt_path: str | None = None,
 ) -> LitNet:
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    strategy: Any = "ddp"
+    if isinstance(module, ShardedLitNet):
+        strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
     trainer = L.Trainer(
         accelerator="cpu",
         devices=2,
-        strategy="ddp",
+        strategy=strategy,
         plugins=[plugin],
         max_epochs=epochs,
         gradient_clip_val=clip,
@@ -126,8 +143,20 @@ def trainer_checks(rank: int, tmp: str) -> dict[str, Any]:
     first.trainer_ref.save_checkpoint(path)  # type: ignore[attr-defined]
     checkpoint = torch.load(path, weights_only=False)
     resumed = _fit(rank, dscale_plugin(), STEPS, LitNet(), clip=10.0, ckpt_path=path)
-    out["trainer-resume"] = {
+    out["trainer-ddp-resume"] = {
         "in_checkpoint": checkpoint.get("MixedPrecision"),
+        "loaded": resumed.loaded_scaler,
+        "rows": resumed.rows,
+    }
+
+    # The same under the Trainer's ModelParallelStrategy (FSDP2; a sharded DCP checkpoint).
+    out["trainer-fsdp2"] = _fit(rank, dscale_plugin(), STEPS, ShardedLitNet(), clip=10.0).rows
+    first = _fit(rank, dscale_plugin(), INF_STEP + 1, ShardedLitNet(), clip=10.0)
+    path = f"{tmp}/trainer-fsdp2.ckpt"
+    first.trainer_ref.save_checkpoint(path)  # type: ignore[attr-defined]
+    resumed = _fit(rank, dscale_plugin(), STEPS, ShardedLitNet(), clip=10.0, ckpt_path=path)
+    out["trainer-fsdp2-resume"] = {
+        "in_checkpoint": first.trainer_ref.precision_plugin.state_dict(),  # type: ignore[attr-defined]
         "loaded": resumed.loaded_scaler,
         "rows": resumed.rows,
     }

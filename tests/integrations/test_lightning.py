@@ -6,7 +6,8 @@ save/resume. The same runs with Lightning's own plugin and torch's scaler show w
 
 What runs here (CPU): Fabric DDP, Fabric ModelParallelStrategy (FSDP2), Fabric's FSDPPrecision
 around torch's FSDP1 (Lightning's FSDP strategy itself refuses CPU), "16-true" master weights in
-Fabric and the Trainer, and the Trainer under DDP. Not here: the FSDP strategies (GPU only).
+Fabric and the Trainer, and the Trainer under DDP and ModelParallelStrategy (FSDP2). Not here:
+Lightning's FSDP strategies (GPU only).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ DSCALE_RUNS = [
     "fabric-fsdp1-dscale",
     "fabric-masters",
     "trainer-dscale",
+    "trainer-fsdp2",
     "trainer-masters",
 ]
 
@@ -105,14 +107,17 @@ def test_fabric_master_weights_checkpoint_holds_fp32_masters_and_the_scaler(runs
     assert runs[0]["trainer-masters"]["dtype"] == torch.float16
 
 
-def test_trainer_checkpoint_resume_restores_the_scaler_and_continues_exactly(runs) -> None:
+@pytest.mark.parametrize(("resume_run", "full_run"), [("ddp", "dscale"), ("fsdp2", "fsdp2")])
+def test_trainer_checkpoint_resume_restores_the_scaler_and_continues_exactly(
+    runs, resume_run: str, full_run: str
+) -> None:
     for rank in (0, 1):
-        resume = runs[rank]["trainer-resume"]
-        saved = resume["in_checkpoint"]  # under the plugin's class name, as Lightning's
+        resume = runs[rank][f"trainer-{resume_run}-resume"]
+        saved = resume["in_checkpoint"]  # DDP: under the plugin's class name, as Lightning's
         assert saved["scale"] == INIT_SCALE / 2
         assert saved["num_skipped_steps"] == 1
         assert resume["loaded"] == saved
-        full = runs[rank]["trainer-dscale"][INF_STEP + 1 :]
+        full = runs[rank][f"trainer-{full_run}"][INF_STEP + 1 :]
         assert resume["rows"] == full
 
 
