@@ -58,8 +58,8 @@ def test_job_runs_and_every_rank_skips_the_step_where_only_rank_1_overflowed(
     assert [r["rank"] for r in s["ranks"]] == [0, 1]
     assert [r["skipped_steps"] for r in s["ranks"]] == [[4, 11], [4, 11]]
     assert s["ranks"][0]["final_scale"] == s["ranks"][1]["final_scale"]
-    assert s["final_loss"] < s["first_loss"]
-    assert s["tokens_per_s"] > 0
+    assert s["result"]["final_loss"] < s["result"]["first_loss"]
+    assert s["result"]["tokens_per_s"] > 0
     # The same skipped steps in each rank's own log and in dscale's metrics log.
     assert _skips_in_rank_log(tmp_path, 0) == _skips_in_rank_log(tmp_path, 1) == [4, 11]
     assert skipped_in_metrics_log(tmp_path, 0) == skipped_in_metrics_log(tmp_path, 1) == [4, 11]
