@@ -10,6 +10,7 @@ from launch_helpers import (
     EXAMPLE,
     Launched,
     free_port_pair,
+    launch,
     leftover_workers,
     output,
     summary,
@@ -91,11 +92,10 @@ def test_example_skips_rank_1s_inf_on_both_ranks_serves_metrics_and_resumes_exac
     assert leftover_workers(tmp_path / "a") == []
 
     # B then C: stopped after 20 steps, then resumed to 30 from its checkpoint.
-    ckpt = f"checkpoint.dir={tmp_path / 'ckpt-bc'}"
-    off = "metrics.enabled=false"
-    b = Launched(tmp_path / "b", *PROJECT, "trainer.max_steps=20", "fault.inf_steps=[3]", ckpt, off, cwd=EXAMPLE).finish()  # fmt: skip
+    same = [*PROJECT, f"checkpoint.dir={tmp_path / 'ckpt-bc'}", "metrics.enabled=false"]
+    b = launch(tmp_path / "b", *same, "trainer.max_steps=20", "fault.inf_steps=[3]", cwd=EXAMPLE)
     assert b.returncode == 0, output(b)
-    c = Launched(tmp_path / "c", *PROJECT, "trainer.max_steps=30", "fault.inf_steps=[3,25]", ckpt, off, cwd=EXAMPLE).finish()  # fmt: skip
+    c = launch(tmp_path / "c", *same, "trainer.max_steps=30", "fault.inf_steps=[3,25]", cwd=EXAMPLE)
     assert c.returncode == 0, output(c)
     sc = summary(tmp_path / "c")
     assert (sc["resumed_from"], sc["steps"]) == (20, 30)
