@@ -47,7 +47,7 @@ def _scrape(port: int) -> dict[str, float]:
 def test_example_skips_rank_1s_inf_on_both_ranks_serves_metrics_and_resumes_exactly(
     tmp_path: Path,
 ) -> None:
-    # A: the unbroken 30-step run, scraped over HTTP while it serves (its ranks serve 8 s past the end).
+    # A: the unbroken 30-step run, scraped over HTTP (its ranks serve 8 s past the end).
     port = free_port_pair()
     unbroken = Launched(
         tmp_path / "a",
