@@ -8,7 +8,6 @@ each in its own output folder.
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from pathlib import Path
 from typing import Any, cast
@@ -20,6 +19,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import parse_min_max_nnodes
 
 from launch.elastic import launch_config, run_script, run_workers, worker_env
+from launch.failures import explain_failure
 from launch.schema import JobConfig, register
 from launch.summary import build_summary, format_summary, write_summary
 from launch.targets import published_targets, scrape_host
@@ -88,24 +88,6 @@ def run_job(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
     write_summary(summary, run_dir)
     print(format_summary(summary))
     return summary
-
-
-def explain_failure(exc: ChildFailedError) -> str:
-    """The first rank that failed and why, then what happened to the others."""
-    first_rank, first = exc.get_first_failure()
-    lines = [f"rank {first_rank} failed: {_first_line(first.message) or first.signal_name()}"]
-    for rank, failure in sorted(exc.failures.items()):
-        if rank != first_rank:
-            lines.append(f"  rank {rank}: {_first_line(failure.message)}")
-    if first.error_file and os.path.isfile(first.error_file):
-        lines.append(f"  rank {first_rank}'s traceback: {first.error_file}")
-    return "\n".join(lines)
-
-
-def _first_line(message: Any) -> str:
-    if isinstance(message, dict):  # torchelastic's error file: {"message": ..., "extraInfo": ...}
-        message = message.get("message", "")
-    return str(message).strip().splitlines()[0] if str(message).strip() else ""
 
 
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="job")

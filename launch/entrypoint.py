@@ -51,8 +51,9 @@ def load_entrypoint(spec: str) -> Callable[[Any], Any]:
         target = getattr(target, part)
     if not callable(target):
         raise EntrypointError(
-            f"entrypoint={spec!r} is a {type(target).__name__}, not a function; point it at a "
-            "function that takes the run context, e.g. def main(ctx): ..."
+            f"entrypoint={spec!r} is not callable (it is the {type(target).__name__} "
+            f"{target!r:.60}); point it at a function that takes the run context, "
+            "e.g. def main(ctx): ..."
         )
     function: Callable[[Any], Any] = target
     return function

@@ -147,25 +147,25 @@ def worker_main(cfg: dict[str, Any], run_dir: str, cwd: str) -> dict[str, Any]:
     if cwd not in sys.path:
         sys.path.insert(0, cwd)  # find the user's package as `python -m` would
     ctx = start_rank(cfg, Path(run_dir))
+    # No try/finally: on an error, @record must write this rank's error file before the group
+    # closes, or the peers' "connection closed" errors would look older than the cause.
+    function = load_entrypoint(cfg["entrypoint"])
+    logger.info(
+        "rank %d of %d on %s: calling %s",
+        ctx.rank,
+        ctx.world_size,
+        ctx.device,
+        cfg["entrypoint"],
+        extra={"console": False},
+    )
     try:
-        function = load_entrypoint(cfg["entrypoint"])
-        logger.info(
-            "rank %d of %d on %s: calling %s",
-            ctx.rank,
-            ctx.world_size,
-            ctx.device,
-            cfg["entrypoint"],
-            extra={"console": False},
-        )
-        try:
-            result = function(ctx)
-        except Exception:
-            logger.exception("rank %d: %s raised", ctx.rank, cfg["entrypoint"])
-            raise
-        ctx.progress.close()
-        report = ctx.report(result)
-        reports: list[Any] = [None] * ctx.world_size
-        dist.all_gather_object(reports, report)
-    finally:
-        dist.destroy_process_group()
+        result = function(ctx)
+    except Exception:
+        logger.exception("rank %d: %s raised", ctx.rank, cfg["entrypoint"])
+        raise
+    ctx.progress.close()
+    report = ctx.report(result)
+    reports: list[Any] = [None] * ctx.world_size
+    dist.all_gather_object(reports, report)
+    dist.destroy_process_group()
     return {"ranks": reports} if ctx.rank == 0 else {"ranks": [report]}
