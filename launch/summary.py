@@ -41,7 +41,7 @@ def write_summary(summary: dict[str, Any], run_dir: Path) -> Path:
 
 def _value(value: Any) -> str:
     if isinstance(value, float):
-        return f"{value:,.4g}" if abs(value) >= 1e4 else f"{value:.4g}"
+        return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.5g}"
     return str(value)
 
 
