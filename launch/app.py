@@ -72,6 +72,10 @@ def run_job(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
     (run_dir / "config.resolved.yaml").write_text(OmegaConf.to_yaml(plain))
     results = _run(job, plain, nproc, run_dir)
     if 0 not in results:
+        print(
+            f"dscale job finished on this node (ranks {sorted(results)}, logs in {run_dir}/logs); "
+            "the node holding rank 0 writes summary.json"
+        )
         return None
     if job.script:
         min_nodes, max_nodes = parse_min_max_nnodes(job.launcher.nnodes)

@@ -38,6 +38,7 @@ def _iteration(scaler: dscale.GradScaler, optimizers: list, poison: list[bool]) 
         opt.zero_grad()
 
 
+@pytest.mark.filterwarnings("ignore:dscale.GradScaler. the loss's autograd graph holds no float16")
 def test_skip_record_notes_each_skipped_iteration_once_under_the_scalers_index() -> None:
     a, b = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(3))
     optimizers = [torch.optim.SGD([a], lr=0.1), torch.optim.SGD([b], lr=0.1)]
