@@ -3,18 +3,36 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 # Only used when torch is missing: the CPU build this project is developed on.
 TORCH_SPEC ?= torch==2.13.0
+# Every later install is held to the torch that is there, so no requirement swaps it for a CUDA build.
+TORCH_PIN := $(VENV)/torch-constraint.txt
+# apt-get runs through sudo unless we are root.
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install test test-fast lint fmt run bench
+.PHONY: install system-tools test test-fast lint fmt run bench
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[test,dev]"
+	$(PY) -c "import torch; print('torch==' + torch.__version__)" > $(TORCH_PIN)
+	$(PY) -m pip install -q -c $(TORCH_PIN) -e ".[test,dev]"
 	touch $@
 
 install: $(VENV)/.installed
 
-test: lint
+# The one tool the tests run that PyPI lacks: Prometheus (server and promtool), from Debian.
+system-tools:
+	@if command -v prometheus >/dev/null 2>&1 && command -v promtool >/dev/null 2>&1; then :; \
+	elif command -v apt-get >/dev/null 2>&1; then \
+	  echo "installing Debian's prometheus (prometheus, promtool) for the tests"; \
+	  $(SUDO) apt-get update -qq && \
+	  $(SUDO) env DEBIAN_FRONTEND=noninteractive \
+	    apt-get install -y -qq --no-install-recommends prometheus; \
+	else \
+	  echo "make test needs prometheus and promtool (Prometheus 2.x) on PATH; install them" >&2; \
+	  exit 1; \
+	fi
+
+test: lint system-tools
 	$(PY) -m pytest
 
 test-fast: install

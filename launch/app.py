@@ -16,8 +16,10 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.run import parse_min_max_nnodes
 
-from launch.elastic import launch_config, run_workers, worker_env
+from launch.elastic import launch_config, run_script, run_workers, worker_env
+from launch.failures import explain_failure
 from launch.schema import JobConfig, register
 from launch.summary import build_summary, format_summary, write_summary
 from launch.targets import published_targets, scrape_host
@@ -32,19 +34,13 @@ register()
 CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "configs")
 
 
-def run_job(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
-    """Validate, launch, summarise; None on a node that does not hold global rank 0."""
-    check_known_keys(cfg)
-    job = cast(JobConfig, OmegaConf.to_object(cfg))  # Hydra built it from launch/schema.py
-    nproc = validate(job)
-    # A plain dict crosses into the workers: picklable, fully resolved, no Hydra needed there.
-    plain = cast(dict[str, Any], OmegaConf.to_container(OmegaConf.structured(job), resolve=True))
-    (run_dir / "config.resolved.yaml").write_text(OmegaConf.to_yaml(plain))
+def _run(job: JobConfig, plain: dict[str, Any], nproc: int, run_dir: Path) -> dict[int, Any]:
     config = launch_config(job.launcher, nproc, run_dir)
-    worker_env(nproc)
+    worker_env(nproc, run_dir)
     logger.info(
-        "starting %d local ranks (%s rendezvous at %s, max_restarts=%d) in %s",
+        "starting %d local ranks of %s (%s rendezvous at %s, max_restarts=%d) in %s",
         nproc,
+        f"script {job.script}" if job.script else job.entrypoint,
         config.rdzv_backend,
         config.rdzv_endpoint,
         config.max_restarts,
@@ -58,11 +54,41 @@ def run_job(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
         host=scrape_host(m.addr),
         ports=[m.port + r for r in range(nproc)],
     ):
-        results = run_workers(config, plain, run_dir)
+        if job.script:
+            return run_script(config, job.script, job.script_args)
+        return run_workers(config, plain, run_dir)
+
+
+def run_job(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
+    """Validate, launch, summarise; None on a node that does not hold global rank 0."""
+    check_known_keys(cfg)
+    job = cast(JobConfig, OmegaConf.to_object(cfg))  # Hydra built it from launch/schema.py
+    nproc = validate(job)
+    # A plain dict crosses into the workers: picklable, fully resolved, no Hydra needed there.
+    plain = cast(
+        dict[str, Any],
+        OmegaConf.to_container(OmegaConf.structured(job), resolve=True, enum_to_str=True),
+    )
+    (run_dir / "config.resolved.yaml").write_text(OmegaConf.to_yaml(plain))
+    results = _run(job, plain, nproc, run_dir)
     if 0 not in results:
+        print(
+            f"dscale job finished on this node (ranks {sorted(results)}, logs in {run_dir}/logs); "
+            "the node holding rank 0 writes summary.json"
+        )
         return None
-    ranks = results[0]["ranks"]
-    summary = build_summary(ranks, world_size=len(ranks), run_dir=run_dir)
+    if job.script:
+        min_nodes, max_nodes = parse_min_max_nnodes(job.launcher.nnodes)
+        summary = build_summary(
+            [{"rank": r} for r in sorted(results)],
+            run_dir=run_dir,
+            what={"script": job.script, "script_args": job.script_args},
+            world_size=nproc * max_nodes if min_nodes == max_nodes else None,
+        )
+    else:
+        summary = build_summary(
+            results[0]["ranks"], run_dir=run_dir, what={"entrypoint": job.entrypoint}
+        )
     write_summary(summary, run_dir)
     print(format_summary(summary))
     return summary
@@ -79,8 +105,9 @@ def main(cfg: DictConfig) -> None:
         sys.exit(2)
     except ChildFailedError as exc:
         print(
-            f"dscale-launch: the job failed (logs in {run_dir}/logs and "
-            f"{run_dir}/torchelastic):\n{exc.format_msg()}",  # type: ignore[no-untyped-call]
+            f"dscale-launch: {explain_failure(exc)}\n"
+            f"  logs: {run_dir}/logs/rank<R>.log and {run_dir}/torchelastic\n\n"
+            f"{exc.format_msg()}",  # type: ignore[no-untyped-call]
             file=sys.stderr,
         )
         sys.exit(1)

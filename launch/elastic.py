@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import uuid
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,8 @@ from torch.distributed.elastic.rendezvous.utils import _parse_rendezvous_config
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from torch.distributed.run import parse_min_max_nnodes
 
-from launch.schema import LauncherConfig
+from launch.schema import LauncherConfig, StartMethod
+from launch.worker import RUN_DIR_ENV, worker_main
 
 logger = logging.getLogger(__name__)
 
@@ -48,14 +50,17 @@ def launch_config(lc: LauncherConfig, nproc: int, run_dir: Path) -> LaunchConfig
         rdzv_configs=rdzv_configs,
         max_restarts=lc.max_restarts,
         monitor_interval=lc.monitor_interval,
-        start_method=lc.start_method,
+        start_method=StartMethod(lc.start_method).value,
         local_addr=lc.local_addr,
         logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "torchelastic"), redirects=redirects),
     )
 
 
-def worker_env(nproc: int) -> None:
+def worker_env(nproc: int, run_dir: Path | None = None) -> None:
     """What torchrun puts in the environment, plus the fix for restarts on one node.
+
+    ``DSCALE_RUN_DIR`` tells a script's ``launch.get_context()`` where the run folder (and its
+    resolved config) is.
 
     ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: on torch 2.13 a re-formed gloo group reads the
     previous attempt's keys from the shared rendezvous store and fails to connect or hangs
@@ -64,11 +69,21 @@ def worker_env(nproc: int) -> None:
     if nproc > 1:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    if run_dir is not None:
+        os.environ[RUN_DIR_ENV] = str(run_dir)
 
 
 def run_workers(config: LaunchConfig, cfg: dict[str, Any], run_dir: Path) -> dict[int, Any]:
-    """Start the agent and the workers; return ``{local global rank: worker return value}``."""
-    from launch.worker import worker_main
+    """Start the agent and the entrypoint's workers; return ``{global rank: return value}``.
 
-    results: dict[int, Any] = elastic_launch(config, worker_main)(cfg, str(run_dir))
+    Only this node's ranks are in the result; the launcher's folder is passed on so the
+    workers import the user's package from where ``dscale-launch`` was started.
+    """
+    results: dict[int, Any] = elastic_launch(config, worker_main)(cfg, str(run_dir), os.getcwd())
+    return results
+
+
+def run_script(config: LaunchConfig, script: str, script_args: list[str]) -> dict[int, Any]:
+    """Run ``python -u SCRIPT ARGS`` on every rank, as torchrun does, with torchrun's env."""
+    results: dict[int, Any] = elastic_launch(config, sys.executable)("-u", script, *script_args)
     return results

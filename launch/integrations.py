@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -31,23 +31,26 @@ def build_scaler(scaler: dict[str, Any], precision: str, device: torch.device) -
 
 
 class Checkpoints:
-    """``CheckpointManager`` bound to this job's model, optimizer and scaler.
+    """``CheckpointManager`` from ``checkpoint.*``, bound to a model, optimizer and scaler.
 
-    The loop's ``TrainState`` rides along as an ``extra`` entry, so the skipped-step record
-    survives restarts; the step itself is the manager's.
+    ``extra`` (more Statefuls) rides along; the context adds its record of skipped steps, so
+    that survives restarts. With ``checkpoint.enabled=false`` every method does nothing and
+    ``resume()`` returns None.
     """
 
     def __init__(
-        self, cfg: dict[str, Any], model: nn.Module, optimizer: Any, scaler: Any, train: Any
+        self,
+        cfg: dict[str, Any],
+        *,
+        model: nn.Module,
+        optimizer: Any,
+        scaler: Any,
+        extra: Mapping[str, Any],
     ) -> None:
-        self.enabled = cfg["enabled"]
+        self.enabled = bool(cfg["enabled"])
+        self.resumed_from: int | None = None
         self._resume = cfg["resume"]
-        self._states = {
-            "model": model,
-            "optimizer": optimizer,
-            "scaler": scaler,
-            "extra": {"record": train},
-        }
+        self._states = {"model": model, "optimizer": optimizer, "scaler": scaler, "extra": extra}
         self._manager = (
             CheckpointManager(cfg["dir"], every=cfg["every"], keep=cfg["keep"])
             if self.enabled
@@ -56,20 +59,21 @@ class Checkpoints:
 
     def resume(self) -> int | None:
         """Load what ``checkpoint.resume`` names; return its step, or None for a fresh start."""
-        if self._manager is None:
-            return None
-        step: int | None = self._manager.resume(self._resume, **self._states)
-        return step
+        if self._manager is not None:
+            self.resumed_from = self._manager.resume(self._resume, **self._states)
+        return self.resumed_from
 
-    def maybe_save(self, step: int, *, final: bool) -> None:
-        if self._manager is None:
-            return
-        if final:
+    def maybe_save(self, step: int) -> bool:
+        """Save after ``step`` iterations if it is a multiple of ``checkpoint.every``."""
+        return self._manager is not None and self._manager.maybe_save(step, **self._states)
+
+    def save(self, step: int) -> None:
+        """Save after ``step`` iterations now (the final save; a repeat of a step is skipped)."""
+        if self._manager is not None:
             self._manager.save(step, **self._states)
-        else:
-            self._manager.maybe_save(step, **self._states)
 
     def close(self) -> None:
+        """Wait for a pending asynchronous save."""
         if self._manager is not None:
             self._manager.wait()
 

@@ -6,23 +6,35 @@ import logging
 import sys
 import time
 
+from dscale import GradScaler
+from launch.record import SkipRecord
+
 logger = logging.getLogger(__name__)
 
 
 class Progress:
-    """Silent progress: what non-coordinator ranks use, so the loop never asks "am I rank 0"."""
+    """Silent progress: what non-coordinator ranks use, so a loop never asks "am I rank 0".
 
-    def __init__(self, max_steps: int, log_every: int, tokens_per_step: int) -> None:
+    ``ctx.progress`` in a user's loop::
+
+        if ctx.progress.wants_loss(step):
+            ctx.progress.update(step, loss.item(), tokens=tokens_this_step)
+    """
+
+    def __init__(
+        self, max_steps: int, log_every: int, scaler: GradScaler, record: SkipRecord
+    ) -> None:
         self.max_steps = max_steps
         self.log_every = max(1, log_every)
-        self.tokens_per_step = tokens_per_step
+        self.scaler = scaler
+        self.record = record
 
     def wants_loss(self, step: int) -> bool:
-        """Whether the loop should read the loss (a host sync) at this step."""
+        """Whether the loop should read the loss (a host sync) at this 0-based step."""
         return (step + 1) % self.log_every == 0 or step + 1 == self.max_steps
 
-    def update(self, step: int, loss: float, scale: float, skipped: int) -> None:
-        """Called at every step where ``wants_loss`` was true."""
+    def update(self, step: int, loss: float, *, tokens: int = 0) -> None:
+        """Report step ``step``; ``tokens``: tokens per step over all ranks, for tokens/s."""
 
     def close(self) -> None:
         """End the bar's line."""
@@ -31,23 +43,25 @@ class Progress:
 class RankZeroProgress(Progress):
     """A one-line bar on a terminal plus a log line every ``log_every`` steps."""
 
-    def __init__(self, max_steps: int, log_every: int, tokens_per_step: int) -> None:
-        super().__init__(max_steps, log_every, tokens_per_step)
+    def __init__(
+        self, max_steps: int, log_every: int, scaler: GradScaler, record: SkipRecord
+    ) -> None:
+        super().__init__(max_steps, log_every, scaler, record)
         self._bar = sys.stderr.isatty()
-        self._t0 = time.perf_counter()
-        self._last = (self._t0, -1)
+        self._last = (time.perf_counter(), -1)
 
-    def update(self, step: int, loss: float, scale: float, skipped: int) -> None:
+    def update(self, step: int, loss: float, *, tokens: int = 0) -> None:
         now = time.perf_counter()
         t_last, s_last = self._last
-        tokens_s = (step - s_last) * self.tokens_per_step / max(now - t_last, 1e-9)
         self._last = (now, step)
         line = (
-            f"step {step + 1}/{self.max_steps} loss {loss:.4f} scale {scale:g} "
-            f"skipped {skipped} tokens/s {tokens_s:,.0f}"
+            f"step {step + 1}/{self.max_steps} loss {loss:.4f} scale {self.scaler.get_scale():g} "
+            f"skipped {self.record.num_skipped}"
         )
+        if tokens:
+            line += f" tokens/s {(step - s_last) * tokens / max(now - t_last, 1e-9):,.0f}"
         if self._bar:
-            done = int(30 * (step + 1) / self.max_steps)
+            done = min(30, int(30 * (step + 1) / self.max_steps))
             sys.stderr.write(f"\r[{'#' * done}{'.' * (30 - done)}] {line}\033[K")
             sys.stderr.flush()
         # On a terminal the bar shows the line; keep the console clean and log it to file only.

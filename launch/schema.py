@@ -8,10 +8,47 @@ take plain arguments, never these objects' Hydra wrappers.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
+
+# Choice fields are Enums: Hydra refuses any other value while composing, naming the key and
+# listing the choices ("Invalid value 'fp8', expected one of [fp16, bf16, fp32]"). Member names
+# equal their values, so the workers receive the plain strings.
+
+
+class StartMethod(str, Enum):
+    """How torchelastic starts the local ranks (``--start-method``)."""
+
+    spawn = "spawn"
+    fork = "fork"
+    forkserver = "forkserver"
+
+
+class Strategy(str, Enum):
+    """How ``ctx.parallelize(model)`` spreads the model over ranks."""
+
+    single = "single"  # one process, no wrapper
+    ddp = "ddp"  # DistributedDataParallel
+    fsdp = "fsdp"  # FSDP2 fully_shard per block, then the root
+
+
+class Precision(str, Enum):
+    """The autocast dtype; only fp16 needs (and enables) the loss scaler."""
+
+    fp16 = "fp16"
+    bf16 = "bf16"
+    fp32 = "fp32"
+
+
+class Device(str, Enum):
+    """Where each rank runs: ``auto`` is the rank's GPU when CUDA is there, else the CPU."""
+
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
 
 
 @dataclass
@@ -31,7 +68,7 @@ class LauncherConfig:
     rdzv_conf: str = ""  # k=v,k=v as torchrun's --rdzv-conf
     max_restarts: int = 0
     monitor_interval: float = 0.1
-    start_method: str = "spawn"
+    start_method: StartMethod = StartMethod.spawn
     master_addr: str = "127.0.0.1"  # static backend on several nodes only
     master_port: int = 29500
     local_addr: str | None = None
@@ -42,7 +79,7 @@ class LauncherConfig:
 class ParallelConfig:
     """How the model is spread over ranks: one process, DDP, or FSDP2 ``fully_shard``."""
 
-    strategy: str = "ddp"  # single | ddp | fsdp
+    strategy: Strategy = Strategy.ddp
 
 
 @dataclass
@@ -123,11 +160,11 @@ class TrainerConfig:
     """The loop: how long, in which precision, how chatty."""
 
     max_steps: int = 300
-    precision: str = "fp16"  # fp16 | bf16 | fp32
+    precision: Precision = Precision.fp16
     log_every: int = 25
     seed: int = 0
     lr: float = 3e-3
-    device: str = "auto"  # auto (cuda when available) | cpu | cuda
+    device: Device = Device.auto
 
 
 @dataclass
@@ -168,10 +205,23 @@ class FaultConfig:
     kill_attempts: int = 1
 
 
+DEMO_ENTRYPOINT = "launch.demo:main"
+
+
 @dataclass
 class JobConfig:
-    """The whole job. Groups (launcher, parallel, model, data) come from the defaults list."""
+    """The whole job. Groups (launcher, parallel, model, data) come from the defaults list.
 
+    What runs on every rank: ``entrypoint`` (``module:function``, called with the run context;
+    the built-in demo by default) or ``script`` (a torchrun script, run unchanged with
+    ``script_args``). ``args`` is the user's own free-form node; only it skips the schema.
+    ``model`` and ``data`` configure the demo.
+    """
+
+    entrypoint: str = DEMO_ENTRYPOINT
+    script: str | None = None
+    script_args: list[str] = field(default_factory=list)
+    args: dict[str, Any] = field(default_factory=dict)
     launcher: LauncherConfig = MISSING
     parallel: ParallelConfig = MISSING
     model: Any = MISSING

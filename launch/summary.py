@@ -7,56 +7,67 @@ from pathlib import Path
 from typing import Any
 
 
-def build_summary(ranks: list[dict[str, Any]], world_size: int, run_dir: Path) -> dict[str, Any]:
-    """One record per rank plus job-wide loss and throughput (from rank 0's view)."""
+def build_summary(
+    ranks: list[dict[str, Any]],
+    *,
+    run_dir: Path,
+    what: dict[str, Any],
+    world_size: int | None = None,
+) -> dict[str, Any]:
+    """Job-wide fields (from rank 0's view), then one record per rank with its ``result``.
+
+    ``what`` names what ran (``entrypoint``, or ``script`` and ``script_args``). A script's
+    ranks report nothing but their rank, so its ``world_size`` is given.
+    """
     r0 = next(r for r in ranks if r["rank"] == 0)
-    seconds = r0["seconds_this_attempt"]
-    tokens = r0["tokens_this_attempt"]
-    losses = r0["losses"]
     return {
         "run_dir": str(run_dir),
-        "world_size": world_size,
-        "steps": r0["steps"],
-        "resumed_from": r0["resumed_from"],
-        "restarts": r0["attempt"],
-        "first_loss": losses[0] if losses else None,
-        "final_loss": losses[-1] if losses else None,
-        "tokens_per_s": tokens / seconds if seconds > 0 else None,
-        "train_seconds": seconds,
-        "ranks": [
-            {
-                "rank": r["rank"],
-                "final_scale": r["final_scale"],
-                "skipped_steps": r["skipped_steps"],
-                "num_skipped": r["num_skipped"],  # also counts skips past the list's capacity
-            }
-            for r in sorted(ranks, key=lambda r: r["rank"])
-        ],
+        **what,
+        "world_size": world_size or len(ranks),
+        "steps": r0.get("steps"),
+        "resumed_from": r0.get("resumed_from"),
+        "restarts": r0.get("attempt"),
+        "result": r0.get("result"),
+        "ranks": sorted(ranks, key=lambda r: int(r["rank"])),
     }
 
 
 def write_summary(summary: dict[str, Any], run_dir: Path) -> Path:
     path = run_dir / "summary.json"
-    path.write_text(json.dumps(summary, indent=2) + "\n")
+    # default=repr: a return value JSON cannot hold is kept as its repr, not lost.
+    path.write_text(json.dumps(summary, indent=2, default=repr) + "\n")
     return path
+
+
+def _value(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.5g}"
+    return str(value)
 
 
 def format_summary(summary: dict[str, Any]) -> str:
     """A few human lines; the JSON file has everything."""
+    ran = summary.get("entrypoint") or f"script {summary.get('script')}"
+    steps = summary["steps"]
     lines = [
-        f"dscale job finished: {summary['steps']} steps on {summary['world_size']} rank(s)"
-        + (f", resumed from step {summary['resumed_from']}" if summary["resumed_from"] else ""),
-        f"  loss {summary['first_loss']:.4f} -> {summary['final_loss']:.4f}, "
-        f"{summary['tokens_per_s'] or 0:,.0f} tokens/s over {summary['train_seconds']:.1f} s"
-        if summary["final_loss"] is not None
-        else "  no steps run in the last attempt",
+        f"dscale job finished: {ran} on {summary['world_size']} rank(s)"
+        + (f", {steps} steps" if steps is not None else "")
+        + (f", resumed from step {summary['resumed_from']}" if summary["resumed_from"] else "")
     ]
+    result = summary.get("result")
+    if isinstance(result, dict) and result:
+        shown = ", ".join(f"{k} {_value(v)}" for k, v in list(result.items())[:8])
+        lines.append(f"  rank 0 returned: {shown}")
+    elif result is not None:
+        lines.append(f"  rank 0 returned: {_value(result)}"[:200])
     for r in summary["ranks"]:
+        if "skipped_steps" not in r:
+            continue
         skipped = r["skipped_steps"]
         shown = ", ".join(map(str, skipped[:10])) + (" ..." if len(skipped) > 10 else "")
         lines.append(
             f"  rank {r['rank']}: final scale {r['final_scale']:g}, "
-            f"{len(skipped)} skipped steps [{shown}]"
+            f"{r['num_skipped']} skipped steps [{shown}]"
         )
     lines.append(f"  summary: {summary['run_dir']}/summary.json")
     return "\n".join(lines)

@@ -1,8 +1,9 @@
 """Fail before any worker starts: impossible values and busy ports, each named with its fix.
 
-Unknown keys and wrong types are rejected earlier, by Hydra against ``launch/schema.py``. Range
-checks that belong to the library are not written twice: ``GradScaler`` is built here once, on
-the CPU, and its own message is passed on, prefixed with the config key.
+Unknown keys, wrong types and choices are rejected earlier, by Hydra against
+``launch/schema.py``. Checks that belong to the library are not written twice: ``GradScaler`` and
+``CheckpointManager`` are built here once (on the CPU, writing nothing) and their own messages
+are passed on, prefixed with the config key.
 """
 
 from __future__ import annotations
@@ -14,14 +15,19 @@ import inspect
 import os
 import re
 import socket
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.run import parse_min_max_nnodes
 
 from dscale import GradScaler
-from launch.schema import JobConfig
+from dscale.checkpoint import CheckpointManager
+from launch.entrypoint import EntrypointError, check_spec
+from launch.schema import DEMO_ENTRYPOINT, Device, JobConfig
 
 
 class ConfigError(ValueError):
@@ -76,10 +82,6 @@ def _launcher(job: JobConfig) -> int:
         f"launcher.max_restarts={lc.max_restarts} must be >= 0 (0, torchrun's default, "
         "means no restart)",
     )
-    _need(
-        lc.start_method in ("spawn", "fork", "forkserver"),
-        f"launcher.start_method={lc.start_method!r}; use spawn, fork or forkserver",
-    )
     _need(lc.pg_timeout_s > 0, f"launcher.pg_timeout_s={lc.pg_timeout_s} must be > 0 seconds")
     _need(
         hi == 1 or lc.rdzv_backend == "static" or bool(lc.rdzv_endpoint),
@@ -98,37 +100,32 @@ def _launcher(job: JobConfig) -> int:
 
 def _trainer(job: JobConfig) -> None:
     t = job.trainer
-    _need(
-        job.parallel.strategy in ("single", "ddp", "fsdp"),
-        f"parallel.strategy={job.parallel.strategy!r}; choose parallel=single, ddp or fsdp",
-    )
-    _need(
-        t.precision in ("fp16", "bf16", "fp32"),
-        f"trainer.precision={t.precision!r}; choose fp16, bf16 or fp32",
-    )
     _need(t.max_steps >= 1, f"trainer.max_steps={t.max_steps} must be >= 1")
     _need(t.log_every >= 1, f"trainer.log_every={t.log_every} must be >= 1")
     _need(t.lr > 0, f"trainer.lr={t.lr} must be > 0")
     _need(
-        t.device in ("auto", "cpu", "cuda"),
-        f"trainer.device={t.device!r}; choose auto, cpu or cuda",
-    )
-    _need(
-        t.device != "cuda" or torch.cuda.is_available(),
+        t.device != Device.cuda or torch.cuda.is_available(),
         "trainer.device=cuda but CUDA is not available; use trainer.device=auto or cpu",
     )
 
 
-def _scaler(job: JobConfig) -> None:
-    kwargs = dataclasses.asdict(job.scaler)
+def _library_check(node: str, kwargs: dict[str, Any], build: Callable[..., object]) -> None:
+    """Build the library's object once, here, so a bad value fails with the library's message.
+
+    The message is prefixed with the config key it names, e.g. ``scaler.backoff_factor: ...``.
+    """
     try:
-        GradScaler(device="cpu", **kwargs)
+        build(**kwargs)
     except (ValueError, TypeError) as exc:
         message = str(exc)
         # The library's message starts with the argument it rejects; find that one.
         found = [(m.start(), k) for k in kwargs if (m := re.search(rf"\b{k}\b", message))]
         key = min(found)[1] if found else "*"
-        raise ConfigError(f"scaler.{key}: {message}") from exc
+        raise ConfigError(f"{node}.{key}: {message}") from exc
+
+
+def _scaler(job: JobConfig) -> None:
+    _library_check("scaler", dataclasses.asdict(job.scaler), partial(GradScaler, "cpu"))
 
 
 def _model_and_data(job: JobConfig) -> None:
@@ -193,13 +190,39 @@ def _checkpoint(job: JobConfig) -> None:
     c = job.checkpoint
     if not c.enabled:
         return
-    _need(c.every >= 1, f"checkpoint.every={c.every} must be >= 1 (steps between saves)")
-    _need(c.keep >= 1, f"checkpoint.keep={c.keep} must be >= 1")
-    _need(
-        c.resume in ("auto", "none") or Path(c.resume).exists(),
-        f"checkpoint.resume={c.resume!r} is not auto, none or an existing checkpoint path",
-    )
     c.dir = str(Path(c.dir).expanduser().resolve())
+    kwargs = {"directory": c.dir, "every": c.every, "keep": c.keep}
+    _library_check("checkpoint", kwargs, CheckpointManager)  # creates nothing on disk
+    try:
+        target = CheckpointManager.check_resume(c.resume)
+    except ValueError as exc:
+        raise ConfigError(
+            f"checkpoint.resume={c.resume!r}: {exc}; or checkpoint.resume=none for a fresh start"
+        ) from exc
+    if isinstance(target, Path):
+        c.resume = str(target.expanduser().resolve())  # workers may start elsewhere
+
+
+def _entry(job: JobConfig) -> None:
+    """What runs on every rank: a script that exists, or a ``module:function`` entrypoint."""
+    if job.script is None:
+        try:
+            check_spec(job.entrypoint)
+        except EntrypointError as exc:
+            raise ConfigError(str(exc)) from None
+        return
+    _need(
+        job.entrypoint == DEMO_ENTRYPOINT,
+        f"script={job.script!r} and entrypoint={job.entrypoint!r} both given; a job runs one "
+        "of them: drop one",
+    )
+    path = Path(job.script).expanduser().resolve()
+    _need(
+        path.is_file(),
+        f"script={job.script!r} does not exist (looked for {path}); give the path of a Python "
+        "file, relative to the folder you launch from",
+    )
+    job.script = str(path)  # the agent may start workers elsewhere
 
 
 def _fault(job: JobConfig, world_size: int) -> None:
@@ -239,12 +262,13 @@ def check_known_keys(cfg: DictConfig, prefix: str = "") -> None:
                 )
     for key in map(str, cfg):
         node = cfg._get_node(key)
-        if isinstance(node, DictConfig):
+        if isinstance(node, DictConfig) and f"{prefix}{key}" != "args":  # args: the user's
             check_known_keys(node, f"{prefix}{key}.")
 
 
 def validate(job: JobConfig) -> int:
     """Check ``job`` in place (paths made absolute); return the resolved ``nproc_per_node``."""
+    _entry(job)
     nproc = _launcher(job)
     _, max_nodes = parse_min_max_nnodes(job.launcher.nnodes)
     _trainer(job)

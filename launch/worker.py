@@ -1,4 +1,4 @@
-"""Per-rank entry point that the elastic agent starts: set up, train, report to the parent.
+"""Per-rank set-up, then the user's function (``entrypoint=``) or, for scripts, the context.
 
 This is the only launcher module that calls ``init_process_group``. It receives the resolved config
 as a plain dict (no Hydra in workers) and the run folder the parent chose, so ranks never create
@@ -7,28 +7,35 @@ output folders of their own.
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
+import random
 import sys
-import warnings
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from omegaconf import OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from launch import integrations
-from launch.data import build_batches
+from launch.context import RunContext
+from launch.entrypoint import load_entrypoint
 from launch.faults import Faults
-from launch.loop import TrainState, train
-from launch.models import build_model
 from launch.progress import Progress, RankZeroProgress
+from launch.record import SkipRecord
 
 logger = logging.getLogger(__name__)
+
+# Set by the launcher for its workers: the run folder, whose config.resolved.yaml a script's
+# get_context() reads.
+RUN_DIR_ENV = "DSCALE_RUN_DIR"
+
+_current: RunContext | None = None
 
 
 class _ConsoleFilter(logging.Filter):
@@ -64,112 +71,101 @@ def pick_device(name: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def wrap_model(model: nn.Module, strategy: str, device: torch.device) -> nn.Module:
-    """DDP, FSDP2 ``fully_shard`` (each block, then the root), or nothing."""
-    if strategy == "ddp":
-        from torch.nn.parallel import DistributedDataParallel
-
-        ids = [device.index] if device.type == "cuda" else None
-        return DistributedDataParallel(model, device_ids=ids)
-    if strategy == "fsdp":
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-
-        # Our loop never modifies the logits in place, which is what this warning is about.
-        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view")
-        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-        for block in model.blocks():  # type: ignore[operator]
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        return model
-    return model
-
-
-def _run(
-    cfg: dict[str, Any], run_dir: Path, rank: int, device: torch.device, attempt: int
-) -> dict[str, Any]:
-    trainer, data = cfg["trainer"], cfg["data"]
-    world, local_rank = dist.get_world_size(), int(os.environ["LOCAL_RANK"])
-    torch.manual_seed(trainer["seed"])  # the same initial weights on every rank
-    model = build_model(cfg["model"], seq_len=data["seq_len"]).to(device)
-    model = wrap_model(model, cfg["parallel"]["strategy"], device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=trainer["lr"])
+def start_rank(cfg: dict[str, Any], run_dir: Path) -> RunContext:
+    """Logging, device, process group (unless the caller made one), seeds; then the context."""
+    global _current
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    setup_logging(run_dir, rank, attempt)
+    # What this rank actually received, for humans and for the tests.
+    (run_dir / "logs" / f"rank{rank}.config.json").write_text(json.dumps(cfg, indent=2))
+    trainer = cfg["trainer"]
+    device = pick_device(trainer["device"], local_rank)
+    if not dist.is_initialized():
+        dist.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo",
+            timeout=timedelta(seconds=cfg["launcher"]["pg_timeout_s"]),
+            device_id=device if device.type == "cuda" else None,  # NCCL: bind the GPU now
+        )
+    # The same initial weights on every rank; per-rank data seeds are the user's choice.
+    torch.manual_seed(trainer["seed"])
+    random.seed(trainer["seed"])
     scaler = integrations.build_scaler(cfg["scaler"], trainer["precision"], device)
-    state = TrainState()
-    checkpoints = integrations.Checkpoints(cfg["checkpoint"], model, optimizer, scaler, state)
-    resumed_from = checkpoints.resume()
-    state.step = resumed_from or 0
-    tokens_per_step = world * data["batch_size"] * data["seq_len"]
+    skips = SkipRecord()
+    skips.attach(scaler)
     progress_type = RankZeroProgress if rank == 0 else Progress
-    progress = progress_type(trainer["max_steps"], trainer["log_every"], tokens_per_step)
-    batches = build_batches(
-        data, seed=trainer["seed"], rank=rank, vocab_size=cfg["model"]["vocab_size"]
-    )
-    logger.info(
-        "world %d, device %s, %s, %s, resumed from %s",
-        world,
-        device,
-        cfg["parallel"]["strategy"],
-        trainer["precision"],
-        resumed_from,
-    )
-    with integrations.start_metrics(
-        cfg["metrics"],
-        scaler,
-        model,
-        run_dir=run_dir,
+    _current = RunContext(
         rank=rank,
         local_rank=local_rank,
-        log_every=trainer["log_every"],
-    ):
-        result = train(
-            model=model,
-            optimizer=optimizer,
-            scaler=scaler,
-            batches=batches,
-            faults=Faults(cfg["fault"], rank, attempt),
-            saver=checkpoints,
-            state=state,
-            max_steps=trainer["max_steps"],
-            precision=trainer["precision"],
-            device=device,
-            progress=progress,
+        world_size=dist.get_world_size(),
+        node_rank=int(os.environ.get("GROUP_RANK", "0")),
+        attempt=attempt,
+        device=device,
+        run_dir=run_dir,
+        args=OmegaConf.create(cfg["args"]),
+        config=cfg,
+        scaler=scaler,
+        faults=Faults(cfg["fault"], rank, attempt),
+        progress=progress_type(trainer["max_steps"], trainer["log_every"], scaler, skips),
+        record=skips,
+    )
+    return _current
+
+
+def get_context() -> RunContext:
+    """The run context inside ``dscale-launch script=train.py``: one call, from any rank.
+
+    The first call sets up logging, the device, the process group (unless the script already
+    called ``init_process_group``) and the seeds, as for an entrypoint; later calls return the
+    same object. Inside an entrypoint it returns the context the function was given.
+    """
+    if _current is not None:
+        return _current
+    run_dir = os.environ.get(RUN_DIR_ENV)
+    if not run_dir:
+        raise RuntimeError(
+            "get_context() works in processes started by dscale-launch (script= or "
+            f"entrypoint=); {RUN_DIR_ENV} is not set here"
         )
-        progress.close()
-    checkpoints.close()
-    return {
-        "rank": rank,
-        "final_scale": float(scaler.get_scale()),
-        "skipped_steps": state.skipped_steps,
-        "num_skipped": state.num_skipped,
-        "steps": state.step,
-        "resumed_from": resumed_from,
-        "attempt": attempt,
-        "losses": result.losses,
-        "tokens_this_attempt": result.tokens * world,
-        "seconds_this_attempt": result.seconds,
-    }
+    resolved = OmegaConf.load(Path(run_dir) / "config.resolved.yaml")
+    cfg: Any = OmegaConf.to_container(resolved, resolve=True)
+    ctx = start_rank(cfg, Path(run_dir))
+    atexit.register(_close_script_context)
+    return ctx
+
+
+def _close_script_context() -> None:
+    if _current is not None:
+        _current.progress.close()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 @record
-def worker_main(cfg: dict[str, Any], run_dir: str) -> dict[str, Any]:
-    """Train on this rank; rank 0 returns every rank's report, the others their own."""
-    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    out = Path(run_dir)
-    setup_logging(out, rank, attempt)
-    # What this rank actually received, for humans and for the tests.
-    (out / "logs" / f"rank{rank}.config.json").write_text(json.dumps(cfg, indent=2))
-    device = pick_device(cfg["trainer"]["device"], local_rank)
-    dist.init_process_group(
-        "nccl" if device.type == "cuda" else "gloo",
-        timeout=timedelta(seconds=cfg["launcher"]["pg_timeout_s"]),
-        device_id=device if device.type == "cuda" else None,  # NCCL: bind the rank's GPU now
+def worker_main(cfg: dict[str, Any], run_dir: str, cwd: str) -> dict[str, Any]:
+    """Run the entrypoint on this rank; rank 0 returns every rank's report, the others their own."""
+    if cwd not in sys.path:
+        sys.path.insert(0, cwd)  # find the user's package as `python -m` would
+    ctx = start_rank(cfg, Path(run_dir))
+    # No try/finally: on an error, @record must write this rank's error file before the group
+    # closes, or the peers' "connection closed" errors would look older than the cause.
+    function = load_entrypoint(cfg["entrypoint"])
+    logger.info(
+        "rank %d of %d on %s: calling %s",
+        ctx.rank,
+        ctx.world_size,
+        ctx.device,
+        cfg["entrypoint"],
+        extra={"console": False},
     )
     try:
-        report = _run(cfg, out, rank, device, attempt)
-        reports: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(reports, report)
-    finally:
-        dist.destroy_process_group()
-    return {"ranks": reports} if rank == 0 else {"ranks": [report]}
+        result = function(ctx)
+    except Exception:
+        logger.exception("rank %d: %s raised", ctx.rank, cfg["entrypoint"])
+        raise
+    ctx.progress.close()
+    report = ctx.report(result)
+    reports: list[Any] = [None] * ctx.world_size
+    dist.all_gather_object(reports, report)
+    dist.destroy_process_group()
+    return {"ranks": reports} if ctx.rank == 0 else {"ranks": [report]}

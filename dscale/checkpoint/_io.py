@@ -128,6 +128,22 @@ def _check_keys(path: Path, metadata: Metadata, states: dict[str, Any]) -> None:
             raise CheckpointError(f"{path} does not match the {name}: {'; '.join(parts)}; {hint}")
 
 
+def check_folder(path: str | Path) -> Path:
+    """Raise CheckpointError unless ``path`` is a folder (reads nothing inside it)."""
+    path = Path(path)
+    if path.is_file():
+        raise CheckpointError(
+            f"checkpoint path {path} is a file, not a step-N folder; for a scaler state saved "
+            "with torch.save(scaler.state_dict(), path) use dscale.checkpoint.load_scaler_file"
+        )
+    if not path.is_dir():
+        raise CheckpointError(
+            f"checkpoint folder {path} does not exist; pass a step-N folder written by "
+            "dscale.checkpoint, or use resume='auto' to pick the newest one"
+        )
+    return path
+
+
 def load_checkpoint(
     path: str | Path,
     *,
@@ -147,17 +163,7 @@ def load_checkpoint(
         CorruptCheckpointError: a file does not match its checksum.
         ScaleMismatchError: the ranks' scaler states differ (saved or after load).
     """
-    path = Path(path)
-    if path.is_file():
-        raise CheckpointError(
-            f"checkpoint path {path} is a file, not a step-N folder; for a scaler state saved "
-            "with torch.save(scaler.state_dict(), path) use dscale.checkpoint.load_scaler_file"
-        )
-    if not path.is_dir():
-        raise CheckpointError(
-            f"checkpoint folder {path} does not exist; pass a step-N folder written by "
-            "dscale.checkpoint, or use resume='auto' to pick the newest one"
-        )
+    path = check_folder(path)
     verify_checksums(path, process_group)
     metadata = read_metadata(path)
     states = build_states(

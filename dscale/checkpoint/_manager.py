@@ -18,11 +18,13 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from dscale.checkpoint import _comm, _publish
 from dscale.checkpoint._errors import CorruptCheckpointError
-from dscale.checkpoint._io import build_states, describe_failure, load_checkpoint
+from dscale.checkpoint._io import build_states, check_folder, describe_failure, load_checkpoint
 
 __all__ = ["CheckpointManager"]
 
 logger = logging.getLogger(__name__)
+
+_NO_RESUME = ("", "none", "never")
 
 
 def _uses_fsdp1(model: torch.nn.Module | None) -> bool:
@@ -213,11 +215,25 @@ class CheckpointManager:
 
         Returns the step to continue from, or None when nothing was loaded.
         """
-        if resume is None or resume in ("", "none", "never"):
+        target = self.check_resume(resume)
+        if target is None:
+            return None
+        if target == "auto":
+            return self.load_latest(**states)
+        return self.load(target, **states)
+
+    @staticmethod
+    def check_resume(resume: str | Path | None) -> str | Path | None:
+        """What resume() would do with ``resume``, checked without reading a checkpoint.
+
+        Returns None (fresh start), "auto", or the folder; raises CheckpointError for a path
+        that is not a folder. Launchers call it before starting any rank.
+        """
+        if resume is None or resume in _NO_RESUME:
             return None
         if resume == "auto":
-            return self.load_latest(**states)
-        return self.load(resume, **states)
+            return "auto"
+        return check_folder(resume)
 
     def _cpu_group(self) -> ProcessGroup | None:
         """A dedicated gloo group for background saves (made on first use, by every rank).

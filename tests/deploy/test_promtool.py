@@ -13,7 +13,8 @@ import yaml
 import dscale
 from dscale.metrics import start_exporter
 from dscale.stats import track_numerics
-from tests.deploy._tools import DEPLOY, PROMETHEUS_DIR, require_tool, run_tool
+from tests.deploy._tools import DEPLOY, PROMETHEUS_DIR
+from tests.tools import require_tool, run_tool
 
 pytestmark = pytest.mark.filterwarnings("ignore:dscale.GradScaler. the loss.s autograd graph")
 

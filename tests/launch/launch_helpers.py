@@ -5,44 +5,83 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "configs"
+EXAMPLE = ROOT / "examples" / "tiny_regression"
+HERE = Path(__file__).resolve().parent
 
 # Keep test jobs small and off the default metrics ports, which a real run may hold.
 FAST = ["trainer.log_every=5", "checkpoint.every=5", "data.seq_len=32"]
 
 
+class Launched:
+    """A running ``python -m launch`` in its own session; its output goes to files."""
+
+    def __init__(
+        self,
+        run_dir: Path,
+        *overrides: str,
+        cwd: Path = ROOT,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        flags = [o for o in overrides if o.startswith("-")]  # argparse wants -m before overrides
+        rest = [o for o in overrides if not o.startswith("-")]
+        self.cmd = [sys.executable, "-m", "launch", *flags, f"hydra.run.dir={run_dir}", *rest]
+        run_dir.parent.mkdir(parents=True, exist_ok=True)
+        self._out = run_dir.parent / f"{run_dir.name}.stdout"
+        self._err = run_dir.parent / f"{run_dir.name}.stderr"
+        with open(self._out, "w") as out, open(self._err, "w") as err:
+            # Own session, so a timeout ends the workers too, not only the launcher.
+            self.proc = subprocess.Popen(
+                self.cmd,
+                cwd=cwd,
+                stdout=out,
+                stderr=err,
+                text=True,
+                env={**os.environ, **(env or {})},
+                start_new_session=True,
+            )
+
+    def running(self) -> bool:
+        return self.proc.poll() is None
+
+    def finish(self, timeout_s: float = 300) -> subprocess.CompletedProcess[str]:
+        """Wait for the launcher (killing its session after ``timeout_s``); return its output."""
+        try:
+            self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+            raise AssertionError(
+                f"python -m launch did not finish in {timeout_s:.0f} s\n"
+                f"{self._out.read_text()}\n{self._err.read_text()}"
+            ) from None
+        return subprocess.CompletedProcess(
+            self.cmd, self.proc.returncode, self._out.read_text(), self._err.read_text()
+        )
+
+    def kill(self) -> None:
+        if self.running():
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
 def launch(
-    run_dir: Path, *overrides: str, timeout_s: float = 300, env: dict[str, str] | None = None
+    run_dir: Path,
+    *overrides: str,
+    timeout_s: float = 300,
+    cwd: Path = ROOT,
+    env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """``python -m launch hydra.run.dir=RUN_DIR OVERRIDES``; bounded by ``timeout_s``."""
-    flags = [o for o in overrides if o.startswith("-")]  # argparse wants -m before overrides
-    rest = [o for o in overrides if not o.startswith("-")]
-    cmd = [sys.executable, "-m", "launch", *flags, f"hydra.run.dir={run_dir}", *rest]
-    # Own session, so a timeout ends the workers too, not only the launcher.
-    proc = subprocess.Popen(
-        cmd,
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, **(env or {})},
-        start_new_session=True,
-    )
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        raise AssertionError(
-            f"python -m launch did not finish in {timeout_s:.0f} s\n{stdout}\n{stderr}"
-        ) from None
-    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+    return Launched(run_dir, *overrides, cwd=cwd, env=env).finish(timeout_s)
 
 
 def output(proc: subprocess.CompletedProcess[str]) -> str:
@@ -63,3 +102,65 @@ def skipped_in_metrics_log(run_dir: Path, rank: int) -> list[int]:
     lines = (run_dir / "metrics" / f"rank{rank}.jsonl").read_text().splitlines()
     rows = [json.loads(line) for line in lines if line.strip()]
     return sorted({r["step"] for r in rows if r["skipped"]})
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def free_port_pair() -> int:
+    """A base port whose next port was free too, for 2 local ranks' exporters."""
+    for _ in range(50):
+        with socket.socket() as a:
+            a.bind(("127.0.0.1", 0))
+            base = a.getsockname()[1]
+            if base >= 65535:
+                continue
+            with socket.socket() as b:
+                try:
+                    b.bind(("127.0.0.1", base + 1))
+                except OSError:
+                    continue
+        return int(base)
+    raise RuntimeError("no two adjacent free ports on 127.0.0.1")
+
+
+def leftover_workers(run_dir: Path) -> list[str]:
+    """Processes still alive that the launcher started for ``run_dir`` (it marks their env).
+
+    multiprocessing's resource tracker is not a worker: it leaves on its own once the
+    launcher's pipe closes.
+    """
+    marker = f"DSCALE_RUN_DIR={run_dir}".encode()
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            env = (proc / "environ").read_bytes().split(b"\0")
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:  # gone meanwhile, or not ours
+            continue
+        if marker in env and "resource_tracker" not in cmdline:
+            found.append(f"{proc.name}: {cmdline}")
+    return found
+
+
+def wait_until(what: str, check: Any, launched: list[Launched], deadline_s: float = 240) -> Any:
+    """Poll ``check()`` until it returns something truthy; fail early if a launcher ended."""
+    deadline = time.monotonic() + deadline_s
+    last: Any = None
+    while time.monotonic() < deadline:
+        try:
+            last = check()
+        except OSError as exc:  # not listening yet
+            last = exc
+        if last and not isinstance(last, Exception):
+            return last
+        for job in launched:
+            if not job.running():
+                raise AssertionError(f"the launcher ended while waiting for {what}: {last!r}")
+        time.sleep(0.2)  # a poll interval, not a synchronisation
+    raise AssertionError(f"timed out after {deadline_s:.0f} s waiting for {what}: {last!r}")

@@ -35,7 +35,6 @@ def _no_worker_started(run_dir: Path) -> bool:
         ("scaler.backoff_factor=2.0", "scaler.backoff_factor"),
         ("scaler.growth_interval=0", "scaler.growth_interval"),
         ("scaler.hysteresis_refill=sometimes", "scaler.hysteresis_refill"),
-        ("trainer.precision=fp8", "trainer.precision"),
         ("trainer.max_steps=0", "trainer.max_steps"),
         ("launcher.nnodes=3:2", "launcher.nnodes"),
         ("launcher.nproc_per_node=lots", "launcher.nproc_per_node"),
@@ -45,6 +44,12 @@ def _no_worker_started(run_dir: Path) -> bool:
         ("fault.inf_steps=[5] fault.inf_rank=7", "fault.inf_rank"),
         ("fault.inf_steps=[5] trainer.precision=bf16", "fault.inf_steps"),
         ("checkpoint.resume=/no/such/step-5", "checkpoint.resume"),
+        (f"checkpoint.resume={__file__}", "checkpoint.resume"),  # a file, not a step-N folder
+        ("checkpoint.every=-1", "checkpoint.every"),
+        ("checkpoint.keep=0", "checkpoint.keep"),
+        ("entrypoint=my_pkg.train", "entrypoint='my_pkg.train' is not MODULE:FUNCTION"),
+        ("script=/no/such/train.py", "script='/no/such/train.py' does not exist"),
+        (f"script={__file__} entrypoint=a:b", "both given"),
         ("data=text data.path=/no/such/file.txt", "data.path"),
         ("parallel=single launcher.nproc_per_node=2", "parallel=single"),
     ],
@@ -53,6 +58,36 @@ def test_impossible_value_names_its_key(override: str, named: str) -> None:
     job = _job("metrics.enabled=false", *override.split())
     with pytest.raises(ConfigError, match=named.replace(".", r"\.")):
         validate(job)
+
+
+@pytest.mark.parametrize(
+    ("override", "choices"),
+    [
+        ("trainer.precision=fp8", "[fp16, bf16, fp32]"),
+        ("parallel.strategy=tp", "[single, ddp, fsdp]"),
+        ("trainer.device=tpu", "[auto, cpu, cuda]"),
+        ("launcher.start_method=thread", "[spawn, fork, forkserver]"),
+    ],
+)
+def test_a_choice_outside_the_schema_fails_at_composition_listing_the_choices(
+    override: str, choices: str
+) -> None:
+    with pytest.raises(Exception, match="Error merging override") as info:
+        _job(override)
+    cause = str(info.value.__cause__)
+    assert f"expected one of {choices}" in cause
+    assert f"full_key: {override.split('=')[0]}" in cause
+
+
+def test_checkpoint_values_the_library_takes_are_accepted(tmp_path: Path) -> None:
+    # The library's rules, not stricter copies: every=0 saves only at the end, "never" and ""
+    # mean a fresh start, and a folder is made absolute for workers that start elsewhere.
+    (tmp_path / "step-5").mkdir()
+    for override in ("checkpoint.every=0", "checkpoint.resume=never", "checkpoint.resume=''"):
+        validate(_job("metrics.enabled=false", override))
+    job = _job("metrics.enabled=false", f"checkpoint.resume={tmp_path}/./step-5")
+    validate(job)
+    assert job.checkpoint.resume == str(tmp_path / "step-5")
 
 
 def test_scaler_message_is_the_librarys_own(tmp_path: Path) -> None:

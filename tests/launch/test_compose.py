@@ -8,12 +8,13 @@ from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
-from launch_helpers import CONFIGS
+from launch_helpers import CONFIGS, EXAMPLE
 from omegaconf import OmegaConf
 
 import dscale
-from launch.schema import JobConfig, ScalerConfig, register
-from launch.validate import scaler_parameters, validate
+from launch.context import DTYPES
+from launch.schema import JobConfig, Precision, ScalerConfig, Strategy, register
+from launch.validate import ConfigError, check_known_keys, scaler_parameters, validate
 
 register()
 
@@ -105,3 +106,58 @@ def test_command_line_beats_pet_environment(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setenv("PET_MAX_RESTARTS", "3")
     job = _compose("metrics.enabled=false", "launcher.max_restarts=1")
     assert job.launcher.max_restarts == 1
+
+
+def test_choice_fields_are_listed_once_and_their_consumers_follow() -> None:
+    # The schema's Enums are the only lists: the parallel group has one YAML per strategy, and
+    # the context knows a dtype for every precision.
+    assert GROUPS["parallel"] == sorted(s.value for s in Strategy)
+    assert sorted(DTYPES) == sorted(p.value for p in Precision)
+
+
+EXAMPLE_CONF = EXAMPLE / "conf"
+
+
+@pytest.mark.parametrize("optim", ["sgd", "adam"])
+def test_example_project_config_extends_the_launchers_job(optim: str) -> None:
+    # What `dscale-launch --config-dir conf --config-name train` composes: the project's primary
+    # config with the launcher's `job` underneath it, and the project's own group args/optim.
+    with initialize_config_dir(config_dir=str(EXAMPLE_CONF), version_base="1.3"):
+        cfg = compose(
+            "train",
+            overrides=[
+                f"hydra.searchpath=[file://{CONFIGS}]",
+                "checkpoint.dir=/tmp/dscale-compose",
+                "metrics.enabled=false",
+                f"args/optim={optim}",
+                "args.layers=3",  # an existing key: no +
+                "+args.extra.depth=4",  # a new one: +, nested
+            ],
+        )
+    check_known_keys(cfg)  # args is the user's: anything goes there
+    job = OmegaConf.to_object(cfg)
+    assert isinstance(job, JobConfig)
+    validate(job)
+    assert job.entrypoint == "tiny_regression.train:main"
+    assert job.args["optim"]["name"] == optim
+    assert (job.args["layers"], job.args["extra"]) == (3, {"depth": 4})
+    assert job.scaler.init_scale == 256.0  # the project's own value for a launcher key
+    assert job.trainer.max_steps == 60
+
+
+def test_a_group_on_hydra_searchpath_composes_into_args_while_launcher_keys_stay_checked() -> None:
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+        overrides = [
+            f"hydra.searchpath=[file://{EXAMPLE_CONF}]",
+            "checkpoint.dir=/tmp/dscale-compose",
+            "+args/optim=adam",
+            "+args.lr=0.1",
+        ]
+        cfg = compose("job", overrides=overrides)
+        check_known_keys(cfg)
+        assert OmegaConf.to_container(cfg.args) == {
+            "optim": {"name": "adam", "lr": 0.01, "weight_decay": 0.0},
+            "lr": 0.1,
+        }
+        with pytest.raises(ConfigError, match=r"trainer\.lrr is not a config key"):
+            check_known_keys(compose("job", overrides=[*overrides, "+trainer.lrr=0.1"]))

@@ -3,7 +3,6 @@ run the same entry point, and the PyTorchJob's command line works with the PET_*
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -12,17 +11,12 @@ import pytest
 import yaml
 from launch_helpers import ROOT, launch, output, summary, worker_config
 
+from tests.tools import require_tool
+
 DEPLOY = ROOT / "deploy"
 PYTORCHJOB = DEPLOY / "kubernetes" / "pytorchjob.yaml"
 TRAINJOB = DEPLOY / "kubernetes" / "trainjob.yaml"
 SBATCH = DEPLOY / "slurm" / "dscale.sbatch"
-
-
-def _tool(name: str) -> str:
-    path = shutil.which(name)
-    if path is None:
-        pytest.fail(f"{name} not found: run `bash .ci/run` or `apt-get install {name}`")
-    return path
 
 
 def _check(*cmd: str) -> None:
@@ -37,7 +31,7 @@ def _load(path: Path) -> dict[str, Any]:
 
 
 def test_slurm_script_passes_shellcheck() -> None:
-    _check(_tool("shellcheck"), str(SBATCH))
+    _check(require_tool("shellcheck"), str(SBATCH))
 
 
 def test_slurm_script_rendezvous_on_the_first_node_with_one_task_per_node() -> None:
@@ -51,7 +45,7 @@ def test_slurm_script_rendezvous_on_the_first_node_with_one_task_per_node() -> N
 
 def test_manifests_and_configs_pass_yamllint() -> None:
     _check(
-        _tool("yamllint"),
+        require_tool("yamllint"),
         "-c",
         str(DEPLOY / ".yamllint"),
         str(PYTORCHJOB),

@@ -3,30 +3,20 @@
 from __future__ import annotations
 
 import re
-import socket
 from pathlib import Path
 
 import pytest
-from launch_helpers import FAST, launch, output, skipped_in_metrics_log, summary, worker_config
+from launch_helpers import (
+    FAST,
+    free_port_pair,
+    launch,
+    output,
+    skipped_in_metrics_log,
+    summary,
+    worker_config,
+)
 
 pytestmark = pytest.mark.slow
-
-
-def _free_port_pair() -> int:
-    """A base port whose next port was free too, for 2 local ranks' exporters."""
-    for _ in range(50):
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            base = a.getsockname()[1]
-            if base >= 65535:
-                continue
-            with socket.socket() as b:
-                try:
-                    b.bind(("127.0.0.1", base + 1))
-                except OSError:
-                    continue
-        return int(base)
-    raise RuntimeError("no two adjacent free ports on 127.0.0.1")
 
 
 def _skips_in_rank_log(run_dir: Path, rank: int) -> list[int]:
@@ -46,7 +36,7 @@ def test_job_runs_and_every_rank_skips_the_step_where_only_rank_1_overflowed(
         "scaler.growth_interval=7",  # an override the workers must see
         "fault.inf_steps=[4,11]",
         "fault.inf_rank=1",
-        f"metrics.port={_free_port_pair()}",
+        f"metrics.port={free_port_pair()}",
         f"metrics.targets_dir={tmp_path / 'targets'}",
     )
     assert proc.returncode == 0, output(proc)
@@ -58,8 +48,8 @@ def test_job_runs_and_every_rank_skips_the_step_where_only_rank_1_overflowed(
     assert [r["rank"] for r in s["ranks"]] == [0, 1]
     assert [r["skipped_steps"] for r in s["ranks"]] == [[4, 11], [4, 11]]
     assert s["ranks"][0]["final_scale"] == s["ranks"][1]["final_scale"]
-    assert s["final_loss"] < s["first_loss"]
-    assert s["tokens_per_s"] > 0
+    assert s["result"]["final_loss"] < s["result"]["first_loss"]
+    assert s["result"]["tokens_per_s"] > 0
     # The same skipped steps in each rank's own log and in dscale's metrics log.
     assert _skips_in_rank_log(tmp_path, 0) == _skips_in_rank_log(tmp_path, 1) == [4, 11]
     assert skipped_in_metrics_log(tmp_path, 0) == skipped_in_metrics_log(tmp_path, 1) == [4, 11]

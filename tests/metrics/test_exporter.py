@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import logging
-import shutil
 import socket
 import ssl
-import subprocess
 import threading
 import urllib.error
 import urllib.request
 
 import pytest
 import torch
+import trustme
 
 import dscale
 from dscale.metrics import DEFAULT_PORT, start_exporter
@@ -117,21 +116,18 @@ def test_leaving_the_block_with_an_error_does_not_linger(monkeypatch: pytest.Mon
 
 
 def test_tls_serves_https_with_the_given_certificate(tmp_path) -> None:
-    openssl = shutil.which("openssl")
-    assert openssl, "openssl not found: apt-get install openssl (needed to make a test certificate)"
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(
-        [openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-         "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
-         "-keyout", str(key), "-out", str(cert)],
-        check=True, capture_output=True,
-    )  # fmt: skip
+    ca = trustme.CA()  # a throwaway CA; the exporter's certificate is issued for 127.0.0.1
+    cert, key, ca_file = tmp_path / "cert.pem", tmp_path / "key.pem", tmp_path / "ca.pem"
+    issued = ca.issue_cert("127.0.0.1")
+    issued.cert_chain_pems[0].write_to_path(str(cert))
+    issued.private_key_pem.write_to_path(str(key))
+    ca.cert_pem.write_to_path(str(ca_file))
     scaler = dscale.GradScaler(device="cpu", init_scale=16.0)
     with start_exporter(
         scaler, port=0, certfile=str(cert), keyfile=str(key), linger_s=0
     ) as exporter:
         https = f"https://127.0.0.1:{exporter.port}/metrics"
-        text = _scrape(https, ssl.create_default_context(cafile=str(cert)))
+        text = _scrape(https, ssl.create_default_context(cafile=str(ca_file)))
         with pytest.raises(urllib.error.URLError):
             _scrape(https, ssl.create_default_context())  # not trusted without the CA
     assert "dscale_loss_scale{" in text

@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.deploy._tools import DEPLOY, PROMETHEUS_DIR, ROOT, require_tool
+from tests.deploy._tools import DEPLOY, PROMETHEUS_DIR, ROOT
+from tests.tools import require_tool
 
 DEADLINE_S = 240.0
 POLL_S = 0.5  # poll interval of the HTTP API while waiting for state; not a synchronisation

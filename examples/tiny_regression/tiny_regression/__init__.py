@@ -1,0 +1,1 @@
+"""A small user project trained under dscale-launch: see train.py."""

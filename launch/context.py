@@ -1,0 +1,170 @@
+"""The run context: what the launcher set up on a rank, handed to the user's function.
+
+``dscale-launch entrypoint=my_pkg.train:main`` calls ``main(ctx)`` on every rank once the process
+group, device, logging, run folder and seeds are ready; a ``script=`` gets the same object from
+``launch.get_context()``. Everything here is built from the job's config nodes, so the user's
+code does not read config files or environment variables itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+from torch import nn
+
+from dscale import GradScaler
+from launch import integrations
+from launch.faults import Faults
+from launch.parallel import wrap_model
+from launch.progress import Progress
+from launch.record import SkipRecord
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+@dataclass
+class RunContext:
+    """One rank's view of the job.
+
+    Attributes:
+        rank, local_rank, world_size: as torchrun's RANK, LOCAL_RANK, WORLD_SIZE.
+        node_rank: this node's rank among the nodes (torchrun's GROUP_RANK).
+        attempt: how many times the workers were restarted before this attempt.
+        device: this rank's device (its GPU when CUDA is there and ``trainer.device=auto``).
+        run_dir: the run folder (logs, metrics, summary.json; checkpoints by default).
+        args: the user's ``args`` node (``ctx.args.lr``), from the command line and their YAML.
+        config: the whole resolved job config, as plain dicts.
+        scaler: a ``dscale.GradScaler`` from ``scaler.*``, enabled when ``trainer.precision``
+            is fp16.
+        faults: ``fault.*``; call ``faults.after_backward(step, model)`` after ``backward()``
+            and ``faults.before_step(step)`` at the top of a step.
+        progress: rank 0's progress bar and log lines (silent on other ranks).
+        record: the steps this rank skipped, recorded from the scaler, checkpointed by
+            :meth:`checkpoints`, and reported in ``summary.json``.
+
+    Example::
+
+        def main(ctx):
+            model = ctx.parallelize(MyModel())
+            opt = torch.optim.SGD(model.parameters(), lr=ctx.args.lr)
+            ckpt = ctx.checkpoints(model, opt)
+            start = ckpt.resume() or 0
+            with ctx.metrics(model):
+                for step in range(start, ctx.max_steps):
+                    with ctx.autocast():
+                        loss = model(batch(step)).float().mean()
+                    ctx.scaler.scale(loss).backward()
+                    ctx.faults.after_backward(step, model)
+                    ctx.scaler.step(opt)
+                    ctx.scaler.update()
+                    opt.zero_grad()
+                    ckpt.maybe_save(step + 1)
+            ckpt.save(ctx.max_steps)
+            return {"final_loss": loss.item()}  # goes into summary.json
+    """
+
+    rank: int
+    local_rank: int
+    world_size: int
+    node_rank: int
+    attempt: int
+    device: torch.device
+    run_dir: Path
+    args: DictConfig
+    config: dict[str, Any]
+    scaler: GradScaler
+    faults: Faults
+    progress: Progress
+    record: SkipRecord
+    _checkpoints: list[integrations.Checkpoints] = field(default_factory=list, repr=False)
+
+    @property
+    def precision(self) -> str:
+        """``trainer.precision``: fp16, bf16 or fp32."""
+        return str(self.config["trainer"]["precision"])
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The autocast dtype of ``trainer.precision``."""
+        return DTYPES[self.precision]
+
+    @property
+    def max_steps(self) -> int:
+        """``trainer.max_steps``, which ``fault.inf_steps`` and the progress bar refer to."""
+        return int(self.config["trainer"]["max_steps"])
+
+    @property
+    def seed(self) -> int:
+        """``trainer.seed``; torch and Python's ``random`` were seeded with it on every rank."""
+        return int(self.config["trainer"]["seed"])
+
+    @property
+    def resumed_from(self) -> int | None:
+        """The step the first checkpoint binding resumed from, or None."""
+        return self._checkpoints[0].resumed_from if self._checkpoints else None
+
+    def autocast(self) -> torch.autocast:
+        """``torch.autocast`` on this device in ``trainer.precision`` (off for fp32)."""
+        return torch.autocast(self.device.type, dtype=self.dtype, enabled=self.precision != "fp32")
+
+    def parallelize(self, model: nn.Module) -> nn.Module:
+        """Move ``model`` to the device and wrap it as ``parallel.strategy`` says."""
+        return wrap_model(model, self.config["parallel"]["strategy"], self.device)
+
+    def checkpoints(
+        self, model: nn.Module, optimizer: Any, *, extra: dict[str, Any] | None = None
+    ) -> integrations.Checkpoints:
+        """A checkpoint manager from ``checkpoint.*`` bound to model, optimizer and ``scaler``.
+
+        ``resume()`` honours ``checkpoint.resume``; ``maybe_save(step)`` saves every
+        ``checkpoint.every`` steps; ``save(step)`` at the end; ``close()`` waits for a pending
+        save. ``extra`` adds Statefuls of your own (an LR scheduler, a data-loader position).
+        """
+        binding = integrations.Checkpoints(
+            self.config["checkpoint"],
+            model=model,
+            optimizer=optimizer,
+            scaler=self.scaler,
+            extra={**(extra or {}), "dscale_launch_record": self.record},
+        )
+        self._checkpoints.append(binding)
+        return binding
+
+    @contextlib.contextmanager
+    def metrics(self, model: nn.Module) -> Iterator[Any]:
+        """Serve this rank's Prometheus metrics for ``model`` and log them, as ``metrics.*`` says.
+
+        Rank r serves on ``metrics.port`` + local rank; the per-step log goes to
+        ``run_dir/metrics/rank<r>.jsonl``. Yields the exporter (None when metrics are off or
+        the scaler is disabled).
+        """
+        with integrations.start_metrics(
+            self.config["metrics"],
+            self.scaler,
+            model,
+            run_dir=self.run_dir,
+            rank=self.rank,
+            local_rank=self.local_rank,
+            log_every=self.config["trainer"]["log_every"],
+        ) as exporter:
+            yield exporter
+
+    def report(self, result: Any) -> dict[str, Any]:
+        """What the launcher records for this rank in ``summary.json``, with ``result``."""
+        enabled = self.scaler.is_enabled()
+        return {
+            "rank": self.rank,
+            "final_scale": float(self.scaler.get_scale()),
+            "steps": int(self.scaler.snapshot()["steps"]) if enabled else None,
+            "skipped_steps": list(self.record.skipped_steps),
+            "num_skipped": self.record.num_skipped,
+            "resumed_from": self.resumed_from,
+            "attempt": self.attempt,
+            "result": result,
+        }

@@ -1,0 +1,63 @@
+"""Name the rank whose failure ended the job, and its cause, from torchelastic's error files.
+
+torchelastic reports the failure it noticed first, by whole seconds. When one rank raises, its
+peers fail a moment later in their next collective ("Connection closed by peer"), and the agent
+often notices a peer first. Every rank that raised wrote ``attempt_N/<local rank>/error.json``;
+the oldest of those files is the cause.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+
+def _first_line(message: Any) -> str:
+    if isinstance(message, dict):  # {"message": "Type: text", "extraInfo": {...}}
+        message = message.get("message", "")
+    text = str(message).strip()
+    return text.splitlines()[0] if text else ""
+
+
+def _error_files(exc: ChildFailedError) -> dict[int, tuple[int, str, Path]]:
+    """``{global rank: (written at, ns; first line; path)}`` for this attempt's error files."""
+    found: dict[int, tuple[int, str, Path]] = {}
+    for rank, failure in exc.failures.items():
+        path = Path(failure.error_file)
+        if not path.is_file():
+            continue
+        first_global = rank - failure.local_rank  # this node's local rank 0
+        for sibling in path.parent.parent.glob("*/error.json"):
+            if not sibling.parent.name.isdigit():
+                continue
+            try:
+                written = sibling.stat().st_mtime_ns
+                data = json.loads(sibling.read_text())
+            except (OSError, ValueError):
+                continue
+            message = _first_line(data.get("message", ""))
+            found[first_global + int(sibling.parent.name)] = (written, message, sibling)
+    return found
+
+
+def explain_failure(exc: ChildFailedError) -> str:
+    """``rank R failed: Type: message``, then what the other ranks reported."""
+    errors = _error_files(exc)
+    if errors:
+        first_rank = min(errors, key=lambda r: errors[r][0])
+        cause = errors[first_rank][1]
+    else:
+        first_rank, failure = exc.get_first_failure()
+        cause = _first_line(failure.message) or f"exit code {failure.exitcode}"
+    lines = [f"rank {first_rank} failed: {cause}"]
+    for rank in sorted(set(errors) | set(exc.failures)):
+        if rank == first_rank:
+            continue
+        said = errors[rank][1] if rank in errors else _first_line(exc.failures[rank].message)
+        lines.append(f"  then rank {rank}: {said[:200]}")
+    if first_rank in errors:
+        lines.append(f"  rank {first_rank}'s traceback: {errors[first_rank][2]}")
+    return "\n".join(lines)

@@ -1,0 +1,75 @@
+"""What runs on the ranks: a torchrun script, unchanged, and entrypoints that cannot run."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+from launch_helpers import HERE, launch, leftover_workers, output, summary
+
+pytestmark = pytest.mark.slow
+
+OFF = ["metrics.enabled=false", "checkpoint.enabled=false"]
+
+
+def test_script_runs_unchanged_with_torchruns_env_and_can_get_the_context(tmp_path: Path) -> None:
+    script = HERE / "torchrun_script.py"
+    proc = launch(
+        tmp_path,
+        f"script={script}",
+        "script_args=[--epochs,3]",
+        "trainer.max_steps=3",
+        "fault.inf_steps=[1]",
+        "scaler.init_scale=1024",  # no overflow of its own
+        *OFF,
+    )
+    assert proc.returncode == 0, output(proc)
+    for rank in (0, 1):
+        seen = json.loads((tmp_path / f"script-rank{rank}.json").read_text())
+        env = seen["env"]
+        assert (env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"]) == (str(rank), str(rank), "2")
+        assert env["LOCAL_WORLD_SIZE"] == "2"
+        assert env["MASTER_ADDR"] and env["MASTER_PORT"]
+        assert seen["argv"] == ["--epochs", "3"]
+        assert seen["all_reduce"] == 3.0  # its own init_process_group worked
+        assert seen["ctx"] == {"rank": rank, "world_size": 2, "same": True}
+        # The context's scaler and fault injection: rank 1's inf at step 1, skipped by both.
+        assert seen["skipped_steps"] == [1]
+    s = summary(tmp_path)
+    assert (s["script"], s["script_args"], s["world_size"]) == (str(script), ["--epochs", "3"], 2)
+    assert leftover_workers(tmp_path) == []
+
+
+@pytest.mark.parametrize(
+    ("entrypoint", "message"),
+    [
+        (
+            "no_such_pkg.train:main",
+            r"rank [01] failed: EntrypointError: entrypoint='no_such_pkg.train:main': cannot "
+            r"import 'no_such_pkg.train' \(ModuleNotFoundError: No module named 'no_such_pkg'\)",
+        ),
+        (
+            "user_entrypoints:NOT_A_FUNCTION",
+            r"rank [01] failed: EntrypointError: entrypoint='user_entrypoints:NOT_A_FUNCTION' is "
+            r"not callable \(it is the int 3\)",
+        ),
+        (
+            "user_entrypoints:raise_on_rank_1",
+            r"rank 1 failed: ValueError: boom from the user's code",
+        ),
+    ],
+    ids=["does_not_import", "not_callable", "raises_on_rank_1"],
+)
+def test_entrypoint_that_fails_names_the_rank_and_cause_and_leaves_no_worker(
+    entrypoint: str, message: str, tmp_path: Path
+) -> None:
+    # pg_timeout_s bounds rank 0's wait if rank 1 were not stopped; the launcher stops it first.
+    proc = launch(tmp_path, f"entrypoint={entrypoint}", "launcher.pg_timeout_s=60", *OFF, cwd=HERE)
+    assert proc.returncode == 1, output(proc)
+    assert re.search(message, proc.stderr), output(proc)
+    assert not (tmp_path / "summary.json").exists()
+    assert leftover_workers(tmp_path) == []
+    if entrypoint.endswith("raise_on_rank_1"):
+        assert "boom from the user's code" in (tmp_path / "logs" / "rank1.log").read_text()
