@@ -27,6 +27,11 @@ def require_lightning() -> None:
     require_version("lightning", *SUPPORTED, extra="lightning")
 
 
+def default_device() -> str:
+    """Where autocast runs when no scaler names a device (bf16 without a scaler)."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def scaler_for(scaler: GradScaler | None, precision: str, where: str) -> GradScaler | None:
     """The scaler a plugin should use: ``scaler``, or None (said once) where none is needed.
 

@@ -36,6 +36,9 @@ from dscale.integrations._lightning_common import (
     scaler_for,
     unscale_if_scaled,
 )
+from dscale.integrations._lightning_common import (
+    default_device as _default_device,
+)
 from dscale.scaler import GradScaler
 
 require_lightning()
@@ -63,7 +66,7 @@ class MixedPrecision(_MixedPrecision):  # type: ignore[misc]
         device: str | None = None,
     ) -> None:
         kept = scaler_for(scaler, precision, "dscale.integrations.fabric.MixedPrecision")
-        default = scaler._device if scaler is not None else "cpu"
+        default = scaler._device if scaler is not None else _default_device()
         super().__init__(precision=precision, device=device or default, scaler=kept)
 
     def unscale_gradients(self, optimizer: torch.optim.Optimizer) -> None:

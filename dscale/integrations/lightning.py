@@ -28,6 +28,9 @@ from dscale.integrations._lightning_common import (
     scaler_for,
     unscale_if_scaled,
 )
+from dscale.integrations._lightning_common import (
+    default_device as _default_device,
+)
 from dscale.scaler import GradScaler
 
 require_lightning()
@@ -97,7 +100,7 @@ class MixedPrecision(_MixedPrecision):  # type: ignore[misc]
         device: str | None = None,
     ) -> None:
         kept = scaler_for(scaler, precision, "dscale.integrations.lightning.MixedPrecision")
-        default = scaler._device if scaler is not None else "cpu"
+        default = scaler._device if scaler is not None else _default_device()
         super().__init__(precision=precision, device=device or default, scaler=kept)
 
     def connect(self, model: Any, optimizers: list[Any], lr_schedulers: list[Any]) -> Any:
