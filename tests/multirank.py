@@ -59,6 +59,16 @@ def _rank_main(
     os._exit(status)
 
 
+def _drain(results: Any, outcome: dict[int, tuple[str, Any]], wait_s: float) -> None:
+    """Move every result waiting in ``results`` into ``outcome``, waiting ``wait_s`` for each."""
+    while True:
+        try:
+            rank, status, value = results.get(timeout=wait_s) if wait_s else results.get_nowait()
+        except queue.Empty:
+            return
+        outcome[rank] = (status, value)
+
+
 def run_ranks(
     fn: Callable[..., Any],
     *args: Any,
@@ -82,8 +92,12 @@ def run_ranks(
         )
         deadline = time.monotonic() + timeout_s
         failure = ""
+        outcome: dict[int, tuple[str, Any]] = {}
         try:
+            # Results are read while waiting: a rank whose result is larger than the pipe's
+            # buffer blocks in join_thread() until someone reads, so joining first would hang.
             while not ctx.join(timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
+                _drain(results, outcome, wait_s=0.0)
                 if time.monotonic() >= deadline:
                     failure = f"{fn.__name__} did not finish on {world_size} ranks in {timeout_s}s"
                     break
@@ -98,13 +112,7 @@ def run_ranks(
             for p in ctx.processes:
                 p.join(timeout=10)
 
-        outcome: dict[int, tuple[str, Any]] = {}
-        while True:
-            try:
-                rank, status, value = results.get(timeout=0.5)
-            except queue.Empty:
-                break
-            outcome[rank] = (status, value)
+        _drain(results, outcome, wait_s=0.5)
 
     errors = {r: v for r, (s, v) in outcome.items() if s == "error"}
     if failure or errors or len(outcome) != world_size:
