@@ -37,15 +37,24 @@ checksum failed; ``resume="auto"`` skips to the previous checkpoint with a warni
 ScaleMismatchError (RuntimeError; raised on every rank, names the ranks and values).
 """
 
-from dscale.checkpoint._errors import CheckpointError, CorruptCheckpointError, ScaleMismatchError
-from dscale.checkpoint._io import load_checkpoint
+from dscale.checkpoint._errors import (
+    CheckpointError,
+    CheckpointSaveError,
+    CorruptCheckpointError,
+    ScaleMismatchError,
+)
+from dscale.checkpoint._load import load_checkpoint
 from dscale.checkpoint._manager import CheckpointManager
+from dscale.checkpoint._preemption import PREEMPTED_EXIT_CODE, PreemptionGuard
 from dscale.checkpoint._safe_io import load_scaler_file
 
 __all__ = [
+    "PREEMPTED_EXIT_CODE",
     "CheckpointError",
     "CheckpointManager",
+    "CheckpointSaveError",
     "CorruptCheckpointError",
+    "PreemptionGuard",
     "ScaleMismatchError",
     "load_checkpoint",
     "load_scaler_file",

@@ -15,7 +15,7 @@ from dscale.checkpoint import (
     _publish,
     load_checkpoint,
 )
-from dscale.checkpoint._verify import verify_scaler_agreement
+from dscale.checkpoint._load import agree_on_scaler
 from tests.checkpoint._helpers import make_model, make_scaler, optim_state, params, train
 
 
@@ -83,7 +83,7 @@ def save_then_check_failures(rank: int, world: int, root: str, strategy: str) ->
     scaler.load_state_dict(state)
     live_error = None
     try:
-        verify_scaler_agreement(scaler, None)
+        agree_on_scaler(scaler.state_dict(), None)
     except ScaleMismatchError as exc:
         live_error = str(exc)
     CheckpointManager(f"{root}/split").save(4, model=model, optimizer=opt, scaler=scaler)

@@ -17,8 +17,8 @@ from dscale.checkpoint import (
     CorruptCheckpointError,
     load_checkpoint,
 )
-from dscale.checkpoint._publish import MANIFEST, publish
-from tests.checkpoint._helpers import make_model, make_scaler, params, train
+from dscale.checkpoint._layout import MANIFEST
+from tests.checkpoint._helpers import make_model, make_scaler, params, reseal, train
 
 
 def _saved(tmp_path, steps=(2, 4)):
@@ -43,12 +43,7 @@ def _flip_byte(file: pathlib.Path) -> None:
     file.write_bytes(bytes(data))
 
 
-def _reseal(folder: pathlib.Path) -> None:
-    """Rewrite the manifest as an attacker who controls the folder would."""
-    tmp = folder.with_name(".resealed.tmp")
-    folder.rename(tmp)
-    (tmp / MANIFEST).unlink()
-    publish(tmp, folder)
+_reseal = reseal
 
 
 def _truncate(file: pathlib.Path) -> None:
@@ -90,7 +85,7 @@ def test_missing_folder_and_unpublished_folder_are_named(tmp_path):
         CheckpointManager(tmp_path).resume(tmp_path / "scaler.pt", model=_fresh()[0])
     _saved(tmp_path, steps=(2,))
     (tmp_path / "step-2" / MANIFEST).unlink()
-    with pytest.raises(CheckpointError, match=r"checksums\.sha256 is missing"):
+    with pytest.raises(CheckpointError, match=r"step-2 is a DCP checkpoint without checksums"):
         load_checkpoint(tmp_path / "step-2", model=_fresh()[0])
 
 

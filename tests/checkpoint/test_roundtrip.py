@@ -55,6 +55,7 @@ def test_every_and_keep_publish_only_the_newest_checkpoints(tmp_path):
         ".metadata",
         "__0_0.distcp",
         "checksums.sha256",
+        "dscale.json",
     ]
     assert ckpt.latest() == tmp_path / "step-6"
 
