@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -88,6 +89,7 @@ def save_then_check_failures(rank: int, world: int, root: str, strategy: str) ->
         live_error = str(exc)
     CheckpointManager(f"{root}/split").save(4, model=model, optimizer=opt, scaler=scaler)
     fresh_model, fresh_opt, fresh_scaler = _pieces(strategy, seed=7)
+    before_refusals = params(fresh_model)
     saved_error = None
     try:
         load_checkpoint(
@@ -95,9 +97,10 @@ def save_then_check_failures(rank: int, world: int, root: str, strategy: str) ->
         )
     except ScaleMismatchError as exc:
         saved_error = str(exc)
-    # A corrupt shard that only one rank's share of the checksum work covers.
+    # A corrupt shard (in a copy) that only one rank's share of the checksum work covers.
     if rank == 0:
-        shard = Path(f"{root}/split/step-4/__1_0.distcp")
+        shutil.copytree(f"{root}/split/step-4", f"{root}/corrupt/step-4")
+        shard = Path(f"{root}/corrupt/step-4/__1_0.distcp")
         data = bytearray(shard.read_bytes())
         data[len(data) // 2] ^= 0xFF
         shard.write_bytes(bytes(data))
@@ -105,16 +108,19 @@ def save_then_check_failures(rank: int, world: int, root: str, strategy: str) ->
     corrupt_error = None
     try:
         load_checkpoint(
-            f"{root}/split/step-4", model=fresh_model, optimizer=fresh_opt, scaler=fresh_scaler
+            f"{root}/corrupt/step-4", model=fresh_model, optimizer=fresh_opt, scaler=fresh_scaler
         )
     except CorruptCheckpointError as exc:
         corrupt_error = str(exc)
+    after = params(fresh_model)
+    unchanged = all(torch.equal(before_refusals[k], v) for k, v in after.items())
     return {
         "reference": reference,
         "live_error": live_error,
         "saved_error": saved_error,
         "corrupt_error": corrupt_error,
         "scale_after_failed_load": fresh_scaler.get_scale(),
+        "unchanged_after_refusals": unchanged,
         "publish_error": publish_error,
         "resumed_step": resumed_step,
         "rng_restored": rng_restored,
