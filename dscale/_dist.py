@@ -189,11 +189,11 @@ def gather_then_raise(
         return
     names = {name for _, (name, _) in bad}
     cls = next((c for c in error_types if c.__name__ in names), RuntimeError)
-    if len(bad) == 1 and world_size(group) == 1:
-        raise cls(bad[0][1][1]) from problem
     messages: dict[str, list[int]] = {}
     for r, (_, msg) in bad:
         messages.setdefault(msg, []).append(r)
+    if len(messages) == 1 and len(bad) == world_size(group):
+        raise cls(bad[0][1][1]) from problem  # one message, already about every rank
     ranks = ", ".join(str(r) for r, _ in bad)
     detail = "; ".join(
         f"rank {r[0]}: {msg}" if len(r) == 1 else f"ranks {', '.join(map(str, r))}: {msg}"

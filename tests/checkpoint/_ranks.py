@@ -186,3 +186,59 @@ def async_saves(rank: int, world: int, root: str) -> dict[str, Any]:
         "ddp": ddp_async_save(rank, world, f"{root}/ddp"),
         "fsdp1": fsdp1_async_then_ddp(rank, world, f"{root}/fsdp1"),
     }
+
+
+def one_choice_for_all_ranks(rank: int, world: int, root: str) -> dict[str, Any]:
+    """resume("auto") when rank 1 sees another listing, and loads that one rank cannot read."""
+    from dscale.checkpoint import CheckpointError, _load, _manager
+
+    model, opt, scaler = _pieces("plain")
+    ckpt = CheckpointManager(root, keep=3)
+    for step in (2, 4):
+        train(model, opt, scaler, 1, seed=step)
+        ckpt.save(step, model=model, optimizer=opt, scaler=scaler)
+    out: dict[str, Any] = {}
+
+    # Rank 1's view of the folder lags (a network filesystem): it sees step-2 only.
+    real_list = _manager.list_complete
+    if rank == 1:
+        _manager.list_complete = lambda root: [p for p in real_list(root) if p[0] == 2]
+    fresh, fresh_opt, fresh_scaler = _pieces("plain", seed=5)
+    out["auto_step"] = CheckpointManager(root).resume(
+        "auto", model=fresh, optimizer=fresh_opt, scaler=fresh_scaler
+    )
+    out["auto_params"] = params(fresh)
+    _manager.list_complete = real_list
+
+    # Rank 1 cannot read the metadata, then cannot read a data file.
+    def unreadable(path):
+        raise PermissionError(13, "Permission denied", str(path / ".metadata"))
+
+    def unreadable_data(self, plan, planner):
+        raise OSError(5, "Input/output error", str(self.path))
+
+    real_read = _load.read_metadata
+    from dscale.checkpoint._safe_io import SafeReader
+
+    real_read_data = SafeReader.read_data
+    for name in ("metadata", "data"):
+        if rank == 1 and name == "metadata":
+            _load.read_metadata = unreadable
+        if rank == 1 and name == "data":
+            SafeReader.read_data = unreadable_data
+        fresh, fresh_opt, fresh_scaler = _pieces("plain", seed=6)
+        before = params(fresh)
+        try:
+            CheckpointManager(root).resume(
+                "auto", model=fresh, optimizer=fresh_opt, scaler=fresh_scaler
+            )
+            out[name] = None
+        except CheckpointError as exc:
+            out[name] = (type(exc).__name__, str(exc))
+        out[f"{name}_unchanged"] = (
+            all(torch.equal(before[k], v) for k, v in params(fresh).items())
+            and fresh_scaler.get_scale() == 8.0
+        )
+        _load.read_metadata = real_read
+        SafeReader.read_data = real_read_data
+    return out
