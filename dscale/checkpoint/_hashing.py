@@ -1,20 +1,26 @@
-"""Checksums computed where the bytes are: each rank hashes the files it wrote, or a share to read.
+"""Checksums computed where the bytes are: each rank hashes the files it writes, or a share to read.
 
-On save, every rank hashes its own ``__<rank>_*.distcp`` files right after writing them (in
-parallel across ranks, and inside DCP's write step, so async saves hash in the background too).
-The digests travel to the coordinator with DCP's write results, and the coordinator only adds
-``.metadata`` and ``dscale.json`` and writes the manifest. On load, each rank hashes its share
-of the files while DCP reads, and nothing is applied before every share has checked out.
+On save, every rank hashes its own ``__<rank>_*.distcp`` files as DCP writes them: the stream
+hashes each buffer as it passes (no second read), in each of DCP's writer threads, and hashlib
+releases the GIL, so ranks and threads hash in parallel. The digests travel to the coordinator
+with DCP's write results (so async saves hash in the background too), and the coordinator only
+adds ``.metadata`` and ``dscale.json`` and writes the manifest. On load, each rank hashes its
+share of the files, in parallel threads, while DCP reads; nothing is applied before every share
+has checked out.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
-from collections.abc import Iterable
+import threading
+from collections.abc import Generator, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
-from torch.distributed.checkpoint.filesystem import FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
@@ -22,10 +28,15 @@ from torch.futures import Future
 
 from dscale.checkpoint._layout import FORMAT_FILE, MANIFEST, format_json
 
-__all__ = ["HashingWriter", "sha256_file", "verify_share"]
+__all__ = ["HashingWriter", "sha256_file", "verify_share", "writer_threads"]
 
 _CHUNK = 8 << 20
 _DIGEST_KEY = "__dscale_sha256__/"
+
+
+def writer_threads() -> int:
+    """Files (and threads) per rank: DCP writes and we hash that many files in parallel."""
+    return max(1, min(4, (os.cpu_count() or 1) // 2))
 
 
 def sha256_file(file: Path) -> str:
@@ -44,6 +55,42 @@ def _write_synced(file: Path, text: str) -> None:
         os.fsync(f.fileno())
 
 
+class _HashingStream:
+    """A file opened for writing that hashes every buffer before it goes to the file."""
+
+    def __init__(self, raw: Any) -> None:
+        self._raw = raw
+        self.digest = hashlib.sha256()
+
+    def write(self, data: Any) -> int:
+        self.digest.update(data)
+        written: int = self._raw.write(data)
+        return written
+
+    def __getattr__(self, name: str) -> Any:  # tell, flush, fileno, close, ...
+        return getattr(self._raw, name)
+
+
+class _HashingFileSystem(FileSystem):
+    """DCP's local file system, hashing every file it writes; ``digests`` maps name to sha256."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.digests: dict[str, str] = {}
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Generator[Any, None, None]:
+        with super().create_stream(path, mode) as raw:
+            if "w" not in mode:
+                yield raw
+                return
+            stream = _HashingStream(raw)
+            yield stream
+        with self._lock:
+            self.digests[Path(path).name] = stream.digest.hexdigest()
+
+
 class HashingWriter(FileSystemWriter):
     """DCP's FileSystemWriter, plus per-rank file hashes and a manifest written by the coordinator.
 
@@ -53,8 +100,13 @@ class HashingWriter(FileSystemWriter):
 
     def __init__(self, path: Path, *, step: int, world_size: int) -> None:
         super().__init__(
-            path, single_file_per_rank=True, sync_files=True, thread_count=1, overwrite=True
+            path,
+            single_file_per_rank=True,
+            sync_files=True,
+            thread_count=writer_threads(),
+            overwrite=True,
         )
+        self.fs: _HashingFileSystem = _HashingFileSystem()
         self._format = format_json(step, world_size)
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
@@ -64,7 +116,7 @@ class HashingWriter(FileSystemWriter):
             WriteResult(
                 index=MetadataIndex(_DIGEST_KEY + name),
                 size_in_bytes=0,
-                storage_data=sha256_file(Path(self.path) / name),
+                storage_data=self.fs.digests[name],
             )
             for name in names
         ]
@@ -85,7 +137,7 @@ class HashingWriter(FileSystemWriter):
         super().finish(metadata, data)
         folder = Path(self.path)
         _write_synced(folder / FORMAT_FILE, self._format)
-        for name in (".metadata", FORMAT_FILE):
+        for name in (".metadata", FORMAT_FILE):  # small files
             digests[name] = sha256_file(folder / name)
         lines = "".join(f"{digest}  {name}\n" for name, digest in sorted(digests.items()))
         _write_synced(folder / MANIFEST, lines)
@@ -106,17 +158,17 @@ def _owner(name: str, world_size: int) -> int:
 def verify_share(
     path: Path, entries: Iterable[tuple[str, str]], rank: int, world_size: int
 ) -> str | None:
-    """Check this rank's share of the manifest's files; return what is wrong, or None."""
-    for digest, name in entries:
-        if _owner(name, world_size) != rank:
-            continue
-        file = path / name
+    """Check this rank's share of the manifest's files (in parallel); return what is wrong."""
+    mine = [(digest, path / name) for digest, name in entries if _owner(name, world_size) == rank]
+    for _, file in mine:
         if not file.is_file():
             return f"{file} is missing (listed in {MANIFEST})"
-        actual = sha256_file(file)
-        if actual != digest:
+    with ThreadPoolExecutor(writer_threads(), thread_name_prefix="dscale-sha256") as pool:
+        actual = list(pool.map(sha256_file, [file for _, file in mine]))
+    for (digest, file), found in zip(mine, actual, strict=True):
+        if found != digest:
             return (
-                f"{file} is corrupt: sha256 {actual[:16]}... does not match "
+                f"{file} is corrupt: sha256 {found[:16]}... does not match "
                 f"{digest[:16]}... recorded in {MANIFEST} when it was saved"
             )
     return None

@@ -190,14 +190,29 @@ def async_saves(rank: int, world: int, root: str) -> dict[str, Any]:
 
 def one_choice_for_all_ranks(rank: int, world: int, root: str) -> dict[str, Any]:
     """resume("auto") when rank 1 sees another listing, and loads that one rank cannot read."""
-    from dscale.checkpoint import CheckpointError, _load, _manager
+    from dscale.checkpoint import CheckpointError, _hashing, _load, _manager
 
+    # Which files this rank hashes, while writing (streams) and by reading (sha256_file).
+    hashed: dict[str, list[str]] = {"written": [], "read": []}
+    real_stream, real_file = _hashing._HashingStream.__init__, _hashing.sha256_file
+
+    def recording_stream(self, raw):
+        hashed["written"].append(Path(raw.name).name)
+        real_stream(self, raw)
+
+    def recording_file(file):
+        hashed["read"].append(Path(file).name)
+        return real_file(file)
+
+    _hashing._HashingStream.__init__ = recording_stream
+    _hashing.sha256_file = recording_file
     model, opt, scaler = _pieces("plain")
     ckpt = CheckpointManager(root, keep=3)
     for step in (2, 4):
         train(model, opt, scaler, 1, seed=step)
         ckpt.save(step, model=model, optimizer=opt, scaler=scaler)
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"hashed_on_save": hashed}
+    hashed = {"written": [], "read": []}
 
     # Rank 1's view of the folder lags (a network filesystem): it sees step-2 only.
     real_list = _manager.list_complete
@@ -209,6 +224,8 @@ def one_choice_for_all_ranks(rank: int, world: int, root: str) -> dict[str, Any]
     )
     out["auto_params"] = params(fresh)
     _manager.list_complete = real_list
+    out["hashed_on_load"] = hashed
+    _hashing._HashingStream.__init__, _hashing.sha256_file = real_stream, real_file
 
     # Rank 1 cannot read the metadata, then cannot read a data file.
     def unreadable(path):

@@ -1,5 +1,8 @@
-"""One choice for all ranks: resume("auto") is decided on rank 0, and a rank that cannot read
-makes every rank raise the same error (2 gloo ranks, one spawn)."""
+"""One choice for all ranks, and hashing spread over the ranks (2 gloo ranks, one spawn).
+
+resume("auto") is decided on rank 0; a rank that cannot read makes every rank raise the same
+error; each rank hashes the files it writes and its share of what it reads.
+"""
 
 from __future__ import annotations
 
@@ -33,3 +36,17 @@ def test_one_rank_failing_to_read_raises_the_same_error_on_every_rank(results, w
     assert "Permission denied" in message or "Input/output" in message
     assert "step-4" in message
     assert results[0][f"{what}_unchanged"] and results[1][f"{what}_unchanged"]
+
+
+def test_each_rank_hashes_the_files_it_writes_and_its_share_of_what_it_reads(results):
+    """Rank 0 merges digests; it does not hash the other ranks' files (they would outlast the
+    process-group timeout at 100 GB)."""
+    for rank in (0, 1):
+        saved = results[rank]["hashed_on_save"]
+        data = [n for n in saved["written"] if n.endswith(".distcp")]
+        assert data and all(n.startswith(f"__{rank}_") for n in data), saved
+        small = sorted(set(saved["read"]))
+        assert small == ([".metadata", "dscale.json"] if rank == 0 else []), saved
+        loaded = results[rank]["hashed_on_load"]["read"]
+        data = [n for n in loaded if n.endswith(".distcp")]
+        assert data and all(n.startswith(f"__{rank}_") for n in data), loaded

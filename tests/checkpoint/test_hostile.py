@@ -86,7 +86,7 @@ def test_hostile_values_in_every_value_file_are_refused_naming_the_file(
     marker = tmp_path / "ran"
     payloads = list(corpus(marker).items())
     by_file = records_by_file(source)
-    assert sorted(by_file) == ["__0_0.distcp", "__1_0.distcp"]
+    assert {"__0_0.distcp", "__1_0.distcp"} <= set(by_file)  # a value file of each rank
     metadata = FileSystemReader(source).read_metadata()
     checked = 0
     for file_name, indexes in sorted(by_file.items()):
