@@ -17,9 +17,10 @@ import torch
 from torch import nn
 
 from dscale import GradScaler
-from dscale.checkpoint import CheckpointManager
+from dscale.checkpoint import CheckpointManager, PreemptionGuard
 from dscale.metrics import MetricsLog, start_exporter
 from dscale.stats import track_numerics
+from launch.preemption import Preempted
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +35,9 @@ class Checkpoints:
     """``CheckpointManager`` bound to this job's model, optimizer and scaler.
 
     The loop's ``TrainState`` rides along as an ``extra`` entry, so the skipped-step record
-    survives restarts; the step itself is the manager's.
+    survives restarts; the step itself is the manager's. On a signal in
+    ``checkpoint.save_on_signals`` every rank saves after the step it is in and raises
+    ``Preempted``.
     """
 
     def __init__(
@@ -53,6 +56,8 @@ class Checkpoints:
             if self.enabled
             else None
         )
+        signals = cfg.get("save_on_signals") or []
+        self._guard = PreemptionGuard(signals).__enter__() if self.enabled and signals else None
 
     def resume(self) -> int | None:
         """Load what ``checkpoint.resume`` names; return its step, or None for a fresh start."""
@@ -64,6 +69,9 @@ class Checkpoints:
     def maybe_save(self, step: int, *, final: bool) -> None:
         if self._manager is None:
             return
+        if self._guard is not None and not final and self._guard.should_stop():
+            self._manager.save(step, **self._states)
+            raise Preempted(step)
         if final:
             self._manager.save(step, **self._states)
         else:
@@ -72,6 +80,8 @@ class Checkpoints:
     def close(self) -> None:
         if self._manager is not None:
             self._manager.wait()
+        if self._guard is not None:
+            self._guard.__exit__(None, None, None)
 
 
 @contextlib.contextmanager

@@ -21,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch.distributed.run import parse_min_max_nnodes
 
 from dscale import GradScaler
+from dscale.checkpoint import PreemptionGuard
 from launch.schema import JobConfig
 
 
@@ -200,6 +201,10 @@ def _checkpoint(job: JobConfig) -> None:
         f"checkpoint.resume={c.resume!r} is not auto, none or an existing checkpoint path",
     )
     c.dir = str(Path(c.dir).expanduser().resolve())
+    try:
+        PreemptionGuard(c.save_on_signals)  # the library's own check; installs nothing
+    except ValueError as exc:
+        raise ConfigError(f"checkpoint.save_on_signals={c.save_on_signals}: {exc}") from None
 
 
 def _fault(job: JobConfig, world_size: int) -> None:

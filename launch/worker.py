@@ -26,6 +26,7 @@ from launch.data import build_batches
 from launch.faults import Faults
 from launch.loop import TrainState, train
 from launch.models import build_model
+from launch.preemption import PREEMPTED_EXIT_CODE, Preempted
 from launch.progress import Progress, RankZeroProgress
 
 logger = logging.getLogger(__name__)
@@ -170,6 +171,9 @@ def worker_main(cfg: dict[str, Any], run_dir: str) -> dict[str, Any]:
         report = _run(cfg, out, rank, device, attempt)
         reports: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(reports, report)
+    except Preempted as exc:
+        logger.warning("%s; exiting with status %d to be restarted", exc, PREEMPTED_EXIT_CODE)
+        sys.exit(PREEMPTED_EXIT_CODE)
     finally:
         dist.destroy_process_group()
     return {"ranks": reports} if rank == 0 else {"ranks": [report]}

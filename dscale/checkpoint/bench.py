@@ -71,7 +71,7 @@ def _one_round(
     root: Path, repeat: int, holder: _Holder, world: int, drop_caches: bool
 ) -> dict[str, float]:
     """Save and load once with plain DCP and once with dscale; seconds for each."""
-    plain, ours = root / f"plain-{repeat}", root / "dscale"
+    plain, ours = root / f"plain-{repeat}", root / f"dscale-{repeat}"
     no_dist = world == 1
     writer = FileSystemWriter(
         plain,
@@ -98,6 +98,7 @@ def _one_round(
     _dist.barrier(None)
     if _dist.rank() == 0:
         shutil.rmtree(plain, ignore_errors=True)
+        shutil.rmtree(ours, ignore_errors=True)
     return times
 
 
