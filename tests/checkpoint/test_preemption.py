@@ -121,3 +121,43 @@ def test_guard_refuses_unknown_or_unhandleable_signals_and_restores_handlers():
         signal.raise_signal(signal.SIGUSR1)
         assert guard.should_stop() and guard.received == signal.SIGUSR1
     assert signal.getsignal(signal.SIGUSR1) is before
+
+
+def _fake(bin_dir: Path, name: str, body: str) -> None:
+    tool = bin_dir / name
+    tool.write_text(f"#!/usr/bin/env bash\n{body}\n")
+    tool.chmod(0o755)
+
+
+@pytest.mark.parametrize(("launcher_status", "requeued"), [(PREEMPTED_EXIT_CODE, True), (1, False)])
+def test_slurm_script_requeues_itself_when_the_job_was_preempted(
+    tmp_path, launcher_status, requeued
+):
+    """The script under fake srun/scontrol: dscale-launch exits 75 -> scontrol requeue."""
+    script = REPO / "deploy" / "slurm" / "dscale.sbatch"
+    text = script.read_text()
+    assert "#SBATCH --requeue" in text and "#SBATCH --signal=TERM@" in text
+    assert f"PREEMPTED_EXIT_CODE={PREEMPTED_EXIT_CODE}" in text
+    bin_dir, calls = tmp_path / "bin", tmp_path / "calls"
+    bin_dir.mkdir()
+    scontrol = f'echo "scontrol $*" >> {calls}; [[ $1 == show ]] && echo node1; true'
+    _fake(bin_dir, "scontrol", scontrol)
+    # srun: the first call resolves the head node's address, the second runs dscale-launch.
+    _fake(
+        bin_dir,
+        "srun",
+        f'echo "srun $*" >> {calls}; if [[ "$*" == *hostname* ]]; then echo 10.0.0.1; '
+        f"else exit {launcher_status}; fi",
+    )
+    env = {
+        "PATH": f"{bin_dir}:/usr/bin:/bin",
+        "SLURM_JOB_NODELIST": "node1",
+        "SLURM_JOB_ID": "4242",
+        "SLURM_NNODES": "1",
+        "VENV": str(tmp_path / "venv"),
+        "RUN_ROOT": str(tmp_path / "runs"),
+    }
+    proc = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True)
+    log = calls.read_text()
+    assert ("scontrol requeue 4242" in log) == requeued, log + proc.stderr
+    assert proc.returncode == (0 if requeued else launcher_status), proc.stderr
