@@ -58,13 +58,19 @@ def _write_synced(file: Path, text: str) -> None:
 class _HashingStream:
     """A file opened for writing that hashes every buffer before it goes to the file."""
 
-    def __init__(self, raw: Any) -> None:
+    def __init__(self, raw: Any, errors: list[OSError]) -> None:
         self._raw = raw
+        self._errors = errors
         self.digest = hashlib.sha256()
 
     def write(self, data: Any) -> int:
         self.digest.update(data)
-        written: int = self._raw.write(data)
+        try:
+            written: int = self._raw.write(data)
+        except OSError as exc:
+            # torch.save's zip writer replaces this with "unexpected pos"; keep the real cause.
+            self._errors.append(exc)
+            raise
         return written
 
     def __getattr__(self, name: str) -> Any:  # tell, flush, fileno, close, ...
@@ -77,6 +83,7 @@ class _HashingFileSystem(FileSystem):
     def __init__(self) -> None:
         super().__init__()
         self.digests: dict[str, str] = {}
+        self.errors: list[OSError] = []
         self._lock = threading.Lock()
 
     @contextlib.contextmanager
@@ -85,7 +92,7 @@ class _HashingFileSystem(FileSystem):
             if "w" not in mode:
                 yield raw
                 return
-            stream = _HashingStream(raw)
+            stream = _HashingStream(raw, self.errors)
             yield stream
         with self._lock:
             self.digests[Path(path).name] = stream.digest.hexdigest()
@@ -110,7 +117,12 @@ class HashingWriter(FileSystemWriter):
         self._format = format_json(step, world_size)
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        results: list[WriteResult] = super().write_data(plan, planner).wait()
+        try:
+            results: list[WriteResult] = super().write_data(plan, planner).wait()
+        except Exception as exc:
+            if self.fs.errors:  # a full disk, a read-only file system: say so
+                raise self.fs.errors[0] from exc
+            raise
         names = sorted({r.storage_data.relative_path for r in results})
         digests = [
             WriteResult(

@@ -196,9 +196,9 @@ def one_choice_for_all_ranks(rank: int, world: int, root: str) -> dict[str, Any]
     hashed: dict[str, list[str]] = {"written": [], "read": []}
     real_stream, real_file = _hashing._HashingStream.__init__, _hashing.sha256_file
 
-    def recording_stream(self, raw):
+    def recording_stream(self, raw, errors):
         hashed["written"].append(Path(raw.name).name)
-        real_stream(self, raw)
+        real_stream(self, raw, errors)
 
     def recording_file(file):
         hashed["read"].append(Path(file).name)

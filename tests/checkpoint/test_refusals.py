@@ -138,11 +138,14 @@ def test_checkpoint_of_another_model_shape_is_refused_before_anything_changes(sa
 
 
 def test_saved_scale_disagreement_is_refused_before_the_model_changes(saved_by_two_fsdp2_ranks):
-    """A 2-rank checkpoint whose ranks saved different scales, loaded on 1 rank."""
+    """A 2-rank checkpoint whose ranks saved different scales, loaded on 1 rank (another world
+    size): the error names each saving rank's value."""
     root, results = saved_by_two_fsdp2_ranks
     p = _pieces(seed=3)
     before = _snapshot(p)
-    with pytest.raises(ScaleMismatchError, match=r"scale differs between the saving ranks"):
+    scale = results[0]["reference"]["scaler"]["scale"]
+    names = rf"scale differs between the saving ranks \(rank 0: {scale:g}, rank 1: {scale / 2:g}\)"
+    with pytest.raises(ScaleMismatchError, match=names):
         load_checkpoint(Path(root) / "split" / "step-4", **{**p, "extra": None})
     assert _same(_snapshot(p), before)
     for rank in (0, 1):  # the same on 2 ranks, for the scale and the corrupt shard
