@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
@@ -53,6 +54,22 @@ def _write_synced(file: Path, text: str) -> None:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
+
+
+@contextlib.contextmanager
+def _without_torch_crc32() -> Generator[None, None, None]:
+    """Skip the CRC32 torch.save puts in each record's zip entry while we write.
+
+    DCP never checks it on load, and the sha256 we compute covers the same bytes; computing
+    both cost as much again as the write itself here. The setting is process-wide: another
+    thread's torch.save meanwhile also skips it (torch.load accepts such files).
+    """
+    previous = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(False)
+    try:
+        yield
+    finally:
+        torch.serialization.set_crc32_options(previous)
 
 
 class _HashingStream:
@@ -118,7 +135,8 @@ class HashingWriter(FileSystemWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         try:
-            results: list[WriteResult] = super().write_data(plan, planner).wait()
+            with _without_torch_crc32():
+                results: list[WriteResult] = super().write_data(plan, planner).wait()
         except Exception as exc:
             if self.fs.errors:  # a full disk, a read-only file system: say so
                 raise self.fs.errors[0] from exc

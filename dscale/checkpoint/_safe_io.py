@@ -14,7 +14,6 @@ on every rank (pytorch/pytorch#189308; DCP assumes a trusted environment). Here:
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import pathlib
 import pickle
@@ -23,6 +22,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint.metadata as dcp_metadata
+from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader, _StorageInfo
@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.metadata import (
     StorageMeta,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
 from dscale.checkpoint._errors import CheckpointError
@@ -121,27 +121,111 @@ class SafeReader(FileSystemReader):
         return metadata
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        """DCP's reader, one file at a time, so that a refused value names its file."""
+        """DCP's reader loop, one file at a time, so that a refused value names its file.
+
+        A loaded tensor that fills a whole plain CPU target is adopted instead of copied (see
+        SafeLoadPlanner.adopt): the empty copies we load into are then never touched.
+        """
         per_file: dict[str, list[ReadItem]] = {}
         for item in plan.items:
             per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(
                 item
             )
         for relative_path, items in per_file.items():
+            path = pathlib.Path(self.path) / relative_path
             try:
-                super().read_data(dataclasses.replace(plan, items=items), planner).wait()
+                self._read_file(path, items, planner)
             except Exception as exc:
                 raise CheckpointError(
-                    f"{pathlib.Path(self.path) / relative_path} holds a value that cannot be "
-                    f"loaded as plain data ({type(exc).__name__}: {exc}); nothing was changed"
+                    f"{path} holds a value that cannot be loaded as plain data "
+                    f"({type(exc).__name__}: {exc}); nothing was changed"
                 ) from exc
         done: Future[None] = Future()
         done.set_result(None)
         return done
 
+    def _read_file(self, path: pathlib.Path, items: list[ReadItem], planner: LoadPlanner) -> None:
+        with self.fs.create_stream(path, "rb") as stream:
+            for item in items:
+                info = self.storage_data[item.storage_index]
+                raw = self.transforms.transform_load_stream(
+                    item, info.transform_descriptors or (), self._slice_file(stream, info)
+                )
+                if item.type == LoadItemType.BYTE_IO:
+                    planner.load_bytes(item, io.BytesIO(raw.read(-1)))
+                    continue
+                seekable = raw if raw.seekable() else io.BytesIO(raw.read(-1))
+                loaded = torch.load(seekable, map_location="cpu", weights_only=True)
+                if not isinstance(loaded, torch.Tensor):
+                    raise TypeError(f"a tensor record holds a {type(loaded).__name__}")
+                tensor = narrow_tensor_by_index(loaded, item.storage_offsets, item.lengths)
+                if isinstance(planner, SafeLoadPlanner) and planner.adopt(item, tensor):
+                    continue
+                target = planner.resolve_tensor(item).detach()
+                if target.size() != tensor.size():
+                    raise ValueError(f"size {tuple(tensor.size())} != {tuple(target.size())}")
+                target.copy_(tensor)
+                planner.commit_tensor(item, target)
+
 
 class SafeLoadPlanner(DefaultLoadPlanner):
-    """A DefaultLoadPlanner that loads non-tensor values with ``weights_only=True``."""
+    """A DefaultLoadPlanner that loads non-tensor values with ``weights_only=True``.
+
+    Used only with staged state dicts (fresh empty tensors, see ``_staging.py``), so a loaded
+    tensor may replace its target instead of being copied into it.
+    """
+
+    def adopt(self, item: ReadItem, tensor: torch.Tensor) -> bool:
+        """Put ``tensor`` in place of a whole plain CPU target of the same shape and dtype."""
+        target = self.state_dict.get(item.dest_index.fqn)  # not a DTensor's local shard
+        if not isinstance(target, torch.Tensor):
+            return False
+        whole = all(o == 0 for o in item.dest_offsets) and tuple(item.lengths) == tuple(
+            target.shape
+        )
+        if not (
+            whole
+            and type(target) is torch.Tensor
+            and target.device.type == "cpu"
+            and tensor.dtype == target.dtype
+            and tensor.shape == target.shape
+        ):
+            return False
+        fqn = item.dest_index.fqn
+        if self.flatten_state_dict and not _replace_leaf(
+            self.original_state_dict, self.mappings[fqn], target, tensor
+        ):
+            return False
+        self.state_dict[fqn] = tensor
+        return True
+
+
+def _replace_leaf(root: Any, path: tuple[Any, ...], old: torch.Tensor, new: torch.Tensor) -> bool:
+    """Put ``new`` where ``old`` sits at ``path``; False if it is not there.
+
+    DCP's flattened paths hold dict keys as strings ('0' for an optimizer's int key 0), so
+    each step accepts either form.
+    """
+    node = root
+    for i, key in enumerate(path):
+        if isinstance(node, dict):
+            if key not in node and isinstance(key, str) and key.isdigit():
+                key = int(key)
+            if key not in node:
+                return False
+        elif isinstance(node, list):
+            key = int(key)
+            if not 0 <= key < len(node):
+                return False
+        else:
+            return False
+        if i == len(path) - 1:
+            if node[key] is not old:
+                return False
+            node[key] = new
+            return True
+        node = node[key]
+    return False
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         obj = torch.load(value, weights_only=True)
