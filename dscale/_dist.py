@@ -170,6 +170,19 @@ def cpu_group(group: Any | None = None) -> Any | None:
     return _cpu_groups[ranks]
 
 
+def new_gloo_group(group: Any | None = None) -> Any | None:
+    """A new gloo group over ``group``'s ranks, for collectives run from a background thread.
+
+    On the training group they would interleave with DDP's all-reduces in a different order on
+    each rank and hang (seen with DDP on gloo); torchtitan does the same for async saves.
+    Creating a group is a collective: every rank calls this at the same point.
+    """
+    if not is_distributed(group):
+        return None
+    ranks = dist.get_process_group_ranks(resolve_group(group))
+    return dist.new_group(ranks=ranks, backend="gloo")
+
+
 def gather_then_raise(
     problem: BaseException | None,
     group: Any | None,

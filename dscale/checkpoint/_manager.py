@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -217,15 +216,10 @@ class CheckpointManager:
     def _cpu_group(self) -> ProcessGroup | None:
         """A dedicated gloo group for background saves (made on first use, by every rank).
 
-        dcp.async_save needs a CPU backend, and its collectives run in a background thread: on
-        the training group they would interleave with DDP's all-reduces in a different order on
-        each rank and hang (seen with DDP on gloo). torchtitan does the same.
+        dcp.async_save needs a CPU backend, and its collectives run in a background thread.
         """
-        if not _dist.is_distributed(self.process_group):
-            return None
         if self._async_group is None:
-            ranks = dist.get_process_group_ranks(self.process_group or dist.group.WORLD)
-            self._async_group = dist.new_group(ranks=ranks, backend="gloo")
+            self._async_group = _dist.new_gloo_group(self.process_group)
         return self._async_group
 
     def _publish_if_done(self) -> None:
