@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import queue
 import threading
 from collections.abc import Generator, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -73,15 +74,35 @@ def _without_torch_crc32() -> Generator[None, None, None]:
 
 
 class _HashingStream:
-    """A file opened for writing that hashes every buffer before it goes to the file."""
+    """A file opened for writing whose bytes are hashed by a thread of its own.
+
+    The writer copies each buffer (the caller may reuse it once write() returns) and goes on;
+    the thread hashes while the writer writes and while DCP waits in fsync, so hashing costs a
+    copy on the writer's path instead of the hash. At most ``_IN_FLIGHT`` bytes wait.
+    """
+
+    _IN_FLIGHT = 256 << 20
+    _SLICE = 16 << 20
 
     def __init__(self, raw: Any, errors: list[OSError]) -> None:
         self._raw = raw
         self._errors = errors
-        self.digest = hashlib.sha256()
+        self._digest = hashlib.sha256()
+        self._room = threading.Semaphore(self._IN_FLIGHT // self._SLICE)
+        self._chunks: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._hash, name="dscale-sha256", daemon=True)
+        self._thread.start()
+
+    def _hash(self) -> None:
+        while (chunk := self._chunks.get()) is not None:
+            self._digest.update(chunk)
+            self._room.release()
 
     def write(self, data: Any) -> int:
-        self.digest.update(data)
+        view = memoryview(data).cast("B")
+        for start in range(0, view.nbytes, self._SLICE):
+            self._room.acquire()
+            self._chunks.put(bytes(view[start : start + self._SLICE]))
         try:
             written: int = self._raw.write(data)
         except OSError as exc:
@@ -89,6 +110,12 @@ class _HashingStream:
             self._errors.append(exc)
             raise
         return written
+
+    def hexdigest(self) -> str:
+        """The sha256 of everything written; waits for the hashing thread."""
+        self._chunks.put(None)
+        self._thread.join()
+        return self._digest.hexdigest()
 
     def __getattr__(self, name: str) -> Any:  # tell, flush, fileno, close, ...
         return getattr(self._raw, name)
@@ -110,9 +137,12 @@ class _HashingFileSystem(FileSystem):
                 yield raw
                 return
             stream = _HashingStream(raw, self.errors)
-            yield stream
+            try:
+                yield stream
+            finally:
+                digest = stream.hexdigest()
         with self._lock:
-            self.digests[Path(path).name] = stream.digest.hexdigest()
+            self.digests[Path(path).name] = digest
 
 
 class HashingWriter(FileSystemWriter):
