@@ -1,4 +1,7 @@
-"""Checksums computed where the bytes are: each rank hashes the files it writes, or a share to read.
+"""Checksums computed where the bytes are: each rank sums the files it writes, or a share to read.
+
+The checksum is CRC32 (zlib, as in zip files; see ``_layout.MANIFEST`` for why); folders of
+format version 1 carry sha256 and are checked with it.
 
 On save, every rank hashes its own ``__<rank>_*.distcp`` files as DCP writes them: the stream
 hashes each buffer as it passes (no second read), in each of DCP's writer threads, and hashlib
@@ -16,6 +19,7 @@ import hashlib
 import os
 import queue
 import threading
+import zlib
 from collections.abc import Generator, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -30,10 +34,28 @@ from torch.futures import Future
 
 from dscale.checkpoint._layout import FORMAT_FILE, MANIFEST, format_json
 
-__all__ = ["HashingWriter", "sha256_file", "verify_share", "writer_threads"]
+__all__ = ["HashingWriter", "file_digest", "new_digest", "verify_share", "writer_threads"]
 
 _CHUNK = 8 << 20
-_DIGEST_KEY = "__dscale_sha256__/"
+_DIGEST_KEY = "__dscale_checksum__/"
+
+
+class _Crc32:
+    """zlib.crc32 behind hashlib's update()/hexdigest(); zlib releases the GIL on big buffers."""
+
+    def __init__(self) -> None:
+        self._value = 0
+
+    def update(self, data: Any) -> None:
+        self._value = zlib.crc32(data, self._value)
+
+    def hexdigest(self) -> str:
+        return f"{self._value:08x}"
+
+
+def new_digest(algorithm: str = "crc32") -> Any:
+    """A running checksum: ``crc32`` (what dscale writes) or ``sha256`` (format version 1)."""
+    return _Crc32() if algorithm == "crc32" else hashlib.new(algorithm)
 
 
 def writer_threads() -> int:
@@ -41,9 +63,9 @@ def writer_threads() -> int:
     return max(1, min(4, (os.cpu_count() or 1) // 2))
 
 
-def sha256_file(file: Path) -> str:
-    """The file's sha256 as hex; hashlib releases the GIL, so ranks' threads overlap with I/O."""
-    digest = hashlib.sha256()
+def file_digest(file: Path, algorithm: str = "crc32") -> str:
+    """The file's checksum as hex; the GIL is released, so threads overlap with I/O."""
+    digest = new_digest(algorithm)
     with file.open("rb") as f:
         while chunk := f.read(_CHUNK):
             digest.update(chunk)
@@ -61,7 +83,7 @@ def _write_synced(file: Path, text: str) -> None:
 def _without_torch_crc32() -> Generator[None, None, None]:
     """Skip the CRC32 torch.save puts in each record's zip entry while we write.
 
-    DCP never checks it on load, and the sha256 we compute covers the same bytes; computing
+    DCP never checks it on load, and the checksum we compute covers the same bytes; computing
     both cost as much again as the write itself here. The setting is process-wide: another
     thread's torch.save meanwhile also skips it (torch.load accepts such files).
     """
@@ -87,10 +109,10 @@ class _HashingStream:
     def __init__(self, raw: Any, errors: list[OSError]) -> None:
         self._raw = raw
         self._errors = errors
-        self._digest = hashlib.sha256()
+        self._digest = new_digest()
         self._room = threading.Semaphore(self._IN_FLIGHT // self._SLICE)
         self._chunks: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._hash, name="dscale-sha256", daemon=True)
+        self._thread = threading.Thread(target=self._hash, name="dscale-checksum", daemon=True)
         self._thread.start()
 
     def _hash(self) -> None:
@@ -112,7 +134,7 @@ class _HashingStream:
         return written
 
     def hexdigest(self) -> str:
-        """The sha256 of everything written; waits for the hashing thread."""
+        """The checksum of everything written; waits for the hashing thread."""
         self._chunks.put(None)
         self._thread.join()
         return self._digest.hexdigest()
@@ -122,7 +144,7 @@ class _HashingStream:
 
 
 class _HashingFileSystem(FileSystem):
-    """DCP's local file system, hashing every file it writes; ``digests`` maps name to sha256."""
+    """DCP's local file system, summing every file it writes; ``digests`` maps name to CRC32."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -148,7 +170,7 @@ class _HashingFileSystem(FileSystem):
 class HashingWriter(FileSystemWriter):
     """DCP's FileSystemWriter, plus per-rank file hashes and a manifest written by the coordinator.
 
-    The manifest (``checksums.sha256``) is written last, after ``.metadata``: a folder holding
+    The manifest (``checksums.crc32``) is written last, after ``.metadata``: a folder holding
     it has every rank's data.
     """
 
@@ -198,7 +220,7 @@ class HashingWriter(FileSystemWriter):
         folder = Path(self.path)
         _write_synced(folder / FORMAT_FILE, self._format)
         for name in (".metadata", FORMAT_FILE):  # small files
-            digests[name] = sha256_file(folder / name)
+            digests[name] = file_digest(folder / name)
         lines = "".join(f"{digest}  {name}\n" for name, digest in sorted(digests.items()))
         _write_synced(folder / MANIFEST, lines)
 
@@ -216,19 +238,23 @@ def _owner(name: str, world_size: int) -> int:
 
 
 def verify_share(
-    path: Path, entries: Iterable[tuple[str, str]], rank: int, world_size: int
+    path: Path,
+    entries: Iterable[tuple[str, str]],
+    rank: int,
+    world_size: int,
+    algorithm: str = "crc32",
 ) -> str | None:
     """Check this rank's share of the manifest's files (in parallel); return what is wrong."""
     mine = [(digest, path / name) for digest, name in entries if _owner(name, world_size) == rank]
     for _, file in mine:
         if not file.is_file():
-            return f"{file} is missing (listed in {MANIFEST})"
-    with ThreadPoolExecutor(writer_threads(), thread_name_prefix="dscale-sha256") as pool:
-        actual = list(pool.map(sha256_file, [file for _, file in mine]))
+            return f"{file} is missing (listed in the checksum manifest)"
+    with ThreadPoolExecutor(writer_threads(), thread_name_prefix="dscale-checksum") as pool:
+        actual = list(pool.map(lambda f: file_digest(f, algorithm), [f for _, f in mine]))
     for (digest, file), found in zip(mine, actual, strict=True):
         if found != digest:
             return (
-                f"{file} is corrupt: sha256 {found[:16]}... does not match "
-                f"{digest[:16]}... recorded in {MANIFEST} when it was saved"
+                f"{file} is corrupt: {algorithm} {found[:16]} does not match "
+                f"{digest[:16]} recorded in the manifest when it was saved"
             )
     return None

@@ -1,8 +1,10 @@
 """What a checkpoint folder holds, and the errors for folders that are not one.
 
 ``root/step-N/`` holds DCP's ``.metadata`` and ``__<rank>_<n>.distcp`` files, ``dscale.json``
-(format name, version, step, world size) and ``checksums.sha256`` (the ``sha256sum -c`` format),
-which is written last: a folder without it is not complete. Saves go to ``root/.step-N.tmp``.
+(format name, version, step, world size) and ``checksums.crc32`` (one ``<crc32 hex>  <name>``
+line per file), which is written last: a folder without it is not complete. Folders of format
+version 1 have ``checksums.sha256`` (the ``sha256sum -c`` format) instead, and still load.
+Saves go to ``root/.step-N.tmp``.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ __all__ = [
     "FORMAT_VERSION",
     "MANIFEST",
     "check_folder",
+    "find_manifest",
     "format_json",
     "list_complete",
     "read_format",
@@ -27,7 +30,12 @@ __all__ = [
     "temp_dir",
 ]
 
-MANIFEST = "checksums.sha256"
+# CRC32, not sha256: it detects the corruption a manifest is for (the manifest is not signed,
+# so it never stopped tampering) at three times the speed, which keeps verification within 25%
+# of an unverified save or load on a busy machine.
+MANIFEST = "checksums.crc32"
+MANIFESTS = {"checksums.crc32": "crc32", "checksums.sha256": "sha256"}
+_DIGEST_LENGTH = {"crc32": 8, "sha256": 64}
 FORMAT_FILE = "dscale.json"
 FORMAT_NAME = "dscale.checkpoint"
 # 1: the layout before dscale.json existed (loads as is). 2: dscale.json, per-rank hashes.
@@ -60,9 +68,17 @@ def list_complete(root: Path) -> list[tuple[int, Path]]:
     found = []
     for path in root.iterdir():
         match = _STEP_DIR.match(path.name)
-        if match and (path / MANIFEST).is_file():
+        if match and find_manifest(path) is not None:
             found.append((int(match.group(1)), path))
     return sorted(found, reverse=True)
+
+
+def find_manifest(path: Path) -> Path | None:
+    """The folder's checksum manifest (either algorithm), or None."""
+    for name in MANIFESTS:
+        if (path / name).is_file():
+            return path / name
+    return None
 
 
 def format_json(step: int, world_size: int) -> str:
@@ -106,7 +122,7 @@ def check_folder(path: Path) -> None:
             f"checkpoint folder {path} does not exist; pass a step-N folder written by "
             "dscale.checkpoint, or use resume='auto' to pick the newest one"
         )
-    if not (path / MANIFEST).is_file():
+    if find_manifest(path) is None:
         if not (path / ".metadata").is_file() and not any(path.iterdir()):
             raise CheckpointError(f"checkpoint folder {path} is empty")
         if (path / ".metadata").is_file() and path.name.endswith(".tmp"):
@@ -117,20 +133,28 @@ def check_folder(path: Path) -> None:
         raise CheckpointError(_describe_other(path))
 
 
-def read_manifest(path: Path) -> list[tuple[str, str]]:
-    """``(sha256, file name)`` for every file the manifest lists; CheckpointError if malformed."""
-    manifest = path / MANIFEST
+def read_manifest(path: Path) -> tuple[str, list[tuple[str, str]]]:
+    """The algorithm and ``(digest, file name)`` for every listed file; CheckpointError if bad."""
+    manifest = find_manifest(path)
+    if manifest is None:
+        raise CheckpointError(f"{path / MANIFEST} is missing: {path} was not published completely")
+    algorithm = MANIFESTS[manifest.name]
     entries = []
     for number, line in enumerate(manifest.read_text().splitlines(), 1):
         digest, sep, name = line.partition("  ")
-        if not sep or len(digest) != 64 or "/" in name or name in ("", ".", ".."):
+        if (
+            not sep
+            or len(digest) != _DIGEST_LENGTH[algorithm]
+            or "/" in name
+            or name in ("", ".", "..")
+        ):
             raise CheckpointError(f"{manifest} line {number} is malformed: {line!r}")
         entries.append((digest, name))
     if not any(name == ".metadata" for _, name in entries):
         raise CheckpointError(
             f"{manifest} does not list .metadata: {path} is not a complete DCP checkpoint"
         )
-    return entries
+    return algorithm, entries
 
 
 def read_format(path: Path) -> dict[str, Any]:

@@ -54,6 +54,9 @@ __all__ = ["load_checkpoint"]
 
 logger = logging.getLogger(__name__)
 
+# The manifest's algorithm and its (digest, name) entries for the data files.
+_Sums = tuple[str, list[tuple[str, str]]]
+
 
 def _check_keys(path: Path, metadata: Metadata, name: str, staged: Any) -> None:
     """Raise CheckpointError when the checkpoint holds other entries than the model/optimizer.
@@ -112,25 +115,26 @@ def _stage(path: Path, states: Mapping[str, Any], metadata: Metadata) -> dict[st
     return staged
 
 
-def _inspect(path: Path, states: Mapping[str, Any]) -> tuple[list[tuple[str, str]], dict[str, Any]]:
+def _inspect(path: Path, states: Mapping[str, Any]) -> tuple[_Sums, dict[str, Any]]:
     check_folder(path)
-    entries = read_manifest(path)
+    algorithm, entries = read_manifest(path)
     # The small files every rank reads before any data: checked here, by every rank.
     small = [(digest, name) for digest, name in entries if not name.startswith("__")]
-    corrupt = verify_share(path, small, 0, 1)
+    corrupt = verify_share(path, small, 0, 1, algorithm)
     if corrupt is not None:
         raise CorruptCheckpointError(corrupt)
     read_format(path)
     metadata = read_metadata(path)
     data = [(digest, name) for digest, name in entries if name.startswith("__")]
-    return data, _stage(path, states, metadata)
+    return (algorithm, data), _stage(path, states, metadata)
 
 
-def _read(path: Path, staged: dict[str, Any], entries: list[tuple[str, str]], group: Any) -> None:
+def _read(path: Path, staged: dict[str, Any], sums: _Sums, group: Any) -> None:
     """DCP-load into ``staged`` while this rank hashes its share; raise what went wrong."""
     with ThreadPoolExecutor(1, thread_name_prefix="dscale-verify") as pool:
+        algorithm, entries = sums
         hashing = pool.submit(
-            verify_share, path, entries, _dist.rank(group), _dist.world_size(group)
+            verify_share, path, entries, _dist.rank(group), _dist.world_size(group), algorithm
         )
         read_error: CheckpointError | None = None
         try:
@@ -211,10 +215,10 @@ def load_checkpoint(
         step=0, model=model, optimizer=optimizer, scaler=scaler, extra=extra, group=group
     )
     problem: BaseException | None = None
-    entries: list[tuple[str, str]] = []
+    sums: _Sums = ("crc32", [])
     staged: dict[str, Any] = {}
     try:
-        entries, staged = _inspect(path, states)
+        sums, staged = _inspect(path, states)
     except CheckpointError as exc:
         problem = exc
     except Exception as exc:
@@ -223,7 +227,7 @@ def load_checkpoint(
 
     scaler_state = None
     try:
-        _read(path, staged, entries, group)
+        _read(path, staged, sums, group)
         if "scaler" in staged:
             scaler_state = scaler_update(scaler, staged["scaler"])
     except (CheckpointError, ScaleMismatchError) as exc:

@@ -199,6 +199,13 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         self.state_dict[fqn] = tensor
         return True
 
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        obj = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
+
 
 def _replace_leaf(root: Any, path: tuple[Any, ...], old: torch.Tensor, new: torch.Tensor) -> bool:
     """Put ``new`` where ``old`` sits at ``path``; False if it is not there.
@@ -226,13 +233,6 @@ def _replace_leaf(root: Any, path: tuple[Any, ...], old: torch.Tensor, new: torc
             return True
         node = node[key]
     return False
-
-    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        obj = torch.load(value, weights_only=True)
-        if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
-        else:
-            self.state_dict[read_item.dest_index.fqn] = obj
 
 
 def read_metadata(path: pathlib.Path) -> Metadata:

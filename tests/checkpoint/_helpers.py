@@ -59,12 +59,13 @@ def optim_state(model: torch.nn.Module, opt: Any) -> dict[str, Any]:
 
 def reseal(folder) -> None:
     """Rewrite the checksum manifest for the folder's current files, as an attacker could."""
-    from dscale.checkpoint._hashing import sha256_file
-    from dscale.checkpoint._layout import MANIFEST
+    from dscale.checkpoint._hashing import file_digest
+    from dscale.checkpoint._layout import MANIFESTS, find_manifest
 
+    manifest = find_manifest(folder)
     lines = [
-        f"{sha256_file(f)}  {f.name}\n"
+        f"{file_digest(f, MANIFESTS[manifest.name])}  {f.name}\n"
         for f in sorted(folder.iterdir())
-        if f.is_file() and f.name != MANIFEST
+        if f.is_file() and f.name not in MANIFESTS
     ]
-    (folder / MANIFEST).write_text("".join(lines))
+    manifest.write_text("".join(lines))

@@ -192,20 +192,20 @@ def one_choice_for_all_ranks(rank: int, world: int, root: str) -> dict[str, Any]
     """resume("auto") when rank 1 sees another listing, and loads that one rank cannot read."""
     from dscale.checkpoint import CheckpointError, _hashing, _load, _manager
 
-    # Which files this rank hashes, while writing (streams) and by reading (sha256_file).
+    # Which files this rank sums, while writing (streams) and by reading (file_digest).
     hashed: dict[str, list[str]] = {"written": [], "read": []}
-    real_stream, real_file = _hashing._HashingStream.__init__, _hashing.sha256_file
+    real_stream, real_file = _hashing._HashingStream.__init__, _hashing.file_digest
 
     def recording_stream(self, raw, errors):
         hashed["written"].append(Path(raw.name).name)
         real_stream(self, raw, errors)
 
-    def recording_file(file):
+    def recording_file(file, algorithm="crc32"):
         hashed["read"].append(Path(file).name)
-        return real_file(file)
+        return real_file(file, algorithm)
 
     _hashing._HashingStream.__init__ = recording_stream
-    _hashing.sha256_file = recording_file
+    _hashing.file_digest = recording_file
     model, opt, scaler = _pieces("plain")
     ckpt = CheckpointManager(root, keep=3)
     for step in (2, 4):
@@ -225,7 +225,7 @@ def one_choice_for_all_ranks(rank: int, world: int, root: str) -> dict[str, Any]
     out["auto_params"] = params(fresh)
     _manager.list_complete = real_list
     out["hashed_on_load"] = hashed
-    _hashing._HashingStream.__init__, _hashing.sha256_file = real_stream, real_file
+    _hashing._HashingStream.__init__, _hashing.file_digest = real_stream, real_file
 
     # Rank 1 cannot read the metadata, then cannot read a data file.
     def unreadable(path):

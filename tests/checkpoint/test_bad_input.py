@@ -163,7 +163,7 @@ def test_folders_of_other_formats_are_named_with_what_they_hold(tmp_path):
     cases[saved] = r"torch is not a dscale checkpoint \(it holds a torch\.save file"
     plain_dcp = tmp_path / "plain-dcp"
     dcp.save({"model": model.state_dict()}, checkpoint_id=plain_dcp, no_dist=True)
-    cases[plain_dcp] = r"plain-dcp is a DCP checkpoint without checksums\.sha256"
+    cases[plain_dcp] = r"plain-dcp is a DCP checkpoint without checksums\.crc32"
     CheckpointManager(tmp_path / "root").save(1, model=model)
     cases[tmp_path / "root"] = r"root is a checkpoint directory, not one checkpoint.*step-N"
     (tmp_path / "empty").mkdir()
