@@ -28,7 +28,7 @@ Preemption: ``with PreemptionGuard(["SIGTERM"]) as p: ... if p.should_stop(): sa
 all ranks agree on the step (one small CPU all-reduce per call).
 
 On disk: ``directory/step-N/`` with DCP's ``.metadata``, ``__<rank>_<n>.distcp``, ``dscale.json``
-(format and version) and ``checksums.sha256`` (``sha256sum -c`` format; each rank hashes the
+(format and version) and ``checksums.crc32`` (``<crc32>  <name>`` lines; each rank sums the
 files it writes). A save writes ``.step-N.tmp`` and is renamed only after every rank has written,
 so a crash leaves the previous checkpoints intact; a failed save removes its folder.
 

@@ -3,9 +3,9 @@
 The checksum is CRC32 (zlib, as in zip files; see ``_layout.MANIFEST`` for why); folders of
 format version 1 carry sha256 and are checked with it.
 
-On save, every rank hashes its own ``__<rank>_*.distcp`` files as DCP writes them: the stream
-hashes each buffer as it passes (no second read), in each of DCP's writer threads, and hashlib
-releases the GIL, so ranks and threads hash in parallel. The digests travel to the coordinator
+On save, every rank sums its own ``__<rank>_*.distcp`` files as DCP writes them: the stream
+sums each buffer as it passes (no second read), in each of DCP's writer threads, and zlib
+releases the GIL, so ranks and threads work in parallel. The digests travel to the coordinator
 with DCP's write results (so async saves hash in the background too), and the coordinator only
 adds ``.metadata`` and ``dscale.json`` and writes the manifest. On load, each rank hashes its
 share of the files, in parallel threads, while DCP reads; nothing is applied before every share
@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-import queue
 import threading
 import zlib
 from collections.abc import Generator, Iterable
@@ -96,35 +95,20 @@ def _without_torch_crc32() -> Generator[None, None, None]:
 
 
 class _HashingStream:
-    """A file opened for writing whose bytes are hashed by a thread of its own.
+    """A file opened for writing that sums every buffer before it goes to the file.
 
-    The writer copies each buffer (the caller may reuse it once write() returns) and goes on;
-    the thread hashes while the writer writes and while DCP waits in fsync, so hashing costs a
-    copy on the writer's path instead of the hash. At most ``_IN_FLIGHT`` bytes wait.
+    Inline, not in a thread of its own: CRC32 costs less than copying the buffer for another
+    thread would (measured: 2 GB in 1.8 s inline, 4.4 s through a thread, 5.0 s for plain DCP
+    with torch's own CRC32, on 2 busy cores).
     """
-
-    _IN_FLIGHT = 256 << 20
-    _SLICE = 16 << 20
 
     def __init__(self, raw: Any, errors: list[OSError]) -> None:
         self._raw = raw
         self._errors = errors
         self._digest = new_digest()
-        self._room = threading.Semaphore(self._IN_FLIGHT // self._SLICE)
-        self._chunks: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._hash, name="dscale-checksum", daemon=True)
-        self._thread.start()
-
-    def _hash(self) -> None:
-        while (chunk := self._chunks.get()) is not None:
-            self._digest.update(chunk)
-            self._room.release()
 
     def write(self, data: Any) -> int:
-        view = memoryview(data).cast("B")
-        for start in range(0, view.nbytes, self._SLICE):
-            self._room.acquire()
-            self._chunks.put(bytes(view[start : start + self._SLICE]))
+        self._digest.update(data)
         try:
             written: int = self._raw.write(data)
         except OSError as exc:
@@ -134,10 +118,8 @@ class _HashingStream:
         return written
 
     def hexdigest(self) -> str:
-        """The checksum of everything written; waits for the hashing thread."""
-        self._chunks.put(None)
-        self._thread.join()
-        return self._digest.hexdigest()
+        """The checksum of everything written."""
+        return str(self._digest.hexdigest())
 
     def __getattr__(self, name: str) -> Any:  # tell, flush, fileno, close, ...
         return getattr(self._raw, name)

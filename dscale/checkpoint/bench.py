@@ -6,7 +6,7 @@ Run::
 
 Each rank saves and loads its own ``size_gb / ranks`` of float32 tensors. "plain DCP" is
 ``dcp.save`` with the same FileSystemWriter settings (one file per rank, fsync) and an in-place
-``dcp.load``; "dscale" adds the per-rank sha256 of every file, the manifest, the atomic publish,
+``dcp.load``; "dscale" adds the per-rank CRC32 of every file, the manifest, the atomic publish,
 and on load the empty copies, the checksums of each rank's share and every check. Saves and
 loads alternate between the two (who goes first alternates too, and each starts after
 ``sync``), ``--repeats`` times; the median is reported, in MB/s of checkpoint data (all ranks
