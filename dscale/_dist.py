@@ -1,20 +1,23 @@
-"""Which process group the scaler agrees over, and on which device its flag is reduced.
+"""Process groups and the collectives dscale runs outside the scaler's hot path.
 
-This is the one place (with ``_agreement.py``) that knows about ``torch.distributed``. With a single
-process every answer is "no group", so every scaler code path runs in a plain unit test.
+This is the one place (with ``_agreement.py``) that knows about ``torch.distributed``: which group
+the scaler agrees over and on which device its flag is reduced, and the rank facts, barriers,
+gathers and broadcasts that checkpoints and preemption use. With a single process (or a group of
+one rank) every collective is a no-op, so every code path runs in a plain unit test.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 
-def is_distributed() -> bool:
-    """True when a default process group with more than one rank exists."""
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+def is_distributed(group: Any | None = None) -> bool:
+    """True when torch.distributed is initialized and ``group`` (default: world) has > 1 rank."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
 
 
 def resolve_group(group: Any | None) -> Any | None:
@@ -77,3 +80,136 @@ def flag_device(group: Any, preferred: torch.device) -> torch.device:
     if "cuda" in types and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+# ------------------------------------------------------------------ rank facts and collectives
+# Each is a no-op without a process group or with a group of one rank.
+
+
+def rank(group: Any | None = None) -> int:
+    """This process's rank in ``group`` (0 without a process group)."""
+    return dist.get_rank(group) if is_distributed(group) else 0
+
+
+def world_size(group: Any | None = None) -> int:
+    """The number of ranks in ``group`` (1 without a process group)."""
+    return dist.get_world_size(group) if is_distributed(group) else 1
+
+
+def barrier(group: Any | None = None) -> None:
+    """Wait for every rank of ``group``."""
+    if is_distributed(group):
+        dist.barrier(group=group)
+
+
+def all_gather_objects(value: Any, group: Any | None = None) -> list[Any]:
+    """Every rank's ``value`` (picklable), in rank order, on every rank.
+
+    Pickled over the process group, as DCP does: the ranks of one job trust each other.
+    """
+    if not is_distributed(group):
+        return [value]
+    out: list[Any] = [None] * world_size(group)
+    dist.all_gather_object(out, value, group=group)
+    return out
+
+
+def broadcast_object(value: Any, group: Any | None = None, src_rank: int = 0) -> Any:
+    """``value`` as rank ``src_rank`` of ``group`` holds it, on every rank."""
+    if not is_distributed(group):
+        return value
+    box = [value]
+    src = dist.get_global_rank(group, src_rank) if group is not None else src_rank
+    dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]
+
+
+def all_gather_floats(values: Sequence[float], group: Any | None = None) -> list[list[float]]:
+    """Every rank's list of floats (same length on every rank), without pickling."""
+    local = torch.tensor(list(values), dtype=torch.float64)
+    if not is_distributed(group):
+        return [local.tolist()]
+    device = flag_device(resolve_group(group), torch.device("cpu"))
+    local = local.to(device)
+    out = [torch.empty_like(local) for _ in range(world_size(group))]
+    dist.all_gather(out, local, group=group)
+    return [t.cpu().tolist() for t in out]
+
+
+def any_rank(flag: bool, group: Any | None = None) -> bool:
+    """True on every rank when ``flag`` is True on any rank (a MAX all-reduce on the CPU).
+
+    ``group`` must reduce CPU tensors (gloo): see :func:`cpu_group`. No GPU stream is involved,
+    so calling this once per step adds no host-device sync.
+    """
+    if not is_distributed(group):
+        return flag
+    value = torch.tensor([1 if flag else 0], dtype=torch.int32)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+    return bool(value.item())
+
+
+_cpu_groups: dict[tuple[int, ...], Any] = {}
+
+
+def cpu_group(group: Any | None = None) -> Any | None:
+    """A group over ``group``'s ranks whose backend reduces CPU tensors; made once, by every rank.
+
+    ``group`` itself when its backend handles CPU tensors (gloo), else a new gloo group over the
+    same ranks (NCCL reduces CUDA tensors only). Every rank must call this at the same point the
+    first time, since creating a group is a collective.
+    """
+    if not is_distributed(group):
+        return None
+    resolved = resolve_group(group)
+    if "cpu" in _backend_device_types(resolved):
+        return resolved
+    ranks = tuple(dist.get_process_group_ranks(resolved))
+    if ranks not in _cpu_groups:
+        _cpu_groups[ranks] = dist.new_group(ranks=list(ranks), backend="gloo")
+    return _cpu_groups[ranks]
+
+
+def new_gloo_group(group: Any | None = None) -> Any | None:
+    """A new gloo group over ``group``'s ranks, for collectives run from a background thread.
+
+    On the training group they would interleave with DDP's all-reduces in a different order on
+    each rank and hang (seen with DDP on gloo); torchtitan does the same for async saves.
+    Creating a group is a collective: every rank calls this at the same point.
+    """
+    if not is_distributed(group):
+        return None
+    ranks = dist.get_process_group_ranks(resolve_group(group))
+    return dist.new_group(ranks=ranks, backend="gloo")
+
+
+def gather_then_raise(
+    problem: BaseException | None,
+    group: Any | None,
+    what: str,
+    error_types: Sequence[type[Exception]] = (),
+) -> None:
+    """Raise the same error on every rank if any rank has a problem, naming the ranks.
+
+    A check that can fail on one rank only (a corrupt shard, a file one rank cannot read) must
+    not raise on that rank alone, or the others hang in their next collective. The error's
+    type is the first of ``error_types`` that some rank raised (so list them by priority);
+    else RuntimeError.
+    """
+    mine = None if problem is None else (type(problem).__name__, str(problem))
+    bad = [(r, p) for r, p in enumerate(all_gather_objects(mine, group)) if p is not None]
+    if not bad:
+        return
+    names = {name for _, (name, _) in bad}
+    cls = next((c for c in error_types if c.__name__ in names), RuntimeError)
+    messages: dict[str, list[int]] = {}
+    for r, (_, msg) in bad:
+        messages.setdefault(msg, []).append(r)
+    if len(messages) == 1 and len(bad) == world_size(group):
+        raise cls(bad[0][1][1]) from problem  # one message, already about every rank
+    ranks = ", ".join(str(r) for r, _ in bad)
+    detail = "; ".join(
+        f"rank {r[0]}: {msg}" if len(r) == 1 else f"ranks {', '.join(map(str, r))}: {msg}"
+        for msg, r in messages.items()
+    )
+    raise cls(f"{what} failed on rank(s) {ranks}: {detail}") from problem

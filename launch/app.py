@@ -15,11 +15,13 @@ from typing import Any, cast
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import parse_min_max_nnodes
 
 from launch.elastic import launch_config, run_script, run_workers, worker_env
 from launch.failures import explain_failure
+from launch.preemption import PREEMPTED_EXIT_CODE, failures_were_preemption
 from launch.schema import JobConfig, register
 from launch.summary import build_summary, format_summary, write_summary
 from launch.targets import published_targets, scrape_host
@@ -103,7 +105,22 @@ def main(cfg: DictConfig) -> None:
     except ConfigError as exc:
         print(f"dscale-launch: bad config: {exc}", file=sys.stderr)
         sys.exit(2)
+    except SignalException as exc:
+        print(
+            f"dscale-launch: stopped by {exc.sigval.name}; the workers saved a checkpoint if "
+            f"they had time (checkpoint.save_on_signals). Exiting with {PREEMPTED_EXIT_CODE} "
+            "so that the job is restarted; it resumes from the newest checkpoint.",
+            file=sys.stderr,
+        )
+        sys.exit(PREEMPTED_EXIT_CODE)
     except ChildFailedError as exc:
+        if failures_were_preemption([f.exitcode for f in exc.failures.values()]):
+            print(
+                f"dscale-launch: the workers were preempted and saved a checkpoint; exiting "
+                f"with {PREEMPTED_EXIT_CODE} so that the job is restarted",
+                file=sys.stderr,
+            )
+            sys.exit(PREEMPTED_EXIT_CODE)
         print(
             f"dscale-launch: {explain_failure(exc)}\n"
             f"  logs: {run_dir}/logs/rank<R>.log and {run_dir}/torchelastic\n\n"

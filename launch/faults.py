@@ -39,6 +39,7 @@ class Faults:
         self.inf_here = rank == fault["inf_rank"]
         self.kill_step = fault["kill_step"]
         self.kill_here = rank == fault["kill_rank"] and attempt < fault["kill_attempts"]
+        self.preempt_step = fault.get("preempt_step") if rank == 0 and attempt == 0 else None
 
     def after_backward(self, step: int, model: nn.Module) -> None:
         if self.inf_here and step in self.inf_steps:
@@ -46,6 +47,10 @@ class Faults:
             poison_grads(model)
 
     def before_step(self, step: int) -> None:
+        if step == self.preempt_step:
+            # The launcher (the elastic agent, our parent) forwards SIGTERM to every worker.
+            logger.warning("fault: SIGTERM to the launcher at step %d (preemption)", step)
+            os.kill(os.getppid(), signal.SIGTERM)
         if self.kill_here and step == self.kill_step:
             logger.warning("fault: SIGKILL of this rank at step %d", step)
             for handler in logging.getLogger().handlers:

@@ -17,9 +17,10 @@ import torch
 from torch import nn
 
 from dscale import GradScaler
-from dscale.checkpoint import CheckpointManager
+from dscale.checkpoint import CheckpointManager, PreemptionGuard
 from dscale.metrics import MetricsLog, start_exporter
 from dscale.stats import track_numerics
+from launch.preemption import Preempted
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +36,9 @@ class Checkpoints:
 
     ``extra`` (more Statefuls) rides along; the context adds its record of skipped steps, so
     that survives restarts. With ``checkpoint.enabled=false`` every method does nothing and
-    ``resume()`` returns None.
+    ``resume()`` returns None. On a signal in ``checkpoint.save_on_signals``, every rank saves
+    at its next ``maybe_save()`` (the ranks agree there, once per step) and raises
+    ``Preempted``, which the worker turns into the restartable exit status.
     """
 
     def __init__(
@@ -56,6 +59,8 @@ class Checkpoints:
             if self.enabled
             else None
         )
+        signals = cfg.get("save_on_signals") or []
+        self._guard = PreemptionGuard(signals).__enter__() if self.enabled and signals else None
 
     def resume(self) -> int | None:
         """Load what ``checkpoint.resume`` names; return its step, or None for a fresh start."""
@@ -64,8 +69,18 @@ class Checkpoints:
         return self.resumed_from
 
     def maybe_save(self, step: int) -> bool:
-        """Save after ``step`` iterations if it is a multiple of ``checkpoint.every``."""
-        return self._manager is not None and self._manager.maybe_save(step, **self._states)
+        """Save after ``step`` iterations if it is a multiple of ``checkpoint.every``.
+
+        Call it on every rank after every step: it is also where the ranks agree on a
+        preemption signal (one small all-reduce); then every rank saves now and raises
+        ``Preempted``.
+        """
+        if self._manager is None:
+            return False
+        if self._guard is not None and self._guard.should_stop():
+            self._manager.save(step, **self._states)
+            raise Preempted(step)
+        return self._manager.maybe_save(step, **self._states)
 
     def save(self, step: int) -> None:
         """Save after ``step`` iterations now (the final save; a repeat of a step is skipped)."""
@@ -76,6 +91,8 @@ class Checkpoints:
         """Wait for a pending asynchronous save."""
         if self._manager is not None:
             self._manager.wait()
+        if self._guard is not None:
+            self._guard.__exit__(None, None, None)
 
 
 @contextlib.contextmanager

@@ -180,13 +180,19 @@ class MetricsConfig:
 
 @dataclass
 class CheckpointConfig:
-    """Sharded (DCP) checkpoints; ``resume`` is auto (latest in ``dir``), none, or a path."""
+    """Sharded (DCP) checkpoints; ``resume`` is auto (latest in ``dir``), none, or a path.
+
+    ``save_on_signals``: on any of these signals (a scheduler's preemption notice) every rank
+    finishes its step, saves, and the job exits with status 75 so that it is restarted; [] turns
+    this off. See ``dscale.checkpoint.PreemptionGuard``.
+    """
 
     enabled: bool = True
     dir: str = MISSING
     every: int = 100
     keep: int = 2
     resume: str = "auto"
+    save_on_signals: list[str] = field(default_factory=lambda: ["SIGTERM"])
 
 
 @dataclass
@@ -196,6 +202,8 @@ class FaultConfig:
     ``inf_steps``: put an inf into rank ``inf_rank``'s gradients at these steps.
     ``kill_step``: rank ``kill_rank`` SIGKILLs itself when it reaches this step, in each of the
     first ``kill_attempts`` attempts (restarts count as attempts), to exercise elastic restarts.
+    ``preempt_step``: rank 0 sends SIGTERM to the launcher when it reaches this step (first
+    attempt only), as a scheduler preempting the job would.
     """
 
     inf_steps: list[int] = field(default_factory=list)
@@ -203,6 +211,7 @@ class FaultConfig:
     kill_step: int | None = None
     kill_rank: int = 1
     kill_attempts: int = 1
+    preempt_step: int | None = None
 
 
 DEMO_ENTRYPOINT = "launch.demo:main"

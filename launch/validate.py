@@ -25,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch.distributed.run import parse_min_max_nnodes
 
 from dscale import GradScaler
-from dscale.checkpoint import CheckpointManager
+from dscale.checkpoint import CheckpointManager, PreemptionGuard
 from launch.entrypoint import EntrypointError, check_spec
 from launch.schema import DEMO_ENTRYPOINT, Device, JobConfig
 
@@ -201,6 +201,11 @@ def _checkpoint(job: JobConfig) -> None:
         ) from exc
     if isinstance(target, Path):
         c.resume = str(target.expanduser().resolve())  # workers may start elsewhere
+
+    try:
+        PreemptionGuard(c.save_on_signals)  # the library's own check; installs nothing
+    except ValueError as exc:
+        raise ConfigError(f"checkpoint.save_on_signals={c.save_on_signals}: {exc}") from None
 
 
 def _entry(job: JobConfig) -> None:

@@ -24,28 +24,43 @@ state must already have its saved structure when loading), ``scaler`` (dscale.Gr
 torch.amp.GradScaler), ``extra`` (a dict of more Statefuls), the step, and per-rank RNG states
 (torch CPU, CUDA when in use, Python's ``random``; restored only at the same world size).
 
-On disk: ``directory/step-N/`` with DCP's ``.metadata``, ``__<rank>_0.distcp`` and
-``checksums.sha256`` (``sha256sum -c`` format). A save writes ``.step-N.tmp`` and is renamed
-only after every rank has written, so a crash leaves the previous checkpoints intact.
+Preemption: ``with PreemptionGuard(["SIGTERM"]) as p: ... if p.should_stop(): save; exit(75)``;
+all ranks agree on the step (one small CPU all-reduce per call).
 
-Loading verifies checksums, never runs pickled code (restricted metadata unpickler,
-``weights_only=True`` values), refuses a checkpoint of another model, and checks that every
-rank holds the same scale and growth tracker.
+On disk: ``directory/step-N/`` with DCP's ``.metadata``, ``__<rank>_<n>.distcp``, ``dscale.json``
+(format and version) and ``checksums.crc32`` (``<crc32>  <name>`` lines; each rank sums the
+files it writes). A save writes ``.step-N.tmp`` and is renamed only after every rank has written,
+so a crash leaves the previous checkpoints intact; a failed save removes its folder.
+
+Loading never runs code from the checkpoint's bytes (exact-name metadata unpickler,
+``weights_only=True`` values), reads into empty copies, and changes nothing until every check
+(checksums, format, keys and shapes, scaler rows, the scaler's validation) has passed on every
+rank; a failure on any rank raises the same error on all of them.
 
 Errors: CheckpointError (ValueError; names the folder or file), CorruptCheckpointError (a
-checksum failed; ``resume="auto"`` skips to the previous checkpoint with a warning), and
-ScaleMismatchError (RuntimeError; raised on every rank, names the ranks and values).
+checksum failed; ``resume="auto"`` skips to the previous checkpoint with a warning),
+ScaleMismatchError (RuntimeError; raised on every rank, names the ranks and values) and
+CheckpointSaveError (RuntimeError; a save failed, says the space needed and free).
 """
 
-from dscale.checkpoint._errors import CheckpointError, CorruptCheckpointError, ScaleMismatchError
-from dscale.checkpoint._io import load_checkpoint
+from dscale.checkpoint._errors import (
+    CheckpointError,
+    CheckpointSaveError,
+    CorruptCheckpointError,
+    ScaleMismatchError,
+)
+from dscale.checkpoint._load import load_checkpoint
 from dscale.checkpoint._manager import CheckpointManager
+from dscale.checkpoint._preemption import PREEMPTED_EXIT_CODE, PreemptionGuard
 from dscale.checkpoint._safe_io import load_scaler_file
 
 __all__ = [
+    "PREEMPTED_EXIT_CODE",
     "CheckpointError",
     "CheckpointManager",
+    "CheckpointSaveError",
     "CorruptCheckpointError",
+    "PreemptionGuard",
     "ScaleMismatchError",
     "load_checkpoint",
     "load_scaler_file",

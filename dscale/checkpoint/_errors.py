@@ -1,4 +1,4 @@
-"""Exceptions raised by dscale.checkpoint."""
+"""Exceptions raised by dscale.checkpoint, and how DCP's failures are put into words."""
 
 from __future__ import annotations
 
@@ -24,3 +24,30 @@ class ScaleMismatchError(RuntimeError):
 
     Raised on every rank with every rank's values, so that no rank waits on the others.
     """
+
+
+class CheckpointSaveError(RuntimeError):
+    """A save failed (a full disk, a read-only folder); the previous checkpoints are untouched.
+
+    Raised on every rank. The unfinished folder is removed and the message says how much space
+    the checkpoint needed and how much was free.
+    """
+
+
+ERROR_TYPES: tuple[type[Exception], ...] = (
+    CorruptCheckpointError,
+    CheckpointError,
+    ScaleMismatchError,
+    CheckpointSaveError,
+)
+
+
+def describe_failure(exc: BaseException) -> str:
+    """DCP's per-rank failures (a CheckpointException) as one line per distinct message."""
+    failures = getattr(exc, "failures", None)
+    if not isinstance(failures, dict):
+        return f"{type(exc).__name__}: {exc}"
+    messages: dict[str, list[int]] = {}
+    for rank, (error, *_) in sorted(failures.items()):
+        messages.setdefault(f"{type(error).__name__}: {error}".strip(), []).append(rank)
+    return "; ".join(f"{msg} (ranks {ranks})" for msg, ranks in messages.items())

@@ -3,22 +3,27 @@
 from __future__ import annotations
 
 import logging
+import shutil
 from collections.abc import Mapping
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.filesystem import FileSystemWriter
-from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
-from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-from dscale.checkpoint import _comm, _publish
-from dscale.checkpoint._errors import CorruptCheckpointError
-from dscale.checkpoint._io import build_states, check_folder, describe_failure, load_checkpoint
+from dscale import _dist
+from dscale.checkpoint import _publish, _save
+from dscale.checkpoint._errors import (
+    ERROR_TYPES,
+    CheckpointSaveError,
+    CorruptCheckpointError,
+    describe_failure,
+)
+from dscale.checkpoint._layout import check_folder, list_complete, step_dir, temp_dir
+from dscale.checkpoint._load import load_checkpoint
+from dscale.checkpoint._states import build_states
 
 __all__ = ["CheckpointManager"]
 
@@ -77,7 +82,7 @@ class CheckpointManager:
         self.keep = keep
         self.async_save = async_save
         self.process_group = process_group
-        self.is_coordinator = _comm.rank(process_group) == 0
+        self.is_coordinator = _dist.rank(process_group) == 0
         self._async_group: ProcessGroup | None = None
         self._pending: tuple[Future[Any], Path, Path] | None = None
         self._last_step: int | None = None
@@ -121,54 +126,39 @@ class CheckpointManager:
             group=self.process_group,
         )  # validates arguments
         self._finish_pending()
-        if self.is_coordinator:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            _publish.remove_temp_dirs(self.directory)
-        _comm.barrier(self.process_group)
-        tmp = _publish.temp_dir(self.directory, step)
-        final = _publish.step_dir(self.directory, step)
-        writer = FileSystemWriter(
-            tmp, single_file_per_rank=True, sync_files=True, thread_count=1, overwrite=True
-        )
-        no_dist = not _comm.is_distributed(self.process_group)
+        root, group = self.directory, self.process_group
+        tmp, final = temp_dir(root, step), step_dir(root, step)
+        problem = _save.prepare_folder(root, self.is_coordinator)
+        _save.raise_if_failed(problem, states, root=root, tmp=tmp, step=step, group=group)
         use_async = self.async_save and not _uses_fsdp1(model)
         if self.async_save and not use_async:
             # dcp.async_save cannot stage FSDP1's ShardedTensor (data_ptr not supported).
             logger.info("saving step %d synchronously: async save does not support FSDP1", step)
-        try:
-            with _comm.quiet_single_process():
-                if use_async:
-                    future = dcp_async_save(
-                        states,
-                        storage_writer=writer,
-                        process_group=self._cpu_group(),
-                        no_dist=no_dist,
-                    )
-                    self._pending = (future, tmp, final)  # type: ignore[assignment]
-                    self._async_since_wait = True
-                else:
-                    dcp_save(
-                        states,
-                        storage_writer=writer,
-                        process_group=self.process_group,
-                        no_dist=no_dist,
-                    )
-        except CheckpointException as exc:
-            raise RuntimeError(
-                f"saving step {step} into {tmp} failed: {describe_failure(exc)}; "
-                "the previous checkpoints are untouched"
-            ) from exc
+        future, problem = _save.write(
+            states,
+            tmp,
+            step=step,
+            group=group,
+            async_group=self._cpu_group() if use_async else None,
+            use_async=use_async,
+        )
+        if use_async:
+            _save.raise_if_failed(problem, states, root=root, tmp=tmp, step=step, group=group)
+            self._pending = (future, tmp, final)  # type: ignore[assignment]
+            self._async_since_wait = True
+            self._last_step = step
+            return
+        _save.raise_if_failed(problem, states, root=root, tmp=tmp, step=step, group=group)
         self._last_step = step
-        if not use_async:
-            problem = None
-            if self.is_coordinator:
-                try:
-                    _publish.publish(tmp, final)
-                    _publish.purge(self.directory, self.keep)
-                except OSError as exc:
-                    problem = exc
-            # Every rank learns whether the rename happened, and raises with rank 0 if not.
-            _comm.gather_then_raise(problem, self.process_group, f"publishing {final}")
+        problem = None
+        if self.is_coordinator:
+            try:
+                _publish.publish(tmp, final)
+                _publish.purge(root, self.keep)
+            except OSError as exc:
+                problem = exc
+        # Every rank learns whether the rename happened, and raises with rank 0 if not.
+        _dist.gather_then_raise(problem, group, f"publishing {final}", ERROR_TYPES)
 
     def wait(self) -> None:
         """Finish and publish a pending asynchronous save; every rank returns after it.
@@ -178,11 +168,11 @@ class CheckpointManager:
         self._finish_pending()
         if self._async_since_wait:
             self._async_since_wait = False
-            _comm.barrier(self.process_group)
+            _dist.barrier(self.process_group)
 
     def latest(self) -> Path | None:
         """The newest published checkpoint folder (checksums not yet verified), or None."""
-        found = _publish.list_complete(self.directory)
+        found = list_complete(self.directory)
         return found[0][1] if found else None
 
     def load(self, path: str | Path, **states: Any) -> int:
@@ -197,10 +187,14 @@ class CheckpointManager:
     def load_latest(self, **states: Any) -> int | None:
         """Load the newest published checkpoint whose checksums hold; None if there is none.
 
-        A corrupt checkpoint is reported with a warning naming the file, and the previous one
-        is tried. Any other error (another model, a scale mismatch) is raised.
+        Rank 0 lists the folder and every rank tries the same checkpoints in the same order, so
+        a rank that sees another listing (a lagging network filesystem) cannot pick another
+        one. A corrupt checkpoint is reported with a warning naming the file, and the previous
+        one is tried (on every rank together). Any other error is raised on every rank.
         """
-        for step, path in _publish.list_complete(self.directory):
+        listing = [(step, str(path)) for step, path in list_complete(self.directory)]
+        candidates = _dist.broadcast_object(listing, self.process_group)
+        for step, path in candidates:
             try:
                 return self.load(path, **states)
             except CorruptCheckpointError as exc:
@@ -233,20 +227,17 @@ class CheckpointManager:
             return None
         if resume == "auto":
             return "auto"
-        return check_folder(resume)
+        path = Path(resume)
+        check_folder(path)
+        return path
 
     def _cpu_group(self) -> ProcessGroup | None:
         """A dedicated gloo group for background saves (made on first use, by every rank).
 
-        dcp.async_save needs a CPU backend, and its collectives run in a background thread: on
-        the training group they would interleave with DDP's all-reduces in a different order on
-        each rank and hang (seen with DDP on gloo). torchtitan does the same.
+        dcp.async_save needs a CPU backend, and its collectives run in a background thread.
         """
-        if not _comm.is_distributed(self.process_group):
-            return None
         if self._async_group is None:
-            ranks = dist.get_process_group_ranks(self.process_group or dist.group.WORLD)
-            self._async_group = dist.new_group(ranks=ranks, backend="gloo")
+            self._async_group = _dist.new_gloo_group(self.process_group)
         return self._async_group
 
     def _publish_if_done(self) -> None:
@@ -261,9 +252,11 @@ class CheckpointManager:
         try:
             future.result()
         except CheckpointException as exc:
-            raise RuntimeError(
-                f"asynchronous save into {tmp} failed: {describe_failure(exc)}; "
-                "the previous checkpoints are untouched"
+            if self.is_coordinator:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointSaveError(
+                f"asynchronous save into {tmp} failed: {describe_failure(exc)}; the unfinished "
+                "folder was removed and the previous checkpoints are untouched"
             ) from exc
         # The coordinator's future completes after it has written .metadata, which it does
         # only once every rank's data files are written.

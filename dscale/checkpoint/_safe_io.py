@@ -1,10 +1,15 @@
-"""Load DCP checkpoints without running pickled code.
+"""Read DCP checkpoints without running code from their bytes.
 
 DCP's default reader unpickles ``.metadata`` with ``pickle.load`` and its default planner loads
 every non-tensor value with ``torch.load(weights_only=False)``, so a planted ``__reduce__`` runs
-on every rank (pytorch/pytorch#189308; DCP assumes a trusted environment). Here the metadata goes
-through an unpickler that only knows DCP's metadata classes, and values go through
-``torch.load(weights_only=True)``.
+on every rank (pytorch/pytorch#189308; DCP assumes a trusted environment). Here:
+
+* ``.metadata`` goes through an unpickler that resolves exact ``(module, name)`` pairs only, the
+  globals torch 2.13's FileSystemWriter writes, and refuses dotted names (protocol 4 resolves
+  ``os.system`` inside any allowed module). The result is then checked to be DCP metadata whose
+  storage entries name plain files of the folder.
+* values go through ``torch.load(weights_only=True)``, tensors and non-tensors alike.
+* every refusal is a CheckpointError naming the file.
 """
 
 from __future__ import annotations
@@ -12,62 +17,187 @@ from __future__ import annotations
 import io
 import pathlib
 import pickle
+import re
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint.metadata as dcp_metadata
+from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.filesystem import FileSystemReader
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.filesystem import FileSystemReader, _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.futures import Future
 
 from dscale.checkpoint._errors import CheckpointError
 
-__all__ = ["SafeLoadPlanner", "SafeReader", "load_scaler_file", "read_metadata"]
+__all__ = ["ALLOWED_GLOBALS", "SafeLoadPlanner", "SafeReader", "load_scaler_file", "read_metadata"]
 
-# The globals found in real .metadata files written by torch 2.13's FileSystemWriter.
-_ALLOWED_MODULE_PREFIXES = ("torch.distributed.checkpoint.metadata",)
-_ALLOWED_GLOBALS = {
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "WindowsPath"),
-    ("collections", "OrderedDict"),
+_DTYPES = {name: v for name in dir(torch) if isinstance(v := getattr(torch, name), torch.dtype)}
+
+# Exactly the globals in .metadata files written by torch 2.13 (pickle protocols 2 to 5).
+ALLOWED_GLOBALS: dict[tuple[str, str], Any] = {
+    **{
+        ("torch.distributed.checkpoint.metadata", name): getattr(dcp_metadata, name)
+        for name in (
+            "Metadata",
+            "MetadataIndex",
+            "StorageMeta",
+            "TensorStorageMetadata",
+            "BytesStorageMetadata",
+            "ChunkStorageMetadata",
+            "TensorProperties",
+            "_MEM_FORMAT_ENCODING",
+        )
+    },
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
+    ("torch", "Size"): torch.Size,
+    ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
+    ("pathlib", "PosixPath"): pathlib.PosixPath,
+    ("pathlib._local", "PosixPath"): pathlib.PosixPath,  # how Python 3.13 pickles it
+    **{("torch", name): dtype for name, dtype in _DTYPES.items()},
 }
+
+# What DCP's FileSystemWriter names its data files: __<rank>_<n>.distcp
+DATA_FILE = re.compile(r"^__\d+_\d+\.distcp$")
 
 
 class _MetadataUnpickler(pickle.Unpickler):
-    """An unpickler that resolves only DCP metadata classes, torch dtypes and a few plain types."""
+    """Resolves exact (module, name) pairs from ALLOWED_GLOBALS; nothing is imported."""
 
     def find_class(self, module: str, name: str) -> Any:
-        if module.startswith(_ALLOWED_MODULE_PREFIXES) or (module, name) in _ALLOWED_GLOBALS:
-            return super().find_class(module, name)
-        value = getattr(torch, name, None) if module == "torch" else None
-        if isinstance(value, torch.dtype | torch.memory_format):
-            return value
-        raise pickle.UnpicklingError(
-            f"refusing to load {module}.{name}: not a checkpoint metadata type"
-        )
+        try:
+            return ALLOWED_GLOBALS[(module, name)]
+        except KeyError:
+            raise pickle.UnpicklingError(
+                f"refusing to load {module}.{name}: not a checkpoint metadata type"
+            ) from None
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise pickle.UnpicklingError("refusing a persistent id: not a checkpoint metadata type")
+
+
+def _check_metadata(metadata: Any) -> Metadata:
+    """Raise ValueError unless ``metadata`` is DCP Metadata naming plain files of the folder."""
+    if not isinstance(metadata, Metadata):
+        raise ValueError(f"it holds a {type(metadata).__name__}, not DCP Metadata")
+    if not isinstance(metadata.state_dict_metadata, dict):
+        raise ValueError("state_dict_metadata is not a dict")
+    for key, meta in metadata.state_dict_metadata.items():
+        if not isinstance(key, str) or not isinstance(
+            meta, TensorStorageMetadata | BytesStorageMetadata
+        ):
+            raise ValueError(f"entry {key!r} is a {type(meta).__name__}, not storage metadata")
+    if not isinstance(metadata.storage_data, dict):
+        raise ValueError("storage_data is not a dict")
+    for index, info in metadata.storage_data.items():
+        if not isinstance(index, MetadataIndex) or not isinstance(info, _StorageInfo):
+            raise ValueError(f"storage entry {index!r} is not a DCP storage record")
+        if not isinstance(info.relative_path, str) or not DATA_FILE.match(info.relative_path):
+            raise ValueError(
+                f"storage entry {index.fqn!r} points at {info.relative_path!r}, "
+                "not a __<rank>_<n>.distcp file of this folder"
+            )
+    return metadata
 
 
 class SafeReader(FileSystemReader):
-    """A FileSystemReader whose metadata unpickler refuses anything but DCP metadata types."""
+    """A FileSystemReader whose metadata and values cannot run code; errors name the file."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = self._get_metadata_path(kwargs.get("rank"))
         with self.fs.create_stream(path, "rb") as stream:
-            metadata = _MetadataUnpickler(stream).load()
-        if not isinstance(metadata, Metadata):
-            raise pickle.UnpicklingError(f"{path} does not hold DCP Metadata")
+            metadata = _check_metadata(_MetadataUnpickler(stream).load())
         storage_meta = getattr(metadata, "storage_meta", None) or StorageMeta()
         storage_meta.load_id = self.load_id
         metadata.storage_meta = storage_meta
         return metadata
 
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """DCP's reader loop, one file at a time, so that a refused value names its file.
+
+        A loaded tensor that fills a whole plain CPU target is adopted instead of copied (see
+        SafeLoadPlanner.adopt): the empty copies we load into are then never touched.
+        """
+        per_file: dict[str, list[ReadItem]] = {}
+        for item in plan.items:
+            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(
+                item
+            )
+        for relative_path, items in per_file.items():
+            path = pathlib.Path(self.path) / relative_path
+            try:
+                self._read_file(path, items, planner)
+            except Exception as exc:
+                raise CheckpointError(
+                    f"{path} holds a value that cannot be loaded as plain data "
+                    f"({type(exc).__name__}: {exc}); nothing was changed"
+                ) from exc
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+
+    def _read_file(self, path: pathlib.Path, items: list[ReadItem], planner: LoadPlanner) -> None:
+        with self.fs.create_stream(path, "rb") as stream:
+            for item in items:
+                info = self.storage_data[item.storage_index]
+                raw = self.transforms.transform_load_stream(
+                    item, info.transform_descriptors or (), self._slice_file(stream, info)
+                )
+                if item.type == LoadItemType.BYTE_IO:
+                    planner.load_bytes(item, io.BytesIO(raw.read(-1)))
+                    continue
+                seekable = raw if raw.seekable() else io.BytesIO(raw.read(-1))
+                loaded = torch.load(seekable, map_location="cpu", weights_only=True)
+                if not isinstance(loaded, torch.Tensor):
+                    raise TypeError(f"a tensor record holds a {type(loaded).__name__}")
+                tensor = narrow_tensor_by_index(loaded, item.storage_offsets, item.lengths)
+                if isinstance(planner, SafeLoadPlanner) and planner.adopt(item, tensor):
+                    continue
+                target = planner.resolve_tensor(item).detach()
+                if target.size() != tensor.size():
+                    raise ValueError(f"size {tuple(tensor.size())} != {tuple(target.size())}")
+                target.copy_(tensor)
+                planner.commit_tensor(item, target)
+
 
 class SafeLoadPlanner(DefaultLoadPlanner):
-    """A DefaultLoadPlanner that loads non-tensor values with ``weights_only=True``."""
+    """A DefaultLoadPlanner that loads non-tensor values with ``weights_only=True``.
+
+    Used only with staged state dicts (fresh empty tensors, see ``_staging.py``), so a loaded
+    tensor may replace its target instead of being copied into it.
+    """
+
+    def adopt(self, item: ReadItem, tensor: torch.Tensor) -> bool:
+        """Put ``tensor`` in place of a whole plain CPU target of the same shape and dtype."""
+        target = self.state_dict.get(item.dest_index.fqn)  # not a DTensor's local shard
+        if not isinstance(target, torch.Tensor):
+            return False
+        whole = all(o == 0 for o in item.dest_offsets) and tuple(item.lengths) == tuple(
+            target.shape
+        )
+        if not (
+            whole
+            and type(target) is torch.Tensor
+            and target.device.type == "cpu"
+            and tensor.dtype == target.dtype
+            and tensor.shape == target.shape
+        ):
+            return False
+        fqn = item.dest_index.fqn
+        if self.flatten_state_dict and not _replace_leaf(
+            self.original_state_dict, self.mappings[fqn], target, tensor
+        ):
+            return False
+        self.state_dict[fqn] = tensor
+        return True
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         obj = torch.load(value, weights_only=True)
@@ -75,6 +205,34 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:
             self.state_dict[read_item.dest_index.fqn] = obj
+
+
+def _replace_leaf(root: Any, path: tuple[Any, ...], old: torch.Tensor, new: torch.Tensor) -> bool:
+    """Put ``new`` where ``old`` sits at ``path``; False if it is not there.
+
+    DCP's flattened paths hold dict keys as strings ('0' for an optimizer's int key 0), so
+    each step accepts either form.
+    """
+    node = root
+    for i, key in enumerate(path):
+        if isinstance(node, dict):
+            if key not in node and isinstance(key, str) and key.isdigit():
+                key = int(key)
+            if key not in node:
+                return False
+        elif isinstance(node, list):
+            key = int(key)
+            if not 0 <= key < len(node):
+                return False
+        else:
+            return False
+        if i == len(path) - 1:
+            if node[key] is not old:
+                return False
+            node[key] = new
+            return True
+        node = node[key]
+    return False
 
 
 def read_metadata(path: pathlib.Path) -> Metadata:
@@ -85,7 +243,10 @@ def read_metadata(path: pathlib.Path) -> Metadata:
     try:
         return SafeReader(path).read_metadata()
     except Exception as exc:
-        raise CheckpointError(f"{file} cannot be read ({type(exc).__name__}: {exc})") from exc
+        raise CheckpointError(
+            f"{file} cannot be read as checkpoint metadata ({type(exc).__name__}: {exc}); "
+            "nothing was loaded"
+        ) from exc
 
 
 def load_scaler_file(scaler: Any, path: str | pathlib.Path) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import random
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -21,11 +22,20 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.checkpoint.stateful import Stateful
 
-from dscale.checkpoint import _comm
+from dscale import _dist
 from dscale.checkpoint._errors import ScaleMismatchError
 
-__all__ = ["ModelState", "OptimizerState", "ScalerState", "TrainState", "placeholders"]
+__all__ = [
+    "ModelState",
+    "OptimizerState",
+    "ScalerState",
+    "TrainState",
+    "build_states",
+    "placeholders",
+    "scaler_update",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +46,7 @@ AGREEMENT_KEYS = ("scale", "_growth_tracker", "_hysteresis_tracker")
 def _per_rank(local: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """A ``[world, *local.shape]`` tensor whose row r is rank r's ``local``."""
     row = local.detach().cpu().unsqueeze(0)
-    if not _comm.is_distributed(group):
+    if not _dist.is_distributed(group):
         return row
     from torch.distributed import group as groups
     from torch.distributed.device_mesh import DeviceMesh
@@ -99,19 +109,14 @@ class ScalerState:
 
     Saved keys: ``values.<key>`` for every numeric entry of ``scaler.state_dict()`` (float64,
     int64 or bool scalars), and ``per_rank.<key>`` for scale and trackers, one row per rank.
-    Loading checks that the saved rows agree before touching the scaler.
+    Loading goes through :func:`scaler_update`, which checks before anything changes.
     """
 
-    def __init__(
-        self, scaler: Any, group: ProcessGroup | None, metadata: Metadata | None = None
-    ) -> None:
+    def __init__(self, scaler: Any, group: ProcessGroup | None) -> None:
         self.scaler = scaler
         self.group = group
-        self.metadata = metadata
 
     def state_dict(self) -> dict[str, Any]:
-        if self.metadata is not None:
-            return placeholders(self.metadata, "scaler")
         values: dict[str, torch.Tensor] = {}
         for key, value in self.scaler.state_dict().items():
             if isinstance(value, bool):
@@ -128,19 +133,35 @@ class ScalerState:
         return {"values": values, "per_rank": per_rank}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        check_saved_agreement(state_dict.get("per_rank", {}))
-        values = state_dict.get("values", {})
-        if not values:
-            return  # saved from a disabled scaler
-        current = self.scaler.state_dict()
-        for key, tensor in values.items():
-            if tensor.dtype == torch.bool:
-                current[key] = bool(tensor)
-            elif tensor.is_floating_point():
-                current[key] = float(tensor)
-            else:
-                current[key] = int(tensor)
-        self.scaler.load_state_dict(current)
+        state = scaler_update(self.scaler, state_dict)
+        if state is not None:
+            self.scaler.load_state_dict(state)
+
+
+def scaler_update(scaler: Any, saved: dict[str, Any]) -> dict[str, Any] | None:
+    """The state dict ``scaler`` will hold after loading ``saved``; None if nothing is saved.
+
+    Checks, without changing ``scaler``, that the saving ranks agreed and that the scaler
+    accepts the result (dscale's scaler validates it completely; torch's takes any values).
+    """
+    check_saved_agreement(saved.get("per_rank", {}))
+    values = saved.get("values", {})
+    if not values:
+        return None  # saved from a disabled scaler
+    state = scaler.state_dict()
+    for key, tensor in values.items():
+        if tensor.dtype == torch.bool:
+            state[key] = bool(tensor)
+        elif tensor.is_floating_point():
+            state[key] = float(tensor)
+        else:
+            state[key] = int(tensor)
+    policy = getattr(scaler, "_policy", None)
+    if policy is not None and scaler.is_enabled():
+        from dscale import _state
+
+        _state.from_state_dict(state, policy)  # raises ValueError; changes nothing
+    return state
 
 
 def check_saved_agreement(per_rank: dict[str, torch.Tensor]) -> None:
@@ -183,14 +204,11 @@ class TrainState:
     there is no rank to take them from, and a log line says so.
     """
 
-    def __init__(self, step: int, group: ProcessGroup | None, metadata: Metadata | None = None):
+    def __init__(self, step: int, group: ProcessGroup | None):
         self.step = step
         self.group = group
-        self.metadata = metadata
 
     def state_dict(self) -> dict[str, Any]:
-        if self.metadata is not None:
-            return placeholders(self.metadata, "train")
         py_state, py_gauss = _python_rng_rows()
         rng = {
             "torch_cpu": _per_rank(torch.get_rng_state(), self.group),
@@ -201,14 +219,14 @@ class TrainState:
             rng["cuda"] = _per_rank(torch.cuda.get_rng_state(), self.group)
         return {
             "step": torch.tensor(self.step, dtype=torch.int64),
-            "world_size": torch.tensor(_comm.world_size(self.group), dtype=torch.int64),
+            "world_size": torch.tensor(_dist.world_size(self.group), dtype=torch.int64),
             "rng": rng,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.step = int(state_dict["step"])
         saved_world = int(state_dict["world_size"])
-        world, me = _comm.world_size(self.group), _comm.rank(self.group)
+        world, me = _dist.world_size(self.group), _dist.rank(self.group)
         if saved_world != world:
             logger.info(
                 "RNG states not restored: saved by %d ranks, loading on %d", saved_world, world
@@ -221,3 +239,51 @@ class TrainState:
             _set_python_rng(rng["python"][me], rng["python_gauss"][me])
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"][me].to(torch.uint8).clone())
+
+
+_RESERVED = ("scaler", "train", "model", "optimizer")
+
+
+def build_states(
+    *,
+    step: int,
+    model: torch.nn.Module | None,
+    optimizer: Any,
+    scaler: Any,
+    extra: Mapping[str, Any] | None,
+    group: ProcessGroup | None,
+) -> dict[str, Any]:
+    """The top-level DCP state dict of Statefuls; checks the arguments first."""
+    states: dict[str, Any] = {}
+    if scaler is not None:
+        states["scaler"] = ScalerState(scaler, group)
+    states["train"] = TrainState(step, group)
+    if model is not None:
+        states["model"] = ModelState(model)
+    if isinstance(optimizer, torch.optim.Optimizer):
+        if model is None:
+            raise ValueError(
+                "optimizer was given without model; pass model=... too, since optimizer state "
+                "is stored under parameter names so that it reshards with the model"
+            )
+        states["optimizer"] = OptimizerState(model, optimizer)
+    elif optimizer is not None:
+        if not isinstance(optimizer, Stateful):
+            raise TypeError(
+                f"optimizer must be a torch.optim.Optimizer or have state_dict() and "
+                f"load_state_dict() (like dscale.FP16Optimizer), got {type(optimizer).__name__}"
+            )
+        states["optimizer"] = optimizer
+    for name, value in (extra or {}).items():
+        if name in _RESERVED or "." in name:
+            raise ValueError(
+                f"extra has the key {name!r}, which is reserved or contains a dot; "
+                f"rename it (reserved: {', '.join(_RESERVED)})"
+            )
+        if not isinstance(value, Stateful):
+            raise TypeError(
+                f"extra[{name!r}] must have state_dict() and load_state_dict(), "
+                f"got {type(value).__name__}"
+            )
+        states[name] = value
+    return states

@@ -55,3 +55,17 @@ def optim_state(model: torch.nn.Module, opt: Any) -> dict[str, Any]:
 
     sd = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
     return {k: {n: t.clone() for n, t in v.items()} for k, v in sd["state"].items()}
+
+
+def reseal(folder) -> None:
+    """Rewrite the checksum manifest for the folder's current files, as an attacker could."""
+    from dscale.checkpoint._hashing import file_digest
+    from dscale.checkpoint._layout import MANIFESTS, find_manifest
+
+    manifest = find_manifest(folder)
+    lines = [
+        f"{file_digest(f, MANIFESTS[manifest.name])}  {f.name}\n"
+        for f in sorted(folder.iterdir())
+        if f.is_file() and f.name not in MANIFESTS
+    ]
+    manifest.write_text("".join(lines))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,7 @@ from dscale.checkpoint import (
     _publish,
     load_checkpoint,
 )
-from dscale.checkpoint._verify import verify_scaler_agreement
+from dscale.checkpoint._load import agree_on_scaler
 from tests.checkpoint._helpers import make_model, make_scaler, optim_state, params, train
 
 
@@ -83,11 +84,12 @@ def save_then_check_failures(rank: int, world: int, root: str, strategy: str) ->
     scaler.load_state_dict(state)
     live_error = None
     try:
-        verify_scaler_agreement(scaler, None)
+        agree_on_scaler(scaler.state_dict(), None)
     except ScaleMismatchError as exc:
         live_error = str(exc)
     CheckpointManager(f"{root}/split").save(4, model=model, optimizer=opt, scaler=scaler)
     fresh_model, fresh_opt, fresh_scaler = _pieces(strategy, seed=7)
+    before_refusals = params(fresh_model)
     saved_error = None
     try:
         load_checkpoint(
@@ -95,9 +97,10 @@ def save_then_check_failures(rank: int, world: int, root: str, strategy: str) ->
         )
     except ScaleMismatchError as exc:
         saved_error = str(exc)
-    # A corrupt shard that only one rank's share of the checksum work covers.
+    # A corrupt shard (in a copy) that only one rank's share of the checksum work covers.
     if rank == 0:
-        shard = Path(f"{root}/split/step-4/__1_0.distcp")
+        shutil.copytree(f"{root}/split/step-4", f"{root}/corrupt/step-4")
+        shard = Path(f"{root}/corrupt/step-4/__1_0.distcp")
         data = bytearray(shard.read_bytes())
         data[len(data) // 2] ^= 0xFF
         shard.write_bytes(bytes(data))
@@ -105,16 +108,19 @@ def save_then_check_failures(rank: int, world: int, root: str, strategy: str) ->
     corrupt_error = None
     try:
         load_checkpoint(
-            f"{root}/split/step-4", model=fresh_model, optimizer=fresh_opt, scaler=fresh_scaler
+            f"{root}/corrupt/step-4", model=fresh_model, optimizer=fresh_opt, scaler=fresh_scaler
         )
     except CorruptCheckpointError as exc:
         corrupt_error = str(exc)
+    after = params(fresh_model)
+    unchanged = all(torch.equal(before_refusals[k], v) for k, v in after.items())
     return {
         "reference": reference,
         "live_error": live_error,
         "saved_error": saved_error,
         "corrupt_error": corrupt_error,
         "scale_after_failed_load": fresh_scaler.get_scale(),
+        "unchanged_after_refusals": unchanged,
         "publish_error": publish_error,
         "resumed_step": resumed_step,
         "rng_restored": rng_restored,
@@ -180,3 +186,76 @@ def async_saves(rank: int, world: int, root: str) -> dict[str, Any]:
         "ddp": ddp_async_save(rank, world, f"{root}/ddp"),
         "fsdp1": fsdp1_async_then_ddp(rank, world, f"{root}/fsdp1"),
     }
+
+
+def one_choice_for_all_ranks(rank: int, world: int, root: str) -> dict[str, Any]:
+    """resume("auto") when rank 1 sees another listing, and loads that one rank cannot read."""
+    from dscale.checkpoint import CheckpointError, _hashing, _load, _manager
+
+    # Which files this rank sums, while writing (streams) and by reading (file_digest).
+    hashed: dict[str, list[str]] = {"written": [], "read": []}
+    real_stream, real_file = _hashing._HashingStream.__init__, _hashing.file_digest
+
+    def recording_stream(self, raw, errors):
+        hashed["written"].append(Path(raw.name).name)
+        real_stream(self, raw, errors)
+
+    def recording_file(file, algorithm="crc32"):
+        hashed["read"].append(Path(file).name)
+        return real_file(file, algorithm)
+
+    _hashing._HashingStream.__init__ = recording_stream
+    _hashing.file_digest = recording_file
+    model, opt, scaler = _pieces("plain")
+    ckpt = CheckpointManager(root, keep=3)
+    for step in (2, 4):
+        train(model, opt, scaler, 1, seed=step)
+        ckpt.save(step, model=model, optimizer=opt, scaler=scaler)
+    out: dict[str, Any] = {"hashed_on_save": hashed}
+    hashed = {"written": [], "read": []}
+
+    # Rank 1's view of the folder lags (a network filesystem): it sees step-2 only.
+    real_list = _manager.list_complete
+    if rank == 1:
+        _manager.list_complete = lambda root: [p for p in real_list(root) if p[0] == 2]
+    fresh, fresh_opt, fresh_scaler = _pieces("plain", seed=5)
+    out["auto_step"] = CheckpointManager(root).resume(
+        "auto", model=fresh, optimizer=fresh_opt, scaler=fresh_scaler
+    )
+    out["auto_params"] = params(fresh)
+    _manager.list_complete = real_list
+    out["hashed_on_load"] = hashed
+    _hashing._HashingStream.__init__, _hashing.file_digest = real_stream, real_file
+
+    # Rank 1 cannot read the metadata, then cannot read a data file.
+    def unreadable(path):
+        raise PermissionError(13, "Permission denied", str(path / ".metadata"))
+
+    def unreadable_data(self, plan, planner):
+        raise OSError(5, "Input/output error", str(self.path))
+
+    real_read = _load.read_metadata
+    from dscale.checkpoint._safe_io import SafeReader
+
+    real_read_data = SafeReader.read_data
+    for name in ("metadata", "data"):
+        if rank == 1 and name == "metadata":
+            _load.read_metadata = unreadable
+        if rank == 1 and name == "data":
+            SafeReader.read_data = unreadable_data
+        fresh, fresh_opt, fresh_scaler = _pieces("plain", seed=6)
+        before = params(fresh)
+        try:
+            CheckpointManager(root).resume(
+                "auto", model=fresh, optimizer=fresh_opt, scaler=fresh_scaler
+            )
+            out[name] = None
+        except CheckpointError as exc:
+            out[name] = (type(exc).__name__, str(exc))
+        out[f"{name}_unchanged"] = (
+            all(torch.equal(before[k], v) for k, v in params(fresh).items())
+            and fresh_scaler.get_scale() == 8.0
+        )
+        _load.read_metadata = real_read
+        SafeReader.read_data = real_read_data
+    return out

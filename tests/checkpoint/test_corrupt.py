@@ -17,8 +17,8 @@ from dscale.checkpoint import (
     CorruptCheckpointError,
     load_checkpoint,
 )
-from dscale.checkpoint._publish import MANIFEST, publish
-from tests.checkpoint._helpers import make_model, make_scaler, params, train
+from dscale.checkpoint._layout import MANIFEST
+from tests.checkpoint._helpers import make_model, make_scaler, params, reseal, train
 
 
 def _saved(tmp_path, steps=(2, 4)):
@@ -43,12 +43,7 @@ def _flip_byte(file: pathlib.Path) -> None:
     file.write_bytes(bytes(data))
 
 
-def _reseal(folder: pathlib.Path) -> None:
-    """Rewrite the manifest as an attacker who controls the folder would."""
-    tmp = folder.with_name(".resealed.tmp")
-    folder.rename(tmp)
-    (tmp / MANIFEST).unlink()
-    publish(tmp, folder)
+_reseal = reseal
 
 
 def _truncate(file: pathlib.Path) -> None:
@@ -61,7 +56,7 @@ def test_damaged_data_file_is_detected_and_auto_resume_falls_back(tmp_path, capl
     damage(tmp_path / "step-4" / "__0_0.distcp")
     model, opt, scaler = _fresh()
 
-    with pytest.raises(CorruptCheckpointError, match=r"step-4/__0_0\.distcp is corrupt: sha256"):
+    with pytest.raises(CorruptCheckpointError, match=r"step-4/__0_0\.distcp is corrupt: crc32"):
         load_checkpoint(tmp_path / "step-4", model=model, optimizer=opt, scaler=scaler)
     with caplog.at_level(logging.WARNING, logger="dscale.checkpoint"):
         step = CheckpointManager(tmp_path).resume("auto", model=model, optimizer=opt, scaler=scaler)
@@ -90,7 +85,7 @@ def test_missing_folder_and_unpublished_folder_are_named(tmp_path):
         CheckpointManager(tmp_path).resume(tmp_path / "scaler.pt", model=_fresh()[0])
     _saved(tmp_path, steps=(2,))
     (tmp_path / "step-2" / MANIFEST).unlink()
-    with pytest.raises(CheckpointError, match=r"checksums\.sha256 is missing"):
+    with pytest.raises(CheckpointError, match=r"step-2 is a DCP checkpoint without checksums"):
         load_checkpoint(tmp_path / "step-2", model=_fresh()[0])
 
 
@@ -157,3 +152,24 @@ def test_pickled_payload_in_metadata_does_not_run_on_load(tmp_path):
     with pytest.raises(CheckpointError, match=r"\.metadata cannot be read .*refusing to load"):
         load_checkpoint(tmp_path / "step-2", model=_fresh()[0])
     assert not marker.exists()
+
+
+def test_a_version_1_checkpoint_with_a_sha256_manifest_still_loads_and_is_verified(tmp_path):
+    """Folders written before dscale.json and CRC32 (format version 1) keep working."""
+    import hashlib
+
+    model, _, _ = _saved(tmp_path, steps=(2,))
+    folder = tmp_path / "step-2"
+    (folder / "dscale.json").unlink()
+    (folder / "checksums.crc32").unlink()
+    lines = [
+        f"{hashlib.sha256(f.read_bytes()).hexdigest()}  {f.name}\n"
+        for f in sorted(folder.iterdir())
+    ]
+    (folder / "checksums.sha256").write_text("".join(lines))
+    fresh = _fresh()[0]
+    assert CheckpointManager(tmp_path).resume("auto", model=fresh) == 2
+    assert all(torch.equal(params(model)[k], v) for k, v in params(fresh).items())
+    _flip_byte(folder / "__0_0.distcp")
+    with pytest.raises(CorruptCheckpointError, match=r"__0_0\.distcp is corrupt: sha256"):
+        load_checkpoint(folder, model=fresh)

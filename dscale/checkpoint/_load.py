@@ -1,0 +1,242 @@
+"""Load one checkpoint: check everything, then change anything.
+
+1. Inspect (each rank, no collective): the folder's format and version, the manifest, the
+   metadata (safe unpickler), and that the model's and optimizer's keys match.
+2. Read (DCP) into empty copies of the states while each rank hashes its share of the files.
+3. Check what was read: checksums, the saving ranks' scaler rows, the scaler accepting it, and
+   every rank ending with the same scale.
+4. Apply: model, optimizer, scaler, extras, RNG.
+
+After each of steps 1 to 3 every rank learns every rank's result, so a problem on one rank
+raises the same error on all of them (no hang), and a refused load changes nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed import ProcessGroup
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
+from dscale import _dist
+from dscale.checkpoint._errors import (
+    ERROR_TYPES,
+    CheckpointError,
+    CorruptCheckpointError,
+    ScaleMismatchError,
+    describe_failure,
+)
+from dscale.checkpoint._hashing import verify_share
+from dscale.checkpoint._layout import check_folder, read_format, read_manifest
+from dscale.checkpoint._quiet import quiet_single_process
+from dscale.checkpoint._safe_io import SafeLoadPlanner, SafeReader, read_metadata
+from dscale.checkpoint._staging import empty_copy
+from dscale.checkpoint._states import (
+    AGREEMENT_KEYS,
+    ModelState,
+    OptimizerState,
+    TrainState,
+    build_states,
+    placeholders,
+    scaler_update,
+)
+
+__all__ = ["load_checkpoint"]
+
+logger = logging.getLogger(__name__)
+
+# The manifest's algorithm and its (digest, name) entries for the data files.
+_Sums = tuple[str, list[tuple[str, str]]]
+
+
+def _check_keys(path: Path, metadata: Metadata, name: str, staged: Any) -> None:
+    """Raise CheckpointError when the checkpoint holds other entries than the model/optimizer.
+
+    DCP ignores saved entries that the object being loaded lacks, so without this a
+    checkpoint of a bigger model, or an optimizer of another kind, would load partially.
+    """
+    flat, _ = flatten_state_dict({name: staged})
+    here = set(flat)
+    there = {k for k in metadata.state_dict_metadata if k.split(".", 1)[0] == name}
+    if not there:
+        raise CheckpointError(f"{path} has no {name} state; it was saved without {name}=...")
+    lacking, missing = sorted(there - here), sorted(here - there)
+    parts = []
+    if missing:
+        parts.append(
+            f"{len(missing)} entries are not in the checkpoint (e.g. {', '.join(missing[:3])})"
+        )
+    if lacking:
+        parts.append(
+            f"{len(lacking)} saved entries have no place in the {name} "
+            f"being loaded (e.g. {', '.join(lacking[:3])})"
+        )
+    for key in sorted(here & there):
+        saved, value = metadata.state_dict_metadata[key], flat[key]
+        size = getattr(saved, "size", None)
+        if size is not None and isinstance(value, torch.Tensor) and value.shape != size:
+            parts.append(f"{key} has shape {tuple(size)} there and {tuple(value.shape)} here")
+            break
+    if parts:
+        hint = (
+            "is it a checkpoint of another model?"
+            if name == "model"
+            else "is the optimizer's state initialized (one step taken), and is it of the same "
+            "kind over the same parameters?"
+        )
+        raise CheckpointError(f"{path} does not match the {name}: {'; '.join(parts)}; {hint}")
+
+
+def _stage(path: Path, states: Mapping[str, Any], metadata: Metadata) -> dict[str, Any]:
+    """Empty copies of every state to load into; checks model and optimizer keys."""
+    staged: dict[str, Any] = {}
+    saved = metadata.state_dict_metadata
+    for name, state in states.items():
+        if name == "scaler":
+            if not any(k.startswith("scaler.") for k in saved):
+                logger.warning("%s holds no scaler state; the scaler keeps its current state", path)
+                continue
+            staged[name] = placeholders(metadata, "scaler")
+        elif name == "train":
+            staged[name] = placeholders(metadata, "train")
+        else:
+            staged[name] = empty_copy(state.state_dict())
+            if name in ("model", "optimizer"):
+                _check_keys(path, metadata, name, staged[name])
+    return staged
+
+
+def _inspect(path: Path, states: Mapping[str, Any]) -> tuple[_Sums, dict[str, Any]]:
+    check_folder(path)
+    algorithm, entries = read_manifest(path)
+    # The small files every rank reads before any data: checked here, by every rank.
+    small = [(digest, name) for digest, name in entries if not name.startswith("__")]
+    corrupt = verify_share(path, small, 0, 1, algorithm)
+    if corrupt is not None:
+        raise CorruptCheckpointError(corrupt)
+    read_format(path)
+    metadata = read_metadata(path)
+    data = [(digest, name) for digest, name in entries if name.startswith("__")]
+    return (algorithm, data), _stage(path, states, metadata)
+
+
+def _read(path: Path, staged: dict[str, Any], sums: _Sums, group: Any) -> None:
+    """DCP-load into ``staged`` while this rank hashes its share; raise what went wrong."""
+    with ThreadPoolExecutor(1, thread_name_prefix="dscale-verify") as pool:
+        algorithm, entries = sums
+        hashing = pool.submit(
+            verify_share, path, entries, _dist.rank(group), _dist.world_size(group), algorithm
+        )
+        read_error: CheckpointError | None = None
+        try:
+            with quiet_single_process():
+                dcp_load(
+                    staged,
+                    storage_reader=SafeReader(path),
+                    planner=SafeLoadPlanner(),
+                    process_group=group,
+                    no_dist=not _dist.is_distributed(group),
+                )
+        except CheckpointException as exc:
+            read_error = CheckpointError(f"loading {path} failed: {describe_failure(exc)}")
+        corrupt = hashing.result()
+    if corrupt is not None:
+        raise CorruptCheckpointError(corrupt)
+    if read_error is not None:
+        raise read_error
+
+
+def agree_on_scaler(state: dict[str, Any] | None, group: Any) -> None:
+    """Raise ScaleMismatchError on every rank unless all ranks will hold the same scale."""
+    if state is None:
+        return
+    keys = [k for k in AGREEMENT_KEYS if k in state]
+    rows = _dist.all_gather_floats([float(state[k]) for k in keys], group)
+    if all(row == rows[0] for row in rows):
+        return
+    listed = "; ".join(
+        f"rank {r}: " + ", ".join(f"{k}={v:g}" for k, v in zip(keys, row, strict=True))
+        for r, row in enumerate(rows)
+    )
+    raise ScaleMismatchError(
+        f"after loading, ranks would hold different scaler states ({listed}); every rank must "
+        "load the same checkpoint into a scaler built with the same arguments"
+    )
+
+
+def _apply(states: Mapping[str, Any], staged: dict[str, Any], scaler_state: Any) -> int:
+    for name, state in states.items():
+        if name not in staged or name in ("scaler", "train"):
+            continue
+        if isinstance(state, ModelState):
+            set_model_state_dict(state.model, staged[name])
+        elif isinstance(state, OptimizerState):
+            set_optimizer_state_dict(state.model, state.optimizer, staged[name])
+        else:
+            state.load_state_dict(staged[name])
+    if scaler_state is not None:
+        states["scaler"].scaler.load_state_dict(scaler_state)
+    train: TrainState = states["train"]
+    train.load_state_dict(staged["train"])
+    return train.step
+
+
+def load_checkpoint(
+    path: str | Path,
+    *,
+    model: torch.nn.Module | None = None,
+    optimizer: Any = None,
+    scaler: Any = None,
+    extra: Mapping[str, Any] | None = None,
+    process_group: ProcessGroup | None = None,
+) -> int:
+    """Load one published checkpoint folder and return its step; a refused one changes nothing.
+
+    Every rank calls this with the same path. Nothing (model, optimizer, scaler, extras, RNG)
+    changes until every check has passed on every rank.
+
+    Raises:
+        CheckpointError: missing folder, another format, unreadable or non-matching checkpoint,
+            or a value that is not plain data; raised on every rank.
+        CorruptCheckpointError: a file does not match its checksum.
+        ScaleMismatchError: the ranks' scaler states differ (as saved, or as they would load).
+    """
+    path, group = Path(path), process_group
+    states = build_states(
+        step=0, model=model, optimizer=optimizer, scaler=scaler, extra=extra, group=group
+    )
+    problem: BaseException | None = None
+    sums: _Sums = ("crc32", [])
+    staged: dict[str, Any] = {}
+    try:
+        sums, staged = _inspect(path, states)
+    except CheckpointError as exc:
+        problem = exc
+    except Exception as exc:
+        problem = CheckpointError(f"{path} cannot be read ({type(exc).__name__}: {exc})")
+    _dist.gather_then_raise(problem, group, f"checking {path}", ERROR_TYPES)
+
+    scaler_state = None
+    try:
+        _read(path, staged, sums, group)
+        if "scaler" in staged:
+            scaler_state = scaler_update(scaler, staged["scaler"])
+    except (CheckpointError, ScaleMismatchError) as exc:
+        problem = exc
+    except Exception as exc:
+        problem = CheckpointError(f"{path} cannot be loaded ({type(exc).__name__}: {exc})")
+    _dist.gather_then_raise(problem, group, f"loading {path}", ERROR_TYPES)
+    agree_on_scaler(scaler_state, group)
+
+    step = _apply(states, staged, scaler_state)
+    logger.info("loaded checkpoint %s (step %d) on rank %d", path, step, _dist.rank(group))
+    return step
