@@ -82,12 +82,20 @@ def test_a_choice_outside_the_schema_fails_at_composition_listing_the_choices(
 def test_checkpoint_values_the_library_takes_are_accepted(tmp_path: Path) -> None:
     # The library's rules, not stricter copies: every=0 saves only at the end, "never" and ""
     # mean a fresh start, and a folder is made absolute for workers that start elsewhere.
-    (tmp_path / "step-5").mkdir()
+    import torch
+
+    from dscale.checkpoint import CheckpointManager
+
+    CheckpointManager(tmp_path, every=5).save(5, model=torch.nn.Linear(2, 1))
     for override in ("checkpoint.every=0", "checkpoint.resume=never", "checkpoint.resume=''"):
         validate(_job("metrics.enabled=false", override))
     job = _job("metrics.enabled=false", f"checkpoint.resume={tmp_path}/./step-5")
     validate(job)
     assert job.checkpoint.resume == str(tmp_path / "step-5")
+    # The library's folder check runs before any worker starts: an empty folder is refused.
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="is empty"):
+        validate(_job("metrics.enabled=false", f"checkpoint.resume={tmp_path}/empty"))
 
 
 def test_scaler_message_is_the_librarys_own(tmp_path: Path) -> None:
