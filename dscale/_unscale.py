@@ -83,6 +83,18 @@ def combine_flags(flags: list[torch.Tensor], device: torch.device) -> torch.Tens
     """Sum per-device flags onto ``device`` (a fresh zero flag when this rank holds no grads)."""
     total = torch.zeros((), dtype=torch.float32, device=device)
     for flag in flags:
-        non_blocking = not (flag.device.type != "cpu" and device.type == "cpu")
-        total += flag.to(device, non_blocking=non_blocking)
+        total += copy_to(flag, device)
     return total
+
+
+def copy_to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``tensor`` on ``device``, safe to read on the host as soon as this returns.
+
+    Host-to-device and device-to-device copies are non-blocking (stream-ordered). A device-to-host
+    copy is blocking: a non_blocking one returns before the data lands, and the host (gloo, a
+    CPU-side step counter, a CPU-offloaded grad) would read memory not yet written.
+    """
+    if tensor.device == device:
+        return tensor
+    to_host = tensor.device.type != "cpu" and device.type == "cpu"
+    return tensor.to(device, non_blocking=not to_host)
