@@ -20,7 +20,8 @@ except ImportError:  # torch builds without distributed
 GradGroups = dict[torch.device, dict[torch.dtype, list[torch.Tensor]]]
 
 
-def _local(grad: torch.Tensor) -> torch.Tensor:
+def local_tensor(grad: torch.Tensor) -> torch.Tensor:
+    """The rank-local tensor of ``grad`` (its local shard for a DTensor)."""
     if DTensor is not None and isinstance(grad, DTensor):
         return grad._local_tensor
     return grad
@@ -39,7 +40,7 @@ def optimizer_grads(
             grad = param.grad
             if grad is None or (skip is not None and id(param) in skip):
                 continue
-            grad = _local(grad)
+            grad = local_tensor(grad)
             if grad.is_sparse:
                 # Duplicate indices add up on coalesce and may overflow then, so check coalesced.
                 if grad.dtype is torch.float16:

@@ -177,6 +177,7 @@ class GradScaler:
         self._updates_since_stuck_check = 0
         self._hooks = ReductionHooks()
         self._scale_range: _agreement.ScaleRange | None = None
+        self._scale_calls = 0
 
     # ----------------------------------------------------------------- device state
     def _scale_on(self, device: torch.device) -> torch.Tensor:
@@ -203,6 +204,7 @@ class GradScaler:
         """Multiply a tensor, or nested lists/tuples of tensors, by the scale."""
         if not self._enabled:
             return outputs
+        self._scale_calls += 1  # attach()'s hooks refuse a backward with no scale() before it
         if isinstance(outputs, torch.Tensor):
             scale = self._scale_on(outputs.device)
             warn_if_scaling_is_not_needed(outputs)
@@ -246,24 +248,28 @@ class GradScaler:
     def _check(
         self, optimizer: torch.optim.Optimizer, state: _OptimizerState, *, unscale: bool
     ) -> bool:
-        """Check (and unscale) ``optimizer``'s grads; True when they are unscaled afterwards."""
+        """Grads -> observers -> flag -> agree; True when the grads are unscaled afterwards.
+
+        The hooks report which of ``optimizer``'s grads they already unscaled and checked (and
+        whether their flag is global); this rank's pass takes the rest, and the agreement
+        vector goes out once, unless the hooks' flag already covers everything on every rank.
+        """
         scale = self._require_scale("unscale_")
-        hook_flag = self._hooks.take_flag(scale.device)
-        if hook_flag is not None:
-            unscale = True  # the hook unscaled its grads; the others must match them
-        grads = optimizer_grads(optimizer, self._hooks.params if hook_flag is not None else None)
+        group = self._process_group()
+        report = self._hooks.report(optimizer, group, scale.device)
+        unscale = unscale or report.unscaled  # the pass must match what the hooks did
+        grads = optimizer_grads(optimizer, set(report.covered))
         for observer in self._observers:
             observer.on_grads(optimizer, grads, scale)
         # The reciprocal in fp64, as torch does: fp32 division can be imprecise.
         inv_scale = scale.double().reciprocal().float() if unscale else torch.ones_like(scale)
-        group = self._process_group()
-        if hook_flag is not None and self._hooks.flag_is_global_for(optimizer):
-            group = None  # DDP's own all-reduce already made the flag global
+        if report.is_global:
+            group = None  # DDP's own all-reduce over a group covering ours made the flag global
         device = scale.device if group is None else _dist.flag_device(group, scale.device)
         with torch.no_grad():
             flag = check_and_unscale_(group_by_device_and_dtype(grads), inv_scale, device)
-            if hook_flag is not None:
-                flag += copy_to(hook_flag, device)
+            if report.flag is not None:
+                flag += copy_to(report.flag, device)
             state.agreed = _agreement.agreement_vector(flag, copy_to(scale, device))
         state.over_group = group is not None
         state.work = None if group is None else _agreement.all_reduce_flag(state.agreed, group)
@@ -281,7 +287,9 @@ class GradScaler:
         parameters. Call once, before the first backward.
         """
         if self._enabled:
-            self._hooks.attach(model, lambda: self._require_scale("backward"))
+            self._hooks.attach(
+                model, lambda: self._require_scale("backward"), lambda: self._scale_calls
+            )
 
     def _agreed(self, state: _OptimizerState) -> torch.Tensor:
         """The agreed vector of ``state`` on the scale's device (waits for the collective)."""
