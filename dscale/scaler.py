@@ -17,7 +17,7 @@ from dscale import _agreement, _dist, _policy, _state
 from dscale._masked_step import (
     masked_step,
     params_without_state,
-    reset_state_created_by_skipped_step,
+    remove_state_created_by_skipped_step,
 )
 from dscale._policy import COUNTER_NAMES
 from dscale._reduction_hooks import ReductionHooks
@@ -340,7 +340,7 @@ class GradScaler:
                 del optimizer.grad_scale  # type: ignore[attr-defined]
                 del optimizer.found_inf  # type: ignore[attr-defined]
             if fresh:
-                reset_state_created_by_skipped_step(optimizer, fresh, flag)
+                remove_state_created_by_skipped_step(optimizer, fresh, flag)
             self._outcomes[id(optimizer)] = flag
         elif self._sync_free:
             retval = masked_step(optimizer, flag, lambda: optimizer.step(*args, **kwargs))
