@@ -133,6 +133,7 @@ class HookState:
         """The flags recorded for the current grads (empty: no bucket was reduced)."""
         flags = list(self.found.values())
         self.found = {}
+        _used_on_current_stream(*flags)  # made on a reduce stream, read on this one
         return flags
 
     def classify(self, grads_of: Iterable[torch.nn.Parameter]) -> tuple[set[int], set[int]]:
@@ -189,8 +190,10 @@ def unscale_allreduce_hook(
 
     def finish(fut: torch.futures.Future[Any]) -> torch.Tensor:
         reduced = fut.value()[0]
-        # `inv` stays referenced by this closure until the kernel that reads it is enqueued.
         torch._amp_foreach_non_finite_check_and_unscale_([reduced], found, inv)
+        # NCCL runs this callback on its own stream: `inv` and `found` were made on the caller's,
+        # so the allocator must not reuse them before this stream's kernel has read them.
+        _used_on_current_stream(inv, found)
         return reduced
 
     return work.get_future().then(finish)
@@ -201,9 +204,15 @@ def unscale_reduced_shard(state: HookState, reduce_output: torch.Tensor) -> None
     state.begin_backward()
     scale = copy_to(state.scale_of(), reduce_output.device)
     inv = scale.double().reciprocal().float()
-    torch._amp_foreach_non_finite_check_and_unscale_(
-        [reduce_output], state.flag(reduce_output.device), inv
-    )
+    found = state.flag(reduce_output.device)
+    torch._amp_foreach_non_finite_check_and_unscale_([reduce_output], found, inv)
+    _used_on_current_stream(inv, found)  # FSDP2 calls this on its reduce stream
+
+
+def _used_on_current_stream(*tensors: torch.Tensor) -> None:
+    for tensor in tensors:
+        if tensor.is_cuda:
+            tensor.record_stream(torch.cuda.current_stream(tensor.device))
 
 
 def _ddp_params(model: Any) -> list[torch.nn.Parameter]:

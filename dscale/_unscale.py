@@ -73,7 +73,7 @@ def check_and_unscale_(
     per_device: list[torch.Tensor] = []
     for device, per_dtype in groups.items():
         found = torch.zeros((), dtype=torch.float32, device=device)
-        scale_here = inv_scale.to(device, non_blocking=True)
+        scale_here = copy_to(inv_scale, device)  # a CPU kernel reads it at once (CPU offload)
         for grads in per_dtype.values():
             torch._amp_foreach_non_finite_check_and_unscale_(grads, found, scale_here)
         per_device.append(found)

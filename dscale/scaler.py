@@ -208,7 +208,7 @@ class GradScaler:
         if isinstance(outputs, torch.Tensor):
             scale = self._scale_on(outputs.device)
             warn_if_scaling_is_not_needed(outputs)
-            return outputs * scale.to(device=outputs.device, non_blocking=True)
+            return outputs * copy_to(scale, outputs.device)
 
         per_device: dict[torch.device, torch.Tensor] = {}
 
@@ -216,7 +216,7 @@ class GradScaler:
             if isinstance(value, torch.Tensor):
                 if value.device not in per_device:
                     scale = self._scale_on(value.device)
-                    per_device[value.device] = scale.to(value.device, non_blocking=True)
+                    per_device[value.device] = copy_to(scale, value.device)
                 return value * per_device[value.device]
             if isinstance(value, abc.Iterable):
                 mapped = map(apply, value)
