@@ -117,7 +117,7 @@ def _run(rank: int, topology: str, groups, make_opt, skips, *, scaler: Any, ever
             scaler.step(opt)
         scaler.update()
     state = [
-        torch.cat([v.detach().float().reshape(-1) for v in opt.state[p].values() if torch.is_tensor(v)])
+        torch.cat([v.float().reshape(-1) for v in opt.state[p].values() if torch.is_tensor(v)])
         for opt in opts
         for p in params
         if p in opt.state
@@ -189,8 +189,10 @@ def _check(results: dict[int, dict[str, Any]]) -> None:
         for key, r in out.items():
             ours, ref = r["scale"]
             if not (r["params_equal"] and r["state_equal"] and ours == ref):
-                failures.append(f"rank {rank} {key}: {r['params_equal']=} {r['state_equal']=} "
-                                f"scale {ours} vs torch {ref}")
+                failures.append(
+                    f"rank {rank} {key}: {r['params_equal']=} {r['state_equal']=} "
+                    f"scale {ours} vs torch {ref}"
+                )
     for key, r in results[0].items():
         for rank in results:
             other = results[rank][key]
