@@ -73,8 +73,9 @@ class HookState:
         self.scale_calls_seen = 0
         # After each backward with hooks: id(param) -> (the grad, its version) as the hook left it.
         self.records: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
-        # DDP: grads that hold this hook's unscaled output; rescaled before anything adds to them.
-        self.unscaled: dict[int, weakref.ref[torch.Tensor]] = {}
+        # DDP: ids of params whose grads hold this hook's unscaled output; rescaled before a
+        # backward adds to them.
+        self.unscaled: set[int] = set()
         self.rescaled: set[int] = set()
 
     def flag(self, device: torch.device) -> torch.Tensor:
@@ -108,11 +109,13 @@ class HookState:
     def end_backward(self) -> None:
         self.in_backward = False
         self.rescaled = set()
-        self.records = {
-            id(p): (weakref.ref(p.grad), local_tensor(p.grad)._version)
-            for p in self.params
-            if p.grad is not None
-        }
+        # After DDP's finalize: the grad objects it left (a bucket view may replace the grad).
+        self.records = {}
+        for p in self.params:
+            if p.grad is not None:
+                self.records[id(p)] = (weakref.ref(p.grad), local_tensor(p.grad)._version)
+        if self.ddp:
+            self.unscaled = set(self.records)
 
     def rescale_before_accumulation(self, param: torch.nn.Parameter) -> None:
         """DDP: turn this hook's unscaled output back into scaled grads before a backward adds.
@@ -121,9 +124,13 @@ class HookState:
         reduces the sum; multiplying back first keeps every grad in the bucket scaled, as in the
         plain path (exactly so for a power-of-two scale).
         """
-        ref = self.unscaled.pop(id(param), None)
+        # By id, not by grad object: DDP may move the grads into new bucket views (its bucket
+        # rebuild after the first iteration) and they still hold the hook's output. A grad set to
+        # None since has nothing to rescale; a zeroed one rescales to zeros.
+        known = id(param) in self.unscaled
+        self.unscaled.discard(id(param))
         grad = param.grad
-        if ref is None or grad is None or ref() is not grad:
+        if not known or grad is None:
             return
         with torch.no_grad():
             grad.mul_(copy_to(self.scale_of(), grad.device))
@@ -183,9 +190,6 @@ def unscale_allreduce_hook(
     else:
         inv = (scale.double() * state.world_size).reciprocal().float()
     found = state.flag(buffer.device)
-    for param in bucket.parameters():
-        if param.grad is not None:
-            state.unscaled[id(param)] = weakref.ref(param.grad)
     work = dist.all_reduce(buffer, group=state.group, async_op=True)
 
     def finish(fut: torch.futures.Future[Any]) -> torch.Tensor:

@@ -55,6 +55,8 @@ def _train(rank: int, case: str, attach: bool) -> dict[str, Any]:
         model = _ddp(base, ignore=("2.bias",))
     elif case == "fsdp2_ignored":
         model = _fsdp2(base, ignore=("2.bias",))
+    elif case.endswith("bucket_view"):  # grads are views of DDP's buckets (rebuilt once)
+        model = DDP(base, gradient_as_bucket_view=True)
     else:
         model = _ddp(base)
     name = "module.2.bias" if isinstance(model, DDP) else "2.bias"
@@ -72,7 +74,7 @@ def _train(rank: int, case: str, attach: bool) -> dict[str, Any]:
             poison = float("inf") if rank == 1 else 1.0
             scaler.scale(model(batch(rank, 50)).sum() * poison).backward()
             opt.zero_grad()
-        micro = 2 if case == "accumulate_synced" else 1
+        micro = 2 if case.startswith("accumulate_synced") else 1
         for m in range(micro):  # every backward syncs: no model.no_sync()
             scaler.scale(model(batch(rank, 10 * step + m)).square().mean()).backward()
         if case == "second_loss_outside":  # a loss through the bare module: no DDP hook sees it
@@ -112,13 +114,14 @@ def _refused(rank: int, case: str) -> str:
 
 CASES = (
     "accumulate_synced",
+    "accumulate_synced_bucket_view",
     "second_loss_outside",
     "ddp_subgroups",
     "ddp_ignored",
     "fsdp2_ignored",
     "abandoned",
 )
-REPLICATED = ("accumulate_synced", "abandoned")
+REPLICATED = ("accumulate_synced", "accumulate_synced_bucket_view", "abandoned")
 REFUSED = ("backward_without_scale", "grad_written_after_backward")
 
 
