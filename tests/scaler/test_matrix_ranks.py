@@ -8,7 +8,7 @@ the topology lets a write after backward through, else an inf loss), and must la
 parameters, optimizer state and scale, on every rank. Replicated topologies must also agree
 across ranks. Scale 2**8 and world sizes 2 and 4 (powers of two) make the DDP hook bitwise.
 
-Two spawns (2 and 4 ranks); about 60 s on 2 cores shared with other jobs.
+Two spawns (2 and 4 ranks); 16 to 46 s on 2 cores shared with other jobs (by load).
 """
 
 from __future__ import annotations
