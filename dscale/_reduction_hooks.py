@@ -49,6 +49,12 @@ class HookReport:
     unscaled: bool
 
 
+class AttachRefusal(RuntimeError):
+    """Grads the hooks cannot vouch for; ``peers_agree``: the other ranks run the agreement."""
+
+    peers_agree = False
+
+
 class HookState:
     """One attached model: its hook's flag for the current grads, and what those grads are."""
 
@@ -165,7 +171,7 @@ class HookState:
             else:
                 written.append(param)
         if written:
-            raise RuntimeError(
+            raise AttachRefusal(
                 f"attach(): the grads of {len(written)} parameter(s) (shapes "
                 f"{[tuple(p.shape) for p in written[:3]]}) were written after the attached "
                 "model's gradient reduction had unscaled and checked them, so the scaler cannot "
@@ -282,13 +288,33 @@ class ReductionHooks:
             self._taken = True
         if self._flag is None:
             return HookReport(None, frozenset(), is_global=False, unscaled=False)
-        with_grads = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        covered: set[int] = set()
-        for state in self.states:
-            covered |= state.classify(with_grads)[0]
-        is_global = all(id(p) in covered for p in with_grads) and all(
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        # Decided from what every rank shares (parameter sets, groups), never from local grads:
+        # ranks that disagreed here would run different collectives and hang.
+        is_global = all(any(id(p) in s.ids for s in self.states) for p in params) and all(
             s.ddp and _dist.group_covers(s.group, scaler_group) for s in self.states
         )
+        with_grads = [p for p in params if p.grad is not None]
+        covered: set[int] = set()
+        back: set[int] = set()
+        try:
+            for state in self.states:
+                here, there = state.classify(with_grads)
+                covered |= here
+                back |= there
+        except AttachRefusal as exc:
+            exc.peers_agree = not is_global
+            raise
+        if is_global and back:
+            refusal = AttachRefusal(
+                f"attach(): the grads of {len(back)} parameter(s) on this rank did not come "
+                "through the attached DDP model's reduction (a backward outside the model, or "
+                "only under no_sync() before step()), and with every parameter attached no "
+                "agreement collective runs to check them. Run the last backward of each step "
+                "through the DDP model, or do not attach() it"
+            )
+            refusal.peers_agree = False
+            raise refusal
         return HookReport(self._flag, frozenset(covered), is_global=is_global, unscaled=True)
 
     def reset(self) -> None:

@@ -20,7 +20,7 @@ from dscale._masked_step import (
     remove_state_created_by_skipped_step,
 )
 from dscale._policy import COUNTER_NAMES
-from dscale._reduction_hooks import ReductionHooks
+from dscale._reduction_hooks import AttachRefusal, ReductionHooks
 from dscale._scale_state import ScaleState, fresh_host_state
 from dscale._unscale import (
     check_and_unscale_,
@@ -256,7 +256,16 @@ class GradScaler:
         """
         scale = self._require_scale("unscale_")
         group = self._process_group()
-        report = self._hooks.report(optimizer, group, scale.device)
+        try:
+            report = self._hooks.report(optimizer, group, scale.device)
+        except AttachRefusal as exc:
+            if exc.peers_agree and group is not None:  # the peers skip rather than wait on us
+                device = _dist.flag_device(group, scale.device)
+                refusal = _agreement.agreement_vector(
+                    torch.ones((), device=device), copy_to(scale, device)
+                )
+                _agreement.all_reduce_flag(refusal, group).wait()
+            raise
         unscale = unscale or report.unscaled  # the pass must match what the hooks did
         grads = optimizer_grads(optimizer, set(report.covered))
         for observer in self._observers:

@@ -51,7 +51,9 @@ def _train(rank: int, case: str, attach: bool) -> dict[str, Any]:
     if case == "ddp_subgroups":  # one DDP group per rank; the scaler agrees over the world
         groups = [dist.new_group([r]) for r in range(world)]
         model = _ddp(base, group=groups[rank])
-    elif case == "ddp_ignored":
+    elif case in ("ddp_ignored", "second_loss_outside"):
+        # second_loss_outside: an ignored parameter keeps the agreement collective, which then
+        # also checks the grads the extra backward added (fully attached, it is refused below).
         model = _ddp(base, ignore=("2.bias",))
     elif case == "fsdp2_ignored":
         model = _fsdp2(base, ignore=("2.bias",))
@@ -89,6 +91,29 @@ def _train(rank: int, case: str, attach: bool) -> dict[str, Any]:
     return {"params": params, "scales": scales}
 
 
+def _refused_on_one_rank(rank: int) -> dict[str, Any]:
+    """Only rank 1 writes a grad after the reduction: it raises, rank 0 skips and does not hang.
+
+    With an ignored parameter the step has an agreement collective, which the refusing rank joins.
+    """
+    import dscale
+
+    model = _ddp(tiny_model(), ignore=("2.bias",))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = dscale.GradScaler("cpu", init_scale=2.0**10)
+    scaler.attach(model)
+    scaler.scale(model(batch(rank, 0)).sum()).backward()
+    if rank == 1:
+        model.module[0].weight.grad.mul_(0.5)
+    before = full_params(model, "ddp")
+    try:
+        scaler.step(opt)
+    except RuntimeError as exc:
+        return {"error": str(exc), "moved": not torch.equal(before, full_params(model, "ddp"))}
+    scaler.update()
+    return {"error": None, "applied": scaler.step_applied(opt), "scale": scaler.get_scale()}
+
+
 def _refused(rank: int, case: str) -> str:
     import dscale
 
@@ -104,6 +129,8 @@ def _refused(rank: int, case: str) -> str:
             scaler.scale(model(batch(rank, 0)).sum()).backward()
         if case == "grad_written_after_backward":
             model.module[0].weight.grad.mul_(0.5)  # e.g. a framework's after-backward hook
+        elif case == "second_loss_outside_fully_attached":
+            scaler.scale(model.module(batch(rank, 1)).sum()).backward()
         scaler.step(opt)
         scaler.update()
     except RuntimeError as exc:
@@ -122,7 +149,11 @@ CASES = (
     "abandoned",
 )
 REPLICATED = ("accumulate_synced", "accumulate_synced_bucket_view", "abandoned")
-REFUSED = ("backward_without_scale", "grad_written_after_backward")
+REFUSED = (
+    "backward_without_scale",
+    "grad_written_after_backward",
+    "second_loss_outside_fully_attached",
+)
 
 
 def _all(rank: int, world_size: int) -> dict[str, Any]:
@@ -139,6 +170,7 @@ def _all(rank: int, world_size: int) -> dict[str, Any]:
         }
     for case in REFUSED:
         out[case] = _refused(rank, case)
+    out["refused_on_one_rank"] = _refused_on_one_rank(rank)
     return out
 
 
@@ -162,3 +194,9 @@ def test_attach_matches_the_plain_path_bit_for_bit(results, case) -> None:
 def test_attach_refuses_grads_it_did_not_check(results, case) -> None:
     for out in results.values():
         assert "attach()" in out[case], out[case]
+
+
+def test_a_refusal_on_one_rank_skips_the_step_on_the_others_instead_of_hanging(results) -> None:
+    r0, r1 = results[0]["refused_on_one_rank"], results[1]["refused_on_one_rank"]
+    assert "attach()" in r1["error"] and not r1["moved"]
+    assert r0 == {"error": None, "applied": False, "scale": 2.0**9}
