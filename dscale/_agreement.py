@@ -1,32 +1,48 @@
 """The scaler's one collective: every rank learns whether any rank saw an inf or NaN.
 
 All cross-rank agreement goes through :func:`all_reduce_flag`, so tests can count it by patching
-this single function.
+this single function. What travels is a small float32 vector reduced with MAX, one field per
+:data:`FIELDS` entry: the overflow flag, and the scale and its negation (so MAX gives the largest
+and, negated back, the smallest scale over the ranks: the rank-agreement check costs no extra
+collective and, being part of the step, cannot be called on some ranks only). A new field (for
+example a max grad magnitude) is one more entry whose MAX over ranks is what it needs.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
+#: The agreement vector's fields, in order.
+FIELDS = ("overflow", "scale", "neg_scale")
+OVERFLOW, SCALE, NEG_SCALE = range(len(FIELDS))
 
-def all_reduce_flag(flag: torch.Tensor, group: Any) -> Any:
-    """Start a MAX all-reduce of the one-element overflow ``flag`` in place; return its work handle.
+
+class ScaleRange(NamedTuple):
+    """Smallest and largest scale over the ranks of one agreement (one-element tensors)."""
+
+    low: torch.Tensor
+    high: torch.Tensor
+
+
+def agreement_vector(flag: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """This rank's vector: ``flag`` and ``scale`` (already on the same device) in FIELDS order."""
+    scale = scale.reshape(()).float()
+    return torch.stack([flag.reshape(()).float(), scale, -scale])
+
+
+def scale_range(agreed: torch.Tensor) -> ScaleRange:
+    """Min and max of the scale over the ranks, read from an agreed vector (no host sync)."""
+    return ScaleRange(-agreed[NEG_SCALE], agreed[SCALE])
+
+
+def all_reduce_flag(values: torch.Tensor, group: Any) -> Any:
+    """Start a MAX all-reduce of the agreement vector ``values`` in place; return its work handle.
 
     MAX, not SUM: one rank's inf must skip the step on every rank, and the flag stays 0 or 1-ish
     whatever the world size. The call is asynchronous; on NCCL ``work.wait()`` only makes the
     current CUDA stream wait, so the host never blocks here.
     """
-    return dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group, async_op=True)
-
-
-def all_reduce_min_max(values: torch.Tensor, group: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """Element-wise (min, max) of ``values`` over ``group``; blocking. Used by rare checks only."""
-    lo = values.clone()
-    hi = values.clone()
-    if group is not None:
-        dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
-        dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
-    return lo, hi
+    return dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group, async_op=True)

@@ -34,6 +34,23 @@ def group_ranks(group: Any | None) -> list[int] | None:
     return list(dist.get_process_group_ranks(group))
 
 
+def group_covers(outer: Any | None, inner: Any | None) -> bool:
+    """Whether every rank of ``inner`` is in ``outer`` (None: the default group, or no group)."""
+    if inner is None and not is_distributed():
+        return True
+    outer_ranks = (
+        set(range(dist.get_world_size()))
+        if outer is None
+        else set(dist.get_process_group_ranks(outer))
+    )
+    inner_ranks = (
+        set(range(dist.get_world_size()))
+        if inner is None
+        else set(dist.get_process_group_ranks(inner))
+    )
+    return inner_ranks <= outer_ranks
+
+
 def find_group(ranks: list[int] | None) -> Any | None:
     """The existing process group over exactly ``ranks``; None means the default group."""
     if ranks is None:

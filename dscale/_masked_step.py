@@ -4,6 +4,16 @@ The optimizer always runs; afterwards every parameter and optimizer-state tensor
 value from before the step wherever the agreed overflow flag is set. No ``.item()``, so foreach and
 plain optimizers step without a host sync. The price is a copy of the parameters and the optimizer
 state per step (memory: one extra copy of both; time: one read and two writes of each).
+
+Exactly equal to skipping, with two host reads of the flag by construction:
+- the step that creates optimizer state (normally the first one) reads the flag once: state that a
+  skipped step created is removed, as if the step never ran, and no device-side value can stand
+  for "absent" (SGD's momentum buffer starts as the grad, ASGD's eta as the lr, ...);
+- a state tensor kept on the CPU while the flag is on a GPU (Adam's ``step`` without
+  ``capturable=True``) needs the flag on the host each step; ``capturable=True`` or ``fused=True``
+  avoid it.
+State that is not a tensor (a Python int ``step``) cannot be put back on the device: such an
+optimizer is refused at its first step with an error that names it.
 """
 
 from __future__ import annotations
@@ -13,59 +23,115 @@ from typing import Any
 
 import torch
 
+from dscale._unscale import copy_to
 
-def _stepped_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    out: list[torch.Tensor] = []
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            out.append(param)
-            for value in optimizer.state.get(param, {}).values():
-                if isinstance(value, torch.Tensor):
-                    out.append(value)
-    return out
+
+def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+class _SkipMask:
+    """``found_inf > 0`` per device, copied safely (a CPU copy of a GPU flag waits for it)."""
+
+    def __init__(self, found_inf: torch.Tensor) -> None:
+        self.found_inf = found_inf
+        self.on: dict[torch.device, torch.Tensor] = {}
+
+    def __call__(self, device: torch.device) -> torch.Tensor:
+        if device not in self.on:
+            self.on[device] = copy_to(self.found_inf, device) > 0
+        return self.on[device]
 
 
 def masked_step(
     optimizer: torch.optim.Optimizer, found_inf: torch.Tensor, run_step: Callable[[], Any]
 ) -> Any:
     """Run ``run_step()`` and undo its effect on the device where ``found_inf > 0``."""
+    params = _params(optimizer)
+    fresh = params_without_state(optimizer)
     with torch.no_grad():
-        before = {id(t): t.clone() for t in _stepped_tensors(optimizer)}
+        old_params = [p.clone() for p in params]
+        old_state: dict[torch.Tensor, dict[Any, tuple[Any, Any]]] = {
+            p: {
+                k: (v, v.clone() if isinstance(v, torch.Tensor) else v)
+                for k, v in optimizer.state[p].items()
+            }
+            for p in params
+            if p in optimizer.state
+        }
     result = run_step()
+    skip = _SkipMask(found_inf)
+    new_keys: list[tuple[torch.Tensor, Any]] = []
     with torch.no_grad():
-        skip_on: dict[torch.device, torch.Tensor] = {}
-        for tensor in _stepped_tensors(optimizer):
-            dev = tensor.device
-            if dev not in skip_on:
-                skip_on[dev] = found_inf.to(dev, non_blocking=True) > 0
-            old = before.get(id(tensor))
-            # State created by this very step (lazy init) goes back to "fresh": zeros.
-            restored = old if old is not None else torch.zeros_like(tensor)
-            tensor.copy_(torch.where(skip_on[dev], restored, tensor))
+        for p, old in zip(params, old_params, strict=True):
+            p.copy_(torch.where(skip(p.device), old, p))
+        for p, before in old_state.items():
+            state = optimizer.state[p]
+            for key, value in list(state.items()):
+                if key not in before:
+                    new_keys.append((p, key))
+                    continue
+                original, saved = before[key]
+                if isinstance(value, torch.Tensor) and isinstance(saved, torch.Tensor):
+                    restored = torch.where(skip(value.device), saved, value)
+                    if value is original:
+                        value.copy_(restored)
+                    else:  # the optimizer rebound state[key]: rebind it to the masked value
+                        state[key] = restored
+                elif value is not original and value != saved:
+                    _refuse(optimizer, key, value, lambda: _undo_on_host(optimizer, old_state))
+    if fresh or new_keys:
+        # The one host read: state created by a skipped step must go, not be zeroed.
+        if bool(found_inf.item() > 0):
+            for p in fresh:
+                optimizer.state.pop(p, None)
+            for p, key in new_keys:
+                optimizer.state[p].pop(key, None)
+        else:
+            for p in fresh:
+                for key, value in optimizer.state.get(p, {}).items():
+                    if value is not None and not isinstance(value, torch.Tensor):
+                        _refuse(optimizer, key, value, lambda: None)
     return result
+
+
+def _undo_on_host(
+    optimizer: torch.optim.Optimizer, old_state: dict[torch.Tensor, dict[Any, tuple[Any, Any]]]
+) -> None:
+    for p, before in old_state.items():
+        for key, (_, saved) in before.items():
+            if not isinstance(saved, torch.Tensor):
+                optimizer.state[p][key] = saved
+
+
+def _refuse(
+    optimizer: torch.optim.Optimizer, key: Any, value: Any, undo: Callable[[], None]
+) -> None:
+    undo()
+    raise ValueError(
+        f"sync_free=True cannot undo a skipped step of {type(optimizer).__name__}: its state "
+        f"{key!r} is a Python {type(value).__name__}, not a tensor, so it cannot be put back on "
+        "the device. Use GradScaler(sync_free=False) for this optimizer (it skips on the host), "
+        "or keep that state in a tensor"
+    )
 
 
 def params_without_state(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     """Parameters whose optimizer state the next step will create (none once all have state)."""
     if len(optimizer.state) >= sum(len(g["params"]) for g in optimizer.param_groups):
         return []  # the common case after the first step: no Python loop over the parameters
-    return [
-        p for group in optimizer.param_groups for p in group["params"] if p not in optimizer.state
-    ]
+    return [p for p in _params(optimizer) if p not in optimizer.state]
 
 
-def reset_state_created_by_skipped_step(
+def remove_state_created_by_skipped_step(
     optimizer: torch.optim.Optimizer, params: list[torch.Tensor], found_inf: torch.Tensor
 ) -> None:
-    """Zero the state a skipped fused step created (``torch.empty`` garbage), on the device.
+    """After a fused step that created state for ``params``: remove it if the step was skipped.
 
-    torch's fused SGD allocates its momentum buffer uninitialised on the first step and leaves it
-    so when ``found_inf`` skips that step; every later step then reads the garbage. "step"
-    counters are left alone: the fused kernels already undo their increment.
+    torch's fused kernels skip the update where ``found_inf`` is set but still create the state
+    (fused SGD even leaves its momentum buffer uninitialised). Removing it makes the skipped step
+    equal to not stepping. This reads the flag on the host, on the state-creating step only.
     """
-    with torch.no_grad():
+    if bool(found_inf.item() > 0):
         for param in params:
-            for key, value in optimizer.state.get(param, {}).items():
-                if key != "step" and isinstance(value, torch.Tensor):
-                    skip = found_inf.to(value.device, non_blocking=True) > 0
-                    value.copy_(torch.where(skip, torch.zeros_like(value), value))
+            optimizer.state.pop(param, None)

@@ -18,9 +18,11 @@ import torch
 
 HysteresisRefill = Literal["on_growth", "on_clean_step"]
 
-# Positions in the int64 counters vector (see GradScaler.counters()).
-STEPS, SKIPPED, SKIPPED_IN_A_ROW, GROWTHS, BACKOFFS = range(5)
-NUM_COUNTERS = 5
+#: The five event counters, in their order in the int64 counters vector. The one place they are
+#: named: GradScaler.counters()/snapshot(), the state dict and the metrics all use these names.
+COUNTER_NAMES = ("steps", "skipped_steps", "skipped_in_a_row", "growths", "backoffs")
+STEPS, SKIPPED, SKIPPED_IN_A_ROW, GROWTHS, BACKOFFS = range(len(COUNTER_NAMES))
+NUM_COUNTERS = len(COUNTER_NAMES)
 
 
 @dataclass(frozen=True)

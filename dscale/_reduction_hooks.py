@@ -3,8 +3,8 @@
 DDP's default hook divides each bucket by the world size and all-reduces it. This hook all-reduces
 the scaled bucket and then, in one fused pass over the reduced values, multiplies by
 1 / (world_size * scale) and records whether any value is inf/NaN. The reduced bucket is the same on
-every rank, so the flag is already global: the scaler needs no separate unscale pass and no
-collective of its own for these parameters.
+every rank of DDP's group, so when that group covers the scaler's, the flag is already global: the
+scaler needs no unscale pass and no collective of its own for these parameters.
 
 fp16/bf16 buckets are divided by the world size before the all-reduce (as DDP does) so the sum
 cannot overflow where the average would not; the pass after it then multiplies by 1 / scale.
@@ -14,39 +14,171 @@ FSDP2 has no replaceable reduce-scatter hook that sees the whole reduction, but 
 ``set_all_reduce_hook`` callbacks on every reduce-scatter output while it is hot; there this module
 unscales and checks the rank's shard in one pass. A shard's flag is local, so the scaler still
 all-reduces it (one element), but step() no longer makes its own pass over those grads.
+
+What a hook did not see is never taken on trust (``report()``): parameters DDP or FSDP2 ignore are
+checked by the scaler's own pass, a grad that a later backward outside the hooks accumulated into
+goes back to the scaler's pass, and a grad written after the reduction is refused.
 """
 
 # No `from __future__ import annotations`: DDP compares the hook's annotations as objects.
+import dataclasses
 import functools
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from dscale import _dist
+from dscale._unscale import copy_to, local_tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class HookReport:
+    """What the hooks did for one optimizer in this iteration.
+
+    ``flag``: their overflow flag (None: no hook ran); ``covered``: ids of the parameters whose
+    grads they checked and unscaled, as they are now; ``is_global``: the flag is already the same
+    on every rank of the scaler's group; ``unscaled``: the covered grads are unscaled.
+    """
+
+    flag: torch.Tensor | None
+    covered: frozenset[int]
+    is_global: bool
+    unscaled: bool
+
+
+class AttachRefusal(RuntimeError):
+    """Grads the hooks cannot vouch for; ``peers_agree``: the other ranks run the agreement."""
+
+    peers_agree = False
+
 
 class HookState:
-    """Per-scaler state the hook shares with the scaler: the flag of the current backward."""
+    """One attached model: its hook's flag for the current grads, and what those grads are."""
 
     def __init__(
-        self, scale_of: Callable[[], torch.Tensor], group: Any, *, flag_is_global: bool
+        self,
+        scale_of: Callable[[], torch.Tensor],
+        scale_calls: Callable[[], int],
+        params: list[torch.nn.Parameter],
+        group: Any,
+        *,
+        ddp: bool,
     ) -> None:
         self.scale_of = scale_of
+        self.scale_calls = scale_calls
+        self.params = params  # the parameters this model's hooks reduce
+        self.ids = frozenset(id(p) for p in params)
         self.group = group
         self.world_size = dist.get_world_size(group) if group is not None else 1
-        self.flag_is_global = flag_is_global
+        self.ddp = ddp
         self.found: dict[torch.device, torch.Tensor] = {}
+        self.in_backward = False
+        self.scale_calls_seen = 0
+        # After each backward with hooks: id(param) -> (the grad, its version) as the hook left it.
+        self.records: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
+        # DDP: ids of params whose grads hold this hook's unscaled output; rescaled before a
+        # backward adds to them.
+        self.unscaled: set[int] = set()
+        self.rescaled: set[int] = set()
 
     def flag(self, device: torch.device) -> torch.Tensor:
         if device not in self.found:
             self.found[device] = torch.zeros((), dtype=torch.float32, device=device)
         return self.found[device]
 
+    def begin_backward(self) -> None:
+        """First hook call of a backward pass: refuse an unscaled loss, drop a stale flag."""
+        if self.in_backward:
+            return
+        calls = self.scale_calls()
+        if calls == self.scale_calls_seen:
+            raise RuntimeError(
+                "attach(): a backward pass through the attached model ran without "
+                "scaler.scale(loss) since the previous one; its hook would divide unscaled "
+                "gradients by the scale. Call scaler.scale(loss).backward(), or run unscaled "
+                "backward passes through a model that is not attached"
+            )
+        self.scale_calls_seen = calls
+        # DDP reduces the whole accumulated grad, so its new flag covers everything in it. FSDP2
+        # reduces only this backward's part: an earlier flag stays unless its grads are gone.
+        if self.ddp or all(p.grad is None for p in self.params):
+            self.found = {}
+        self.in_backward = True
+        engine = torch.autograd.Variable._execution_engine
+        # Queued from a callback so that it runs after DDP's and FSDP2's own final callbacks,
+        # which write the reduced values into the grads.
+        engine.queue_callback(lambda: engine.queue_callback(self.end_backward))
+
+    def end_backward(self) -> None:
+        self.in_backward = False
+        self.rescaled = set()
+        # After DDP's finalize: the grad objects it left (a bucket view may replace the grad).
+        self.records = {}
+        for p in self.params:
+            if p.grad is not None:
+                self.records[id(p)] = (weakref.ref(p.grad), local_tensor(p.grad)._version)
+        if self.ddp:
+            self.unscaled = set(self.records)
+
+    def rescale_before_accumulation(self, param: torch.nn.Parameter) -> None:
+        """DDP: turn this hook's unscaled output back into scaled grads before a backward adds.
+
+        Without no_sync(), a later backward adds scaled grads to the unscaled ones and DDP then
+        reduces the sum; multiplying back first keeps every grad in the bucket scaled, as in the
+        plain path (exactly so for a power-of-two scale).
+        """
+        # By id, not by grad object: DDP may move the grads into new bucket views (its bucket
+        # rebuild after the first iteration) and they still hold the hook's output. A grad set to
+        # None since has nothing to rescale; a zeroed one rescales to zeros.
+        known = id(param) in self.unscaled
+        self.unscaled.discard(id(param))
+        grad = param.grad
+        if not known or grad is None:
+            return
+        with torch.no_grad():
+            grad.mul_(copy_to(self.scale_of(), grad.device))
+        self.rescaled.add(id(param))
+
     def take_flags(self) -> list[torch.Tensor]:
-        """The flags recorded since the last call (empty: no bucket was reduced)."""
+        """The flags recorded for the current grads (empty: no bucket was reduced)."""
         flags = list(self.found.values())
         self.found = {}
+        _used_on_current_stream(*flags)  # made on a reduce stream, read on this one
         return flags
+
+    def classify(self, grads_of: Iterable[torch.nn.Parameter]) -> tuple[set[int], set[int]]:
+        """Split ``grads_of`` (parameters with grads) into (covered now, sent back to the pass)."""
+        covered: set[int] = set()
+        back: set[int] = set()
+        written: list[torch.nn.Parameter] = []
+        for param in grads_of:
+            key = id(param)
+            if key not in self.ids:
+                continue
+            grad = param.grad
+            record = self.records.get(key)
+            if grad is None:
+                continue
+            if record is None or record[0]() is not grad:
+                back.add(key)  # a grad a backward without hooks created: still scaled
+            elif record[1] == local_tensor(grad)._version:
+                covered.add(key)
+            elif key in self.rescaled:
+                back.add(key)  # rescaled, then added to by a backward without hooks: scaled
+            else:
+                written.append(param)
+        if written:
+            raise AttachRefusal(
+                f"attach(): the grads of {len(written)} parameter(s) (shapes "
+                f"{[tuple(p.shape) for p in written[:3]]}) were written after the attached "
+                "model's gradient reduction had unscaled and checked them, so the scaler cannot "
+                "tell what they hold. Change grads only after scaler.unscale_(optimizer) (as for "
+                "clipping), or do not attach() this model"
+            )
+        return covered, back
 
 
 def unscale_allreduce_hook(
@@ -54,8 +186,9 @@ def unscale_allreduce_hook(
     bucket: dist.GradBucket,  # type: ignore[name-defined]
 ) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: all-reduce the bucket, then average, unscale and check it in one pass."""
+    state.begin_backward()
     buffer = bucket.buffer()
-    scale = state.scale_of().to(buffer.device, non_blocking=True)
+    scale = copy_to(state.scale_of(), buffer.device)
     low_precision = buffer.dtype in (torch.float16, torch.bfloat16)
     if low_precision:
         buffer.div_(state.world_size)
@@ -68,6 +201,9 @@ def unscale_allreduce_hook(
     def finish(fut: torch.futures.Future[Any]) -> torch.Tensor:
         reduced = fut.value()[0]
         torch._amp_foreach_non_finite_check_and_unscale_([reduced], found, inv)
+        # NCCL runs this callback on its own stream: `inv` and `found` were made on the caller's,
+        # so the allocator must not reuse them before this stream's kernel has read them.
+        _used_on_current_stream(inv, found)
         return reduced
 
     return work.get_future().then(finish)
@@ -75,11 +211,35 @@ def unscale_allreduce_hook(
 
 def unscale_reduced_shard(state: HookState, reduce_output: torch.Tensor) -> None:
     """FSDP2 all-reduce hook: unscale and check this rank's reduce-scatter output in place."""
-    scale = state.scale_of().to(reduce_output.device, non_blocking=True)
+    state.begin_backward()
+    scale = copy_to(state.scale_of(), reduce_output.device)
     inv = scale.double().reciprocal().float()
-    torch._amp_foreach_non_finite_check_and_unscale_(
-        [reduce_output], state.flag(reduce_output.device), inv
-    )
+    found = state.flag(reduce_output.device)
+    torch._amp_foreach_non_finite_check_and_unscale_([reduce_output], found, inv)
+    _used_on_current_stream(inv, found)  # FSDP2 calls this on its reduce stream
+
+
+def _used_on_current_stream(*tensors: torch.Tensor) -> None:
+    for tensor in tensors:
+        if tensor.is_cuda:
+            tensor.record_stream(torch.cuda.current_stream(tensor.device))
+
+
+def _ddp_params(model: Any) -> list[torch.nn.Parameter]:
+    ignored = model.parameters_to_ignore
+    return [p for n, p in model.module.named_parameters() if n not in ignored and p.requires_grad]
+
+
+def _fsdp2_params(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    from torch.distributed.fsdp import FSDPModule
+
+    params: list[torch.nn.Parameter] = []
+    for unit in model.modules():
+        if isinstance(unit, FSDPModule):
+            group = unit._get_fsdp_state()._fsdp_param_group  # type: ignore[attr-defined]
+            if group is not None:
+                params += [fp.sharded_param for fp in group.fsdp_params]
+    return [p for p in params if p.requires_grad]
 
 
 class ReductionHooks:
@@ -87,19 +247,27 @@ class ReductionHooks:
 
     def __init__(self) -> None:
         self.states: list[HookState] = []
-        self.params: set[int] = set()
         self._flag: torch.Tensor | None = None
+        self._taken = False
 
-    def attach(self, model: torch.nn.Module, scale_of: Callable[[], torch.Tensor]) -> None:
+    def attach(
+        self,
+        model: torch.nn.Module,
+        scale_of: Callable[[], torch.Tensor],
+        scale_calls: Callable[[], int],
+    ) -> None:
         """Register the hook that fits ``model`` (DDP or FSDP2); TypeError for anything else."""
         from torch.distributed.fsdp import FSDPModule
         from torch.nn.parallel import DistributedDataParallel
 
         if isinstance(model, DistributedDataParallel):
-            state = HookState(scale_of, model.process_group, flag_is_global=True)
+            params = _ddp_params(model)
+            state = HookState(scale_of, scale_calls, params, model.process_group, ddp=True)
             model.register_comm_hook(state, unscale_allreduce_hook)
+            for param in params:
+                param.register_hook(_rescale_hook(state, param))
         elif isinstance(model, FSDPModule):
-            state = HookState(scale_of, None, flag_is_global=False)
+            state = HookState(scale_of, scale_calls, _fsdp2_params(model), None, ddp=False)
             for unit in model.modules():
                 if isinstance(unit, FSDPModule):
                     unit.set_all_reduce_hook(functools.partial(unscale_reduced_shard, state))
@@ -109,26 +277,60 @@ class ReductionHooks:
                 f"got {type(model).__name__}; other models need no attach()"
             )
         self.states.append(state)
-        self.params |= {id(p) for p in model.parameters() if p.requires_grad}
 
-    def take_flag(self, device: torch.device) -> torch.Tensor | None:
-        """This iteration's flag (kept for every optimizer); None when no hook ran since reset."""
-        if self._flag is None and self.states:
+    def report(
+        self, optimizer: torch.optim.Optimizer, scaler_group: Any, device: torch.device
+    ) -> HookReport:
+        """What the hooks checked of ``optimizer``'s grads, for the scaler's ``_check``."""
+        if not self._taken:
             flags = [f for s in self.states for f in s.take_flags()]
-            if flags:
-                self._flag = torch.stack([f.to(device) for f in flags]).sum()
-        return self._flag
+            self._flag = torch.stack([copy_to(f, device) for f in flags]).sum() if flags else None
+            self._taken = True
+        if self._flag is None:
+            return HookReport(None, frozenset(), is_global=False, unscaled=False)
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        # Decided from what every rank shares (parameter sets, groups), never from local grads:
+        # ranks that disagreed here would run different collectives and hang.
+        is_global = all(any(id(p) in s.ids for s in self.states) for p in params) and all(
+            s.ddp and _dist.group_covers(s.group, scaler_group) for s in self.states
+        )
+        with_grads = [p for p in params if p.grad is not None]
+        covered: set[int] = set()
+        back: set[int] = set()
+        try:
+            for state in self.states:
+                here, there = state.classify(with_grads)
+                covered |= here
+                back |= there
+        except AttachRefusal as exc:
+            exc.peers_agree = not is_global
+            raise
+        if is_global and back:
+            refusal = AttachRefusal(
+                f"attach(): the grads of {len(back)} parameter(s) on this rank did not come "
+                "through the attached DDP model's reduction (a backward outside the model, or "
+                "only under no_sync() before step()), and with every parameter attached no "
+                "agreement collective runs to check them. Run the last backward of each step "
+                "through the DDP model, or do not attach() it"
+            )
+            refusal.peers_agree = False
+            raise refusal
+        return HookReport(self._flag, frozenset(covered), is_global=is_global, unscaled=True)
 
     def reset(self) -> None:
         """Forget this iteration's flag (update() calls it)."""
         self._flag = None
+        self._taken = False
+        for state in self.states:
+            state.found = {}
 
-    def flag_is_global_for(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Whether the hooks' flag alone is already the same on every rank for ``optimizer``.
 
-        True only for DDP hooks covering all its parameters: decided from the parameter sets,
-        which every rank shares, never from local grads.
-        """
-        return all(s.flag_is_global for s in self.states) and all(
-            id(p) in self.params for g in optimizer.param_groups for p in g["params"]
-        )
+def _rescale_hook(state: HookState, param: torch.nn.Parameter) -> Callable[[torch.Tensor], None]:
+    ref = weakref.ref(param)
+
+    def hook(grad: torch.Tensor) -> None:
+        p = ref()
+        if p is not None and id(p) in state.unscaled:
+            state.rescale_before_accumulation(p)
+
+    return hook

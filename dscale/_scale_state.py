@@ -15,9 +15,7 @@ from typing import Any
 import torch
 
 from dscale import _policy
-from dscale._policy import HostState
-
-COUNTER_NAMES = ("steps", "skipped_steps", "skipped_in_a_row", "growths", "backoffs")
+from dscale._policy import COUNTER_NAMES, HostState
 
 
 def fresh_host_state(init_scale: float, hysteresis: int) -> HostState:
@@ -35,6 +33,10 @@ class ScaleState:
         self.growth_tracker: torch.Tensor | None = None
         self.hysteresis_tracker: torch.Tensor | None = None
         self.counters: torch.Tensor | None = None
+        # After device-side updates: the newest state that has reached the host, and a copy of a
+        # newer one that may still be in flight (pinned buffer, event). Read by scrape threads.
+        self._published: HostState = host
+        self._in_flight: tuple[torch.Tensor, Any | None] | None = None
 
     @property
     def placed(self) -> bool:
@@ -91,16 +93,40 @@ class ScaleState:
             return host
         assert self.scale is not None and self.counters is not None  # noqa: S101
         assert self.growth_tracker is not None and self.hysteresis_tracker is not None  # noqa: S101
-        values = torch.cat(
-            [
-                self.scale.double().reshape(1),
-                self.growth_tracker.double().reshape(1),
-                self.hysteresis_tracker.double().reshape(1),
-                self.counters.double(),
-            ]
-        ).tolist()
-        scale, growth, hyst, *counts = values
-        return HostState(scale, int(growth), int(hyst), tuple(int(c) for c in counts))
+        packed = _pack(self.scale, self.growth_tracker, self.hysteresis_tracker, self.counters)
+        return _unpack(packed.tolist())
+
+    def latest(self) -> HostState:
+        """The newest state the host holds, without writing or waiting on any device tensor.
+
+        Safe from another thread (a metrics scrape). After device-side updates it may be one or
+        two updates behind, while the copy of the newest one is still in flight.
+        """
+        host = self.host
+        if host is not None:
+            return host
+        in_flight = self._in_flight
+        if in_flight is not None and (in_flight[1] is None or in_flight[1].query()):
+            return _unpack(in_flight[0].tolist())
+        return self._published
+
+    def _publish(self) -> None:
+        """Start copying the device state to the host (non-blocking); :meth:`latest` reads it."""
+        assert self.scale is not None and self.counters is not None  # noqa: S101
+        assert self.growth_tracker is not None and self.hysteresis_tracker is not None  # noqa: S101
+        packed = _pack(self.scale, self.growth_tracker, self.hysteresis_tracker, self.counters)
+        if packed.device.type != "cuda":
+            self._in_flight = (packed, None)  # on the host already; a reader unpacks it
+            return
+        previous = self._in_flight
+        if previous is not None and (previous[1] is None or previous[1].query()):
+            self._published = _unpack(previous[0].tolist())
+        buffer = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+        buffer.copy_(packed, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        # Read only once `event` has completed (latest() queries it, never waits on it).
+        self._in_flight = (buffer, event)
 
     def update(
         self, policy: _policy.ScalePolicy, found_inf: torch.Tensor, found: bool | None
@@ -126,6 +152,7 @@ class ScaleState:
             found_inf,
         )
         self.host = None
+        self._publish()
 
     def set_scale(self, new_scale: float | torch.Tensor) -> None:
         """``update(new_scale=...)``: a float keeps the host copy, a tensor moves to the device."""
@@ -134,6 +161,7 @@ class ScaleState:
             self._flush()
             self.scale.copy_(new_scale.detach().reshape(()))
             self.host = None
+            self._publish()
             return
         if self.host is not None:
             self.host = dataclasses.replace(self.host, scale=_policy.f32(new_scale))
@@ -142,6 +170,8 @@ class ScaleState:
     def load(self, host: HostState) -> None:
         """Replace the whole state (load_state_dict)."""
         self.host = host
+        self._published = host
+        self._in_flight = None
         self._flushed = None
         self._flush()
 
@@ -154,7 +184,22 @@ class ScaleState:
             "growth_tracker": None,
             "hysteresis_tracker": None,
             "counters": None,
+            "_published": self.read(),
+            "_in_flight": None,
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+
+
+def _pack(
+    scale: torch.Tensor, growth: torch.Tensor, hysteresis: torch.Tensor, counters: torch.Tensor
+) -> torch.Tensor:
+    # fp64 holds the fp32 scale and every int counter below 2**53 exactly.
+    parts = [scale.double().reshape(1), growth.double().reshape(1), hysteresis.double().reshape(1)]
+    return torch.cat([*parts, counters.double()])
+
+
+def _unpack(values: list[float]) -> HostState:
+    scale, growth, hyst, *counts = values
+    return HostState(scale, int(growth), int(hyst), tuple(int(c) for c in counts))

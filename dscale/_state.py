@@ -23,20 +23,14 @@ from typing import Any
 
 import torch
 
-from dscale._policy import HostState, ScalePolicy, f32
+from dscale._policy import COUNTER_NAMES, HostState, ScalePolicy, f32
 
 logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 
 TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
-COUNTER_KEYS = (
-    "num_steps",
-    "num_skipped_steps",
-    "num_skipped_in_a_row",
-    "num_growths",
-    "num_backoffs",
-)
+COUNTER_KEYS = tuple(f"num_{name}" for name in COUNTER_NAMES)
 HYSTERESIS_REFILLS = ("on_growth", "on_clean_step")
 
 
@@ -161,7 +155,6 @@ def validate(state: Mapping[str, Any]) -> dict[str, Any]:
 
 def to_state_dict(policy: ScalePolicy, host: HostState) -> dict[str, Any]:
     """The state dict of a scaler with ``policy`` and state ``host``."""
-    steps, skipped, in_a_row, growths, backoffs = host.counters
     return {
         "scale": float(host.scale),
         "growth_factor": policy.growth_factor,
@@ -174,11 +167,7 @@ def to_state_dict(policy: ScalePolicy, host: HostState) -> dict[str, Any]:
         "hysteresis": policy.hysteresis,
         "hysteresis_refill": policy.hysteresis_refill,
         "_hysteresis_tracker": host.hysteresis_tracker,
-        "num_steps": steps,
-        "num_skipped_steps": skipped,
-        "num_skipped_in_a_row": in_a_row,
-        "num_growths": growths,
-        "num_backoffs": backoffs,
+        **dict(zip(COUNTER_KEYS, host.counters, strict=True)),
     }
 
 

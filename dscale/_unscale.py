@@ -20,7 +20,8 @@ except ImportError:  # torch builds without distributed
 GradGroups = dict[torch.device, dict[torch.dtype, list[torch.Tensor]]]
 
 
-def _local(grad: torch.Tensor) -> torch.Tensor:
+def local_tensor(grad: torch.Tensor) -> torch.Tensor:
+    """The rank-local tensor of ``grad`` (its local shard for a DTensor)."""
     if DTensor is not None and isinstance(grad, DTensor):
         return grad._local_tensor
     return grad
@@ -39,7 +40,7 @@ def optimizer_grads(
             grad = param.grad
             if grad is None or (skip is not None and id(param) in skip):
                 continue
-            grad = _local(grad)
+            grad = local_tensor(grad)
             if grad.is_sparse:
                 # Duplicate indices add up on coalesce and may overflow then, so check coalesced.
                 if grad.dtype is torch.float16:
@@ -72,7 +73,7 @@ def check_and_unscale_(
     per_device: list[torch.Tensor] = []
     for device, per_dtype in groups.items():
         found = torch.zeros((), dtype=torch.float32, device=device)
-        scale_here = inv_scale.to(device, non_blocking=True)
+        scale_here = copy_to(inv_scale, device)  # a CPU kernel reads it at once (CPU offload)
         for grads in per_dtype.values():
             torch._amp_foreach_non_finite_check_and_unscale_(grads, found, scale_here)
         per_device.append(found)
@@ -83,6 +84,18 @@ def combine_flags(flags: list[torch.Tensor], device: torch.device) -> torch.Tens
     """Sum per-device flags onto ``device`` (a fresh zero flag when this rank holds no grads)."""
     total = torch.zeros((), dtype=torch.float32, device=device)
     for flag in flags:
-        non_blocking = not (flag.device.type != "cpu" and device.type == "cpu")
-        total += flag.to(device, non_blocking=non_blocking)
+        total += copy_to(flag, device)
     return total
+
+
+def copy_to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``tensor`` on ``device``, safe to read on the host as soon as this returns.
+
+    Host-to-device and device-to-device copies are non-blocking (stream-ordered). A device-to-host
+    copy is blocking: a non_blocking one returns before the data lands, and the host (gloo, a
+    CPU-side step counter, a CPU-offloaded grad) would read memory not yet written.
+    """
+    if tensor.device == device:
+        return tensor
+    to_host = tensor.device.type != "cpu" and device.type == "cpu"
+    return tensor.to(device, non_blocking=not to_host)

@@ -17,12 +17,18 @@ from dscale import _agreement, _dist, _policy, _state
 from dscale._masked_step import (
     masked_step,
     params_without_state,
-    reset_state_created_by_skipped_step,
+    remove_state_created_by_skipped_step,
 )
-from dscale._reduction_hooks import ReductionHooks
-from dscale._scale_state import COUNTER_NAMES, ScaleState, fresh_host_state
+from dscale._policy import COUNTER_NAMES
+from dscale._reduction_hooks import AttachRefusal, ReductionHooks
+from dscale._scale_state import ScaleState, fresh_host_state
 from dscale._torch_compat import TorchGradScalerSurface
-from dscale._unscale import check_and_unscale_, group_by_device_and_dtype, optimizer_grads
+from dscale._unscale import (
+    check_and_unscale_,
+    copy_to,
+    group_by_device_and_dtype,
+    optimizer_grads,
+)
 from dscale._warnings import warn_if_scaling_is_not_needed
 
 logger = logging.getLogger(__name__)
@@ -55,8 +61,10 @@ class _Stage(Enum):
 @dataclasses.dataclass
 class _OptimizerState:
     stage: _Stage = _Stage.READY
-    flag: torch.Tensor | None = None  # this rank's flag, then the agreed one once `work` is done
+    # This rank's agreement vector (_agreement.FIELDS), then the agreed one once `work` is done.
+    agreed: torch.Tensor | None = None
     work: Any = None  # pending all-reduce
+    over_group: bool = False  # whether `agreed` was reduced over the scaler's group
     applied: bool | None = None  # known on the host when step() synced for its decision
 
 
@@ -170,6 +178,8 @@ class GradScaler(TorchGradScalerSurface):
         self._observers: list[GradObserver] = []
         self._updates_since_stuck_check = 0
         self._hooks = ReductionHooks()
+        self._scale_range: _agreement.ScaleRange | None = None
+        self._scale_calls = 0
 
     # ----------------------------------------------------------------- device state
     def _scale_on(self, device: torch.device) -> torch.Tensor:
@@ -196,10 +206,11 @@ class GradScaler(TorchGradScalerSurface):
         """Multiply a tensor, or nested lists/tuples of tensors, by the scale."""
         if not self._enabled:
             return outputs
+        self._scale_calls += 1  # attach()'s hooks refuse a backward with no scale() before it
         if isinstance(outputs, torch.Tensor):
             scale = self._scale_on(outputs.device)
             warn_if_scaling_is_not_needed(outputs)
-            return outputs * scale.to(device=outputs.device, non_blocking=True)
+            return outputs * copy_to(scale, outputs.device)
 
         per_device: dict[torch.device, torch.Tensor] = {}
 
@@ -207,7 +218,7 @@ class GradScaler(TorchGradScalerSurface):
             if isinstance(value, torch.Tensor):
                 if value.device not in per_device:
                     scale = self._scale_on(value.device)
-                    per_device[value.device] = scale.to(value.device, non_blocking=True)
+                    per_device[value.device] = copy_to(scale, value.device)
                 return value * per_device[value.device]
             if isinstance(value, abc.Iterable):
                 mapped = map(apply, value)
@@ -239,25 +250,40 @@ class GradScaler(TorchGradScalerSurface):
     def _check(
         self, optimizer: torch.optim.Optimizer, state: _OptimizerState, *, unscale: bool
     ) -> bool:
-        """Check (and unscale) ``optimizer``'s grads; True when they are unscaled afterwards."""
+        """Grads -> observers -> flag -> agree; True when the grads are unscaled afterwards.
+
+        The hooks report which of ``optimizer``'s grads they already unscaled and checked (and
+        whether their flag is global); this rank's pass takes the rest, and the agreement
+        vector goes out once, unless the hooks' flag already covers everything on every rank.
+        """
         scale = self._require_scale("unscale_")
-        hook_flag = self._hooks.take_flag(scale.device)
-        if hook_flag is not None:
-            unscale = True  # the hook unscaled its grads; the others must match them
-        grads = optimizer_grads(optimizer, self._hooks.params if hook_flag is not None else None)
+        group = self._process_group()
+        try:
+            report = self._hooks.report(optimizer, group, scale.device)
+        except AttachRefusal as exc:
+            if exc.peers_agree and group is not None:  # the peers skip rather than wait on us
+                device = _dist.flag_device(group, scale.device)
+                refusal = _agreement.agreement_vector(
+                    torch.ones((), device=device), copy_to(scale, device)
+                )
+                _agreement.all_reduce_flag(refusal, group).wait()
+            raise
+        unscale = unscale or report.unscaled  # the pass must match what the hooks did
+        grads = optimizer_grads(optimizer, set(report.covered))
         for observer in self._observers:
             observer.on_grads(optimizer, grads, scale)
         # The reciprocal in fp64, as torch does: fp32 division can be imprecise.
         inv_scale = scale.double().reciprocal().float() if unscale else torch.ones_like(scale)
-        group = self._process_group()
-        if hook_flag is not None and self._hooks.flag_is_global_for(optimizer):
-            group = None  # DDP's own all-reduce already made the flag global
+        if report.is_global:
+            group = None  # DDP's own all-reduce over a group covering ours made the flag global
         device = scale.device if group is None else _dist.flag_device(group, scale.device)
         with torch.no_grad():
-            state.flag = check_and_unscale_(group_by_device_and_dtype(grads), inv_scale, device)
-            if hook_flag is not None:
-                state.flag += hook_flag.to(device, non_blocking=True)
-        state.work = None if group is None else _agreement.all_reduce_flag(state.flag, group)
+            flag = check_and_unscale_(group_by_device_and_dtype(grads), inv_scale, device)
+            if report.flag is not None:
+                flag += copy_to(report.flag, device)
+            state.agreed = _agreement.agreement_vector(flag, copy_to(scale, device))
+        state.over_group = group is not None
+        state.work = None if group is None else _agreement.all_reduce_flag(state.agreed, group)
         return unscale
 
     # ----------------------------------------------------------------- reduction hooks
@@ -272,17 +298,23 @@ class GradScaler(TorchGradScalerSurface):
         parameters. Call once, before the first backward.
         """
         if self._enabled:
-            self._hooks.attach(model, lambda: self._require_scale("backward"))
+            self._hooks.attach(
+                model, lambda: self._require_scale("backward"), lambda: self._scale_calls
+            )
 
-    def _agreed_flag(self, state: _OptimizerState) -> torch.Tensor:
+    def _agreed(self, state: _OptimizerState) -> torch.Tensor:
+        """The agreed vector of ``state`` on the scale's device (waits for the collective)."""
         if state.work is not None:
             state.work.wait()
             state.work = None
-        assert state.flag is not None  # noqa: S101 - set by _check
+        assert state.agreed is not None  # noqa: S101 - set by _check
         scale = self._require_scale("step")
-        if state.flag.device != scale.device:
-            state.flag = state.flag.to(scale.device, non_blocking=True)
-        return state.flag
+        if state.agreed.device != scale.device:
+            state.agreed = copy_to(state.agreed, scale.device)
+        return state.agreed
+
+    def _agreed_flag(self, state: _OptimizerState) -> torch.Tensor:
+        return self._agreed(state)[_agreement.OVERFLOW]
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """Unscale (unless done), agree across ranks, then step unless some rank overflowed.
@@ -319,7 +351,7 @@ class GradScaler(TorchGradScalerSurface):
                 del optimizer.grad_scale  # type: ignore[attr-defined]
                 del optimizer.found_inf  # type: ignore[attr-defined]
             if fresh:
-                reset_state_created_by_skipped_step(optimizer, fresh, flag)
+                remove_state_created_by_skipped_step(optimizer, fresh, flag)
             self._outcomes[id(optimizer)] = flag
         elif self._sync_free:
             retval = masked_step(optimizer, flag, lambda: optimizer.step(*args, **kwargs))
@@ -358,6 +390,7 @@ class GradScaler(TorchGradScalerSurface):
             )
         flags = [self._agreed_flag(s) for s in states]
         found = flags[0] if len(flags) == 1 else torch.stack(flags).sum()
+        self._scale_range = self._range_over_group(states)
         known = all(s.applied is not None for s in states)
         skipped = not all(s.applied for s in states) if known else None
         self._book.update(self._policy, found, skipped)
@@ -391,6 +424,26 @@ class GradScaler(TorchGradScalerSurface):
         if self._on_stuck_at_min == "raise":
             raise ScaleCollapsedError(message)
         logger.warning("%s", message)
+
+    def _range_over_group(self, states: list[_OptimizerState]) -> _agreement.ScaleRange | None:
+        """Min and max scale over the group from this iteration's collective, if one ran."""
+        for state in states:
+            if state.over_group:
+                return _agreement.scale_range(self._agreed(state))
+        if self._process_group() is None:  # one process: its own scale is the whole range
+            scale = self._require_scale("update")
+            return _agreement.ScaleRange(scale, scale)
+        return None  # the DDP hook's reduction made the flag global: no scaler collective ran
+
+    def agreed_scale_range(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(min, max) of the scale over the scaler's ranks in the last update(), as tensors.
+
+        Carried on the step's own agreement collective, so it costs nothing and is known on
+        every rank alike; reading it as numbers is a host sync on GPU. None before the first
+        update(), and after an iteration in which no scaler collective ran (a DDP model under
+        ``attach()`` whose reduction already made the flag global).
+        """
+        return self._scale_range
 
     # ----------------------------------------------------------------- was it applied?
     def step_applied(self, optimizer: torch.optim.Optimizer | None = None) -> bool:
@@ -434,24 +487,24 @@ class GradScaler(TorchGradScalerSurface):
         """The live device tensors (no sync): scale, trackers and event counters.
 
         Keys: scale, growth_tracker, hysteresis_tracker, steps, skipped_steps, skipped_in_a_row,
-        growths, backoffs. Brought up to date from the host copy first (kernel launches only).
+        growths, backoffs. Brought up to date from the host copy first (kernel launches only), so
+        call it from the training thread. Before the first scale() the scaler has no device yet:
+        the values come as new CPU tensors, and the scaler stays unplaced.
         """
-        self._scale_on(torch.device(self._device))
+        if not self._book.placed:
+            host = self._book.read()
+            return {k: torch.tensor(v) for k, v in _snapshot_dict(host).items()}
         return self._book.tensors()
 
-    def snapshot(self) -> dict[str, float | int]:
+    def snapshot(self, *, wait: bool = True) -> dict[str, float | int]:
         """:meth:`counters` as Python numbers.
 
         Free after plain steps (the host holds the state); after fused or ``sync_free`` steps it
-        waits for the GPU.
+        waits for the GPU. ``wait=False`` never waits and never writes, so another thread (a
+        metrics scrape) may call it: after device-side updates it returns the newest state whose
+        copy has reached the host, which may be an update or two behind.
         """
-        state = self._book.read()
-        return {
-            "scale": state.scale,
-            "growth_tracker": state.growth_tracker,
-            "hysteresis_tracker": state.hysteresis_tracker,
-            **dict(zip(COUNTER_NAMES, state.counters)),
-        }
+        return _snapshot_dict(self._book.read() if wait else self._book.latest())
 
     def get_scale(self) -> float:
         """The current scale as a Python float (1.0 when disabled).
@@ -532,6 +585,7 @@ class GradScaler(TorchGradScalerSurface):
         state["_observers"] = []
         state["_outcomes"] = {}
         state["_last_stepped"] = None
+        state["_scale_range"] = None
         # Hooks are registered on live models; a copy must attach() again.
         state["_hooks"] = ReductionHooks()
         return state
@@ -559,3 +613,12 @@ def _checked_new_scale(new_scale: float | torch.Tensor) -> float | torch.Tensor:
     ):
         raise ValueError(f"new_scale must be a finite number > 0, got {new_scale!r}")
     return float(new_scale)
+
+
+def _snapshot_dict(state: _policy.HostState) -> dict[str, float | int]:
+    return {
+        "scale": state.scale,
+        "growth_tracker": state.growth_tracker,
+        "hysteresis_tracker": state.hysteresis_tracker,
+        **dict(zip(COUNTER_NAMES, state.counters, strict=True)),
+    }

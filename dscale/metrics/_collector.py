@@ -1,7 +1,8 @@
 """A prometheus_client Collector that reads the scaler and the stats at scrape time.
 
-Nothing is pushed from the training loop: every scrape copies the scaler's counters (one small
-device-to-host copy) and ``NumericsStats.read()``, so the loop pays nothing between scrapes.
+Nothing is pushed from the training loop: every scrape reads the scaler's host snapshot
+(``snapshot(wait=False)``: it never writes, nor waits on, the training thread's tensors) and
+``NumericsStats.read()``, so the loop pays nothing between scrapes.
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ import logging
 from collections.abc import Iterator, Mapping
 from typing import Protocol
 
-import torch
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -39,9 +39,9 @@ _GAUGES = (
 
 
 class ScaleSource(Protocol):
-    """What the collector needs from a scaler: ``dscale.GradScaler.counters()``."""
+    """What the collector needs from a scaler: ``dscale.GradScaler.snapshot(wait=False)``."""
 
-    def counters(self) -> Mapping[str, torch.Tensor]: ...
+    def snapshot(self, *, wait: bool = True) -> Mapping[str, float | int]: ...
 
 
 class MismatchSource(Protocol):
@@ -54,7 +54,7 @@ class ScalerCollector:
     """Exposes a scaler's counters and a ``NumericsStats`` as ``dscale_*`` metrics.
 
     Args:
-        scaler: a ``dscale.GradScaler`` (anything with ``counters()``).
+        scaler: a ``dscale.GradScaler`` (anything with ``snapshot(wait=False)``).
         stats: optional numerics stats; without it the grad-norm, underflow and non-finite
             metrics are left out.
         labels: values for ``rank``, ``local_rank``, ``node``, ``job_name``.
@@ -108,10 +108,8 @@ class ScalerCollector:
         return g
 
     def _collect(self) -> Iterator[Metric]:
-        counters = dict(self._scaler.counters())
-        keys = [k for k, _, _ in _COUNTERS + _GAUGES if k in counters]
-        host = torch.stack([counters[k].detach().double().reshape(()) for k in keys]).cpu()
-        values = dict(zip(keys, host.tolist(), strict=True))
+        # Host numbers only: a scrape thread must never touch the training thread's tensors.
+        values = {k: float(v) for k, v in self._scaler.snapshot(wait=False).items()}
         for key, name, doc in _COUNTERS:
             if key in values:
                 c = CounterMetricFamily(name, doc, labels=LABELS)

@@ -74,7 +74,6 @@ class MetricsExporter:
             logger.info("dscale metrics: serving %s for %.0f s more", self.url, linger)
             self._lingering.set()
             self._stop_now.wait(linger)
-        # The rank check stays attached: removing a collective on one rank only would hang the rest.
         with self._lock:
             server, self._server = self._server, None
         if server is not None:
@@ -123,7 +122,6 @@ def start_exporter(
     job_name: str | None = None,
     linger_s: float = 30.0,
     check_agreement_every: int = 100,
-    process_group: Any = None,
     certfile: str | None = None,
     keyfile: str | None = None,
     registry: CollectorRegistry | None = None,
@@ -145,9 +143,9 @@ def start_exporter(
             ``TORCHELASTIC_RUN_ID`` or "dscale".
         linger_s: how long ``stop()`` keeps serving so the last values are scraped; make it at
             least one scrape interval (plus about 6 s for a file_sd target to be picked up).
-        check_agreement_every: compare the scale across ranks every this many steps (one small
-            all-reduce and a host sync each time); 0 turns it off. Must match on every rank.
-        process_group: group for that check (default: the default group).
+        check_agreement_every: compare the scale across ranks every this many steps (a host
+            read of two numbers each time; the values ride on the scaler's own per-step
+            collective, so no rank waits for another and ranks may differ here); 0 turns it off.
         certfile, keyfile: serve HTTPS with this certificate.
         registry: register into this registry (default: a new one holding only dscale's metrics).
 
@@ -180,7 +178,7 @@ def start_exporter(
     }
     rank_check = None
     if check_agreement_every:
-        rank_check = RankScaleCheck(check_agreement_every, process_group)
+        rank_check = RankScaleCheck(check_agreement_every)
         scaler.add_observer(rank_check)
     collector = ScalerCollector(
         scaler,

@@ -3,6 +3,11 @@
 They always should (the scaler agrees on overflow with one all-reduce). If they ever do not, the
 ranks are training with different effective learning rates and users must know at once, so a
 mismatch is logged as a warning on every rank and counted in ``dscale_rank_scale_mismatch_total``.
+
+The check runs no collective of its own: the scaler's per-step agreement vector already carries
+the scale's min and max over the ranks (``GradScaler.agreed_scale_range()``). So it cannot hang a
+job that attaches it on some ranks only (metrics served from rank 0), and costs a host read every
+``every`` steps, nothing in between.
 """
 
 from __future__ import annotations
@@ -13,43 +18,26 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dscale import _agreement, _dist
-
 logger = logging.getLogger(__name__)
-
-
-def scale_min_max(scale: Tensor, group: Any = None) -> tuple[float, float]:
-    """Min and max of the scale over the ranks of ``group`` (default: all ranks).
-
-    The collective goes through ``dscale._agreement`` like every other one. It waits for the result
-    (a host sync), which is why it runs every N steps only.
-    """
-    resolved = _dist.resolve_group(group)
-    if resolved is None:
-        x = float(scale)
-        return x, x
-    device = _dist.flag_device(resolved, scale.device)
-    value = scale.detach().reshape(1).to(device=device, dtype=torch.float64)
-    lo, hi = _agreement.all_reduce_min_max(value, resolved)
-    return float(lo.cpu()), float(hi.cpu())
 
 
 class RankScaleCheck:
     """A ``GradObserver`` that compares the scale across ranks after every ``every``-th update.
 
-    Every rank must attach it with the same ``every`` (``start_exporter`` does), since it issues a
-    collective. ``mismatches`` counts checks that found a difference.
+    ``mismatches`` counts checks that found a difference; ``unchecked`` counts due checks for
+    which the step had no scaler collective to read (a DDP model under ``attach()``, whose own
+    reduction made the flag global).
     """
 
-    def __init__(self, every: int, group: Any = None) -> None:
-        if not isinstance(every, int) or every < 1:
+    def __init__(self, every: int) -> None:
+        if not isinstance(every, int) or isinstance(every, bool) or every < 1:
             raise ValueError(
                 f"check_agreement_every must be an int >= 1, got {every!r}; it is how many steps "
-                "pass between cross-rank scale checks (each costs one small all-reduce)"
+                "pass between cross-rank scale checks (each reads two numbers on the host)"
             )
         self.every = every
-        self.group = group
         self.mismatches = 0
+        self.unchecked = 0
         self.last_min: float | None = None
         self.last_max: float | None = None
         self._updates = 0
@@ -58,11 +46,15 @@ class RankScaleCheck:
         """Nothing to do before the check."""
 
     def on_update(self, scaler: Any, found_inf: Tensor) -> None:
-        """Every ``every`` updates, compare this rank's scale with the others'."""
+        """Every ``every`` updates, read the scale range the step's collective carried."""
         self._updates += 1
         if self._updates % self.every:
             return
-        lo, hi = scale_min_max(scaler.counters()["scale"], self.group)
+        agreed = scaler.agreed_scale_range()
+        if agreed is None:
+            self.unchecked += 1
+            return
+        lo, hi = torch.stack([t.detach().reshape(()) for t in agreed]).tolist()  # host read
         self.last_min, self.last_max = lo, hi
         if lo != hi:
             self.mismatches += 1

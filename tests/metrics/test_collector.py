@@ -119,7 +119,7 @@ def test_without_stats_the_scaler_metrics_are_still_exported() -> None:
 
 
 class _BrokenScaler:
-    def counters(self):
+    def snapshot(self, *, wait=True):
         raise RuntimeError("device lost")
 
 

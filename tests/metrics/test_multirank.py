@@ -26,16 +26,6 @@ class _Capture(logging.Handler):
         self.messages.append(record.getMessage())
 
 
-class _FixedScaleScaler:
-    """Only what RankScaleCheck and the collector read: a scale that differs per rank."""
-
-    def __init__(self, scale: float) -> None:
-        self._scale = torch.tensor(scale)
-
-    def counters(self) -> dict[str, torch.Tensor]:
-        return {"scale": self._scale}
-
-
 def _attribution(rank: int, parallel: str) -> dict[str, Any]:
     model = wrap(tiny_model(), parallel)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -62,38 +52,48 @@ def _attribution(rank: int, parallel: str) -> dict[str, Any]:
 def _scenarios(rank: int, world_size: int) -> dict[str, Any]:
     out: dict[str, Any] = {"attribution": {p: _attribution(rank, p) for p in ("ddp", "fsdp2")}}
 
+    # Metrics on rank 0 only (a common pattern): the check rides on the step's own collective,
+    # so the ranks still run the same collectives and nothing hangs.
+    out["rank0_only"] = _train_with_check(rank, init_scale=512.0, exporter=rank == 0)
+
     # A scale that differs across ranks: counted and logged on every rank, and exported.
     capture = _Capture()
     logging.getLogger("dscale.metrics").addHandler(capture)
-    stub = _FixedScaleScaler(1024.0 * (rank + 1))
-    check = RankScaleCheck(every=1)
-    check.on_update(stub, torch.tensor(0.0))
-    registry = CollectorRegistry()
-    labels = {"rank": str(rank), "local_rank": str(rank), "node": "n", "job_name": "j"}
-    registry.register(ScalerCollector(stub, labels=labels, rank_check=check))
-    out["mismatch"] = {
-        "count": check.mismatches,
-        "min_max": (check.last_min, check.last_max),
-        "exported": registry.get_sample_value("dscale_rank_scale_mismatch_total", labels),
-        "logs": capture.messages,
-    }
+    out["mismatch"] = _train_with_check(rank, init_scale=1024.0 * (rank + 1), exporter=True)
+    out["mismatch"]["logs"] = capture.messages
+    return out
 
-    # The check is one collective every `every` updates, through dscale._agreement.
+
+def _train_with_check(rank: int, *, init_scale: float, exporter: bool) -> dict[str, Any]:
+    model = wrap(tiny_model(), "ddp")
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = dscale.GradScaler(device="cpu", init_scale=init_scale, growth_interval=1000)
+    labels = {"rank": str(rank), "local_rank": str(rank), "node": "n", "job_name": "j"}
+    registry = CollectorRegistry()
+    check = None
+    if exporter:
+        check = RankScaleCheck(every=1)
+        scaler.add_observer(check)
+        registry.register(ScalerCollector(scaler, labels=labels, rank_check=check))
     calls = []
-    real = _agreement.all_reduce_min_max
+    real = _agreement.all_reduce_flag
 
     def counting(values, group):
-        calls.append(1)
+        calls.append(values.numel())
         return real(values, group)
 
-    same = _FixedScaleScaler(512.0)
-    check = RankScaleCheck(every=3)
-    with mock.patch.object(_agreement, "all_reduce_min_max", counting):
-        for _ in range(7):
-            check.on_update(same, torch.tensor(0.0))
-    out["collectives_in_7_updates"] = len(calls)
-    out["equal_scales_mismatches"] = check.mismatches
-    return out
+    with mock.patch.object(_agreement, "all_reduce_flag", counting):
+        for step in range(3):
+            opt.zero_grad()
+            scaler.scale(model(batch(rank, step)).sum()).backward()
+            scaler.step(opt)
+            scaler.update()
+    result: dict[str, Any] = {"collectives": calls, "scale": scaler.get_scale()}
+    if check is not None:
+        result["count"] = check.mismatches
+        result["min_max"] = (check.last_min, check.last_max)
+        result["exported"] = registry.get_sample_value("dscale_rank_scale_mismatch_total", labels)
+    return result
 
 
 def test_rank_local_attribution_and_the_scale_disagreement_detector() -> None:
@@ -105,11 +105,13 @@ def test_rank_local_attribution_and_the_scale_disagreement_detector() -> None:
         # Only rank 1 held the inf, so only rank 1 names the parameter.
         assert r1["nonfinite"] == {r1["first_name"]: 1, "other": 0}, parallel
         assert r0["nonfinite"] == {"other": 0}, parallel
+    # One collective per step on every rank, with or without the check: a 3-field vector.
+    assert out[0]["rank0_only"]["collectives"] == out[1]["rank0_only"]["collectives"] == [3] * 3
+    assert out[0]["rank0_only"]["count"] == 0
+    assert out[0]["rank0_only"]["min_max"] == (512.0, 512.0)
     for rank in (0, 1):
         m = out[rank]["mismatch"]
-        assert m["count"] == 1
+        assert m["count"] == 3  # every step's check saw the two scales
         assert m["min_max"] == (1024.0, 2048.0)
-        assert m["exported"] == 1.0
+        assert m["exported"] == 3.0
         assert any("ranks disagree on the loss scale" in msg for msg in m["logs"]), m["logs"]
-        assert out[rank]["collectives_in_7_updates"] == 2
-        assert out[rank]["equal_scales_mismatches"] == 0

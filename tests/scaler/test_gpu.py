@@ -49,6 +49,10 @@ def test_fused_and_sync_free_steps_never_sync(name, make_opt, sync_free) -> None
     opt = make_opt(model.parameters())
     scaler = dscale.GradScaler("cuda", init_scale=2.0**10, sync_free=sync_free)
     before = None
+    # The first step creates the optimizer state and reads the flag once (see _masked_step).
+    scaler.scale(model(torch.randn(8, 64, device="cuda")).float().sum()).backward()
+    scaler.step(opt)
+    scaler.update()
     for step in range(4):
         if step == 2:
             before = model.weight.detach().clone()

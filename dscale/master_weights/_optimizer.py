@@ -13,21 +13,13 @@ from typing import Any
 
 import torch
 
-from dscale import _master_state
-from dscale._loss_scale import DynamicLossScale, StaticLossScale
-from dscale._master_groups import swap_in_masters
-from dscale._param_lists import (
+from dscale.master_weights import _state as _master_state
+from dscale.master_weights._groups import swap_in_masters
+from dscale.master_weights._loss_scale import DynamicLossScale, StaticLossScale
+from dscale.master_weights._param_lists import (
     master_params_to_model_params,
     model_grads_to_master_grads,
-    prep_param_lists,
 )
-
-__all__ = [
-    "FP16Optimizer",
-    "master_params_to_model_params",
-    "model_grads_to_master_grads",
-    "prep_param_lists",
-]
 
 logger = logging.getLogger(__name__)
 
