@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.amp.grad_scaler import OptState
 
+from dscale._agreement import OVERFLOW
+
 if TYPE_CHECKING:
     from dscale._policy import ScalePolicy
     from dscale._scale_state import ScaleState
@@ -28,11 +30,12 @@ def _torch_view(state: Any) -> dict[str, Any]:
     if state is None:
         return {"stage": OptState.READY, "found_inf_per_device": {}}
     found: dict[torch.device, torch.Tensor] = {}
-    if state.flag is not None:
+    if state.agreed is not None:
         if state.work is not None:  # the agreed flag, as torch's holds the rank's decision
             state.work.wait()
             state.work = None
-        found[state.flag.device] = state.flag
+        flag = state.agreed[OVERFLOW]  # a view into the agreement vector, no copy
+        found[flag.device] = flag
     return {"stage": OptState[state.stage.name], "found_inf_per_device": found}
 
 
