@@ -12,9 +12,11 @@ import pytest
 import torch
 
 from dscale.bench import _cli
+from dscale.bench._report import render
 from dscale.bench._syncs import count_host_syncs
 
-STEP_ARMS = {"plain", "dscale", "torch", "sharded"}
+STEP_ARMS = {"plain", "dscale", "torch", "torch_aa", "sharded"}
+INTERVAL_KEYS = {"estimate", "low", "high", "verdict"}
 
 
 def _finite_arm(arm: dict) -> None:
@@ -37,7 +39,10 @@ def test_every_single_process_scenario_has_every_arm(result) -> None:
         assert set(scenario["arms"]) == STEP_ARMS
         for arm in scenario["arms"].values():
             _finite_arm(arm)
-            assert arm["reps"] == 2
+            assert arm["reps"] == len(arm["paired_overheads_us"]) == 2
+        assert set(scenario["ratios"]) == {"dscale/torch", "dscale/sharded", "torch_aa/torch"}
+        for interval in scenario["ratios"].values():
+            assert set(interval) == INTERVAL_KEYS
 
 
 def test_every_phase_of_every_scaler_is_reported(result) -> None:
@@ -61,22 +66,38 @@ def test_unscale_pass_and_sweep_are_reported(result) -> None:
         assert math.isfinite(slopes["us_per_tensor"]) and math.isfinite(slopes["us_per_mib"])
 
 
-def test_two_rank_ddp_and_fsdp2_arms_are_reported(result) -> None:
+def test_two_rank_no_wrapper_ddp_and_fsdp2_arms_are_reported_with_an_aa_arm(result) -> None:
     dist_result = result["distributed"]
     assert dist_result["world_size"] == 2
-    assert set(dist_result["ddp"]["arms"]) == {"plain", "dscale", "torch", "dscale+hook"}
-    assert set(dist_result["fsdp2"]["arms"]) == {"plain", "dscale", "sharded", "dscale+hook"}
+    no_wrapper = dist_result["no_wrapper_steps"]
+    assert [(s["count"], s["impl"]) for s in no_wrapper] == [(4, "foreach"), (4, "fused")]
+    for scenario in no_wrapper:
+        assert set(scenario["arms"]) == {"plain", "dscale", "torch", "sharded", "sharded_aa"}
+        assert set(scenario["ratios"]) == {"dscale/sharded", "dscale/torch", "sharded_aa/sharded"}
+    peers = {"plain", "dscale", "sharded", "sharded_aa", "dscale+hook"}
+    assert set(dist_result["ddp"]["arms"]) == peers | {"torch"}
+    assert set(dist_result["fsdp2"]["arms"]) == peers
     for mode in ("ddp", "fsdp2"):
         for part in ("arms", "after_backward"):
             assert set(dist_result[mode][part]) == set(dist_result[mode]["arms"])
             for arm in dist_result[mode][part].values():
                 _finite_arm(arm)
                 assert arm["reps"] == 2
+        for part in ("ratios", "after_backward_ratios"):
+            assert "sharded_aa/sharded" in dist_result[mode][part]
+            assert "dscale+hook/sharded" in dist_result[mode][part]
 
 
-def test_machine_info_is_written(result) -> None:
+def test_the_report_prints_every_table_with_its_noise_verdict(result) -> None:
+    text = render(result)
+    assert text.count("noise (") == 6  # single, no wrapper, ddp x2, fsdp2 x2 (the sweep has no A/A)
+    assert "load average:" in text and "percentile bootstrap" in text
+
+
+def test_machine_info_and_load_are_written(result) -> None:
     assert result["machine"]["torch"]
     assert result["machine"]["device"] == "cpu"
+    assert set(result["loadavg"]) == {"start", "end"}
 
 
 @pytest.mark.parametrize(

@@ -17,6 +17,9 @@ INIT_SCALE = 2.0**16
 OPTIMIZERS = ("sgd", "adam")
 IMPLS = ("foreach", "fused")
 SCALERS = ("dscale", "torch", "sharded")
+# An arm named "<scaler>_aa" is a second, independent copy of that scaler: the A/A arm, whose
+# ratio to the first copy shows what plain noise does to a ratio in the same run.
+AA_SUFFIX = "_aa"
 
 
 def make_optimizer(
@@ -34,7 +37,8 @@ def make_optimizer(
 
 
 def make_scaler(name: str, device: torch.device) -> Any:
-    """A scaler by name with its scale already initialised (as the first scale() call does)."""
+    """A scaler by arm name with its scale already initialised (as the first scale() call does)."""
+    name = name.removesuffix(AA_SUFFIX)
     if name == "dscale":
         scaler: Any = dscale.GradScaler(device.type, init_scale=INIT_SCALE)
     elif name == "torch":

@@ -30,7 +30,13 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "numel_for_count": 1024,
         "numels": [2**14, 2**16, 2**18, 2**20],
         "count_for_numel": 16,
-        "dist": {"width": 1024, "depth": 8, "batch": 32, "reps": 40},
+        "dist": {
+            "width": 1024,
+            "depth": 8,
+            "batch": 32,
+            "reps": 60,
+            "no_wrapper": [(2000, 1000), (20, 500_000)],
+        },
     },
     "quick": {
         "reps": 8,
@@ -40,7 +46,13 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "numel_for_count": 256,
         "numels": [2**14, 2**16, 2**18],
         "count_for_numel": 8,
-        "dist": {"width": 256, "depth": 4, "batch": 16, "reps": 20},
+        "dist": {
+            "width": 256,
+            "depth": 4,
+            "batch": 16,
+            "reps": 20,
+            "no_wrapper": [(500, 1000), (10, 100_000)],
+        },
     },
     "tiny": {  # tests only: every section, seconds
         "reps": 2,
@@ -50,7 +62,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "numel_for_count": 64,
         "numels": [256, 1024],
         "count_for_numel": 4,
-        "dist": {"width": 16, "depth": 2, "batch": 4, "reps": 2},
+        "dist": {"width": 16, "depth": 2, "batch": 4, "reps": 2, "no_wrapper": [(4, 64)]},
     },
 }
 
@@ -127,6 +139,7 @@ def run(
     dev = torch.device(device)
     start = time.perf_counter()
     result: dict[str, Any] = {"machine": machine_info(dev), "config": config, "reps": cfg["reps"]}
+    load_at_start = os.getloadavg()
     if dist.is_initialized():  # under torchrun: this process is one of many ranks
         result["distributed"] = _ranks.run_here(_dist_cfg(cfg, reps))
     else:
@@ -139,6 +152,8 @@ def run(
         if distributed:
             result["distributed"] = _ranks.run_spawned(_dist_cfg(cfg, reps))
     result["seconds"] = time.perf_counter() - start
+    # Other work on the machine widens every interval: say how busy it was (1-minute averages).
+    result["loadavg"] = {"start": round(load_at_start[0], 2), "end": round(os.getloadavg()[0], 2)}
     return result
 
 
@@ -154,7 +169,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--reps",
         type=int,
-        help="repetitions per arm (default 30 and 40 for 2 ranks; quick 8 and 20)",
+        help="repetitions per arm (default 30, and 60 for the 2-rank part; quick 8 and 20)",
     )
     parser.add_argument(
         "--device",

@@ -1,10 +1,14 @@
-"""Multi-rank scenarios on gloo (CPU): whole training steps under DDP and FSDP2.
+"""Multi-rank scenarios on gloo (CPU): precomputed grads with no wrapper, DDP and FSDP2.
 
-Here the overhead is measured on the whole step, backward included, because dscale's DDP hook
-moves the unscale into the gradient all-reduce; the part after backward (step + update) is also
-reported on its own, as it is far less noisy than a whole step with gloo all-reduces. Every arm
-has its own model (same initial weights) and optimizer; the arms run interleaved in the same order
-on every rank. A repetition's time is the slowest rank's.
+No wrapper: each rank holds precomputed scaled grads and steps SGD, as a pipeline stage or a
+manually sharded model does; the overhead is step + update over a plain step, and every scaler
+but torch's makes the same one-element all-reduce. Under DDP and FSDP2 the overhead is measured on
+the whole step, backward included, because dscale's DDP hook moves the unscale into the gradient
+all-reduce; the part after backward (step + update) is also reported on its own, as it is far less
+noisy than a whole step with gloo all-reduces. Every arm has its own model (same initial weights)
+and optimizer; the arms run interleaved in the same order on every rank. A repetition's time is
+the slowest rank's. ShardedGradScaler is the peer (it makes the same collective); a second copy
+of it is the A/A arm.
 
 Run either inside ``torchrun`` (``WORLD_SIZE`` set: this process is one rank) or by spawning
 ``world_size`` local processes that meet through a ``FileStore``.
@@ -25,10 +29,15 @@ from torch import nn
 from torch.multiprocessing.spawn import start_processes
 
 from dscale.bench._arms import make_scaler
+from dscale.bench._single import Grads, step_arms
+from dscale.bench._stats import compare
 from dscale.bench._timing import Arm, run_interleaved, summarize
 
 TIMEOUT = timedelta(seconds=120)
 WARMUP = 2
+PEER_PAIRS = (("dscale", "sharded"), ("dscale+hook", "sharded"), ("sharded_aa", "sharded"))
+NO_WRAPPER_ARMS = ("dscale", "torch", "sharded", "sharded_aa")
+NO_WRAPPER_PAIRS = (("dscale", "sharded"), ("dscale", "torch"), ("sharded_aa", "sharded"))
 
 
 def _mlp(width: int, depth: int) -> nn.Sequential:
@@ -68,7 +77,10 @@ def _ddp_arms(width: int, depth: int, x: torch.Tensor) -> list[Arm]:
 
     cpu = torch.device("cpu")
     arms = [_arm("plain", DDP(_mlp(width, depth)), x, None)]
-    arms += [_arm(n, DDP(_mlp(width, depth)), x, make_scaler(n, cpu)) for n in ("dscale", "torch")]
+    arms += [
+        _arm(n, DDP(_mlp(width, depth)), x, make_scaler(n, cpu))
+        for n in ("dscale", "torch", "sharded", "sharded_aa")
+    ]
     model = DDP(_mlp(width, depth))
     scaler = make_scaler("dscale", cpu)
     scaler.attach(model)
@@ -91,7 +103,9 @@ def _fsdp_arms(width: int, depth: int, x: torch.Tensor) -> list[Arm]:
         return model
 
     arms = [_arm("plain", sharded(), x, None)]
-    arms += [_arm(n, sharded(), x, make_scaler(n, cpu)) for n in ("dscale", "sharded")]
+    arms += [
+        _arm(n, sharded(), x, make_scaler(n, cpu)) for n in ("dscale", "sharded", "sharded_aa")
+    ]
     model, scaler = sharded(), make_scaler("dscale", cpu)
     scaler.attach(model)
     arms.append(_arm("dscale+hook", model, x, scaler))
@@ -104,18 +118,46 @@ def _slowest_rank(times: dict[str, list[float]]) -> dict[str, list[float]]:
     return {name: [max(t) for t in zip(*(g[name] for g in gathered))] for name in times}
 
 
+def _no_wrapper(cfg: dict[str, Any]) -> list[dict[str, Any]]:
+    """Precomputed grads, no wrapper: every size in ``cfg["no_wrapper"]``, foreach and fused."""
+    cpu = torch.device("cpu")
+    out = []
+    for count, numel in cfg["no_wrapper"]:
+        for impl in ("foreach", "fused"):
+            grads = Grads(count, numel, cpu, seed=dist.get_rank())
+            arms = step_arms(grads, "sgd", impl, cpu, NO_WRAPPER_ARMS)
+            times = _slowest_rank(run_interleaved(arms, cfg["reps"], cpu, WARMUP))
+            summary = summarize(times, "plain")
+            out.append(
+                {
+                    "count": count,
+                    "numel": numel,
+                    "optimizer": "sgd",
+                    "impl": impl,
+                    "arms": summary,
+                    "ratios": compare(summary, NO_WRAPPER_PAIRS),
+                }
+            )
+    return out
+
+
 def run_here(cfg: dict[str, Any]) -> dict[str, Any] | None:
-    """Run the DDP and FSDP2 scenarios on this rank; rank 0 returns the summary, others None."""
+    """Run every multi-rank scenario on this rank; rank 0 returns the summary, others None."""
     torch.manual_seed(1 + dist.get_rank())  # each rank its own data, as in data parallelism
     x = torch.randn(cfg["batch"], cfg["width"])
     out: dict[str, Any] = {"world_size": dist.get_world_size(), **cfg}
+    out["no_wrapper_steps"] = _no_wrapper(cfg)
     for name, build in (("ddp", _ddp_arms), ("fsdp2", _fsdp_arms)):
         arms = build(cfg["width"], cfg["depth"], x)
         times = _slowest_rank(run_interleaved(arms, cfg["reps"], torch.device("cpu"), WARMUP))
         after = {a.name: a.run.after_backward[WARMUP:] for a in arms}  # type: ignore[attr-defined]
+        pairs = PEER_PAIRS + ((("dscale", "torch"),) if name == "ddp" else ())
+        whole, after_backward = summarize(times, "plain"), summarize(_slowest_rank(after), "plain")
         out[name] = {
-            "arms": summarize(times, "plain"),
-            "after_backward": summarize(_slowest_rank(after), "plain"),
+            "arms": whole,
+            "after_backward": after_backward,
+            "ratios": compare(whole, pairs),
+            "after_backward_ratios": compare(after_backward, pairs),
         }
     return out if dist.get_rank() == 0 else None
 

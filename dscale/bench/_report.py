@@ -2,69 +2,90 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
-from dscale.bench._timing import ratio
+from dscale.bench._stats import LEVEL, METHOD, noise
+
+_MARK = {"lower": "<", "higher": ">", "no difference": "=", "n/a": "?"}
+LEGEND = (
+    f"ratios: {METHOD}; '<' lower and '>' higher (the interval excludes 1), "
+    "'=' no difference (it holds 1), '?' undefined (an overhead at or below the noise)"
+)
 
 
 def _us(value: float) -> str:
     return f"{value:9.1f}"
 
 
-def _x(value: float) -> str:
-    return f"{value:6.2f}" if value == value else "   n/a"  # NaN: an overhead <= 0, no ratio
+def _interval(r: dict[str, Any] | None) -> str:
+    if r is None:
+        return f"{'-':>21}"
+    est, low, high = (float(r[k]) for k in ("estimate", "low", "high"))
+    if math.isnan(est):
+        return f"{'n/a':>19} ?"
+    bounds = "[  n/a     ]" if math.isnan(low) else f"[{low:4.2f}, {high:4.2f}]"
+    return f"{est:5.2f} {bounds:>13} {_MARK[str(r['verdict'])]}"
 
 
-def _ratios(arms: dict[str, Any], num: str, den: str) -> str:
-    if num not in arms or den not in arms:
-        return "       -      -"
-    med = ratio(arms[num]["overhead_median_us"], arms[den]["overhead_median_us"])
-    low = ratio(arms[num]["overhead_min_us"], arms[den]["overhead_min_us"])
-    return f"{_x(med)} {_x(low)}"
+def _aa_key(pairs: list[str]) -> str | None:
+    return next((p for p in pairs if p.split("/")[0].endswith("_aa")), None)
 
 
-def _overheads(arms: dict[str, Any], names: tuple[str, ...]) -> str:
-    cells = []
-    for name in names:
-        cells.append(_us(arms[name]["overhead_median_us"]) if name in arms else "        -")
-    return " ".join(cells)
+def _noise_line(rows: list[tuple[str, dict[str, Any]]], ratio_key: str) -> str:
+    """The section's noise, judged on its widest A/A interval."""
+    aa_key = _aa_key(list(rows[0][1][ratio_key])) if rows else None
+    if aa_key is None:
+        return "noise: no A/A arm in this table"
+
+    def width(r: dict[str, Any]) -> float:
+        w = float(r["high"]) - float(r["low"])
+        return math.inf if math.isnan(w) else w
+
+    widest = max((ratios[ratio_key][aa_key] for _, ratios in rows), key=width)
+    return f"noise ({aa_key} is A/A, widest of the table): {noise(widest)}"
 
 
 def step_table(
-    rows: list[tuple[str, dict[str, Any]]], names: tuple[str, ...], pairs: list[tuple[str, str]]
+    rows: list[tuple[str, dict[str, Any]]],
+    ratio_key: str = "ratios",
+    arms_key: str = "arms",
 ) -> str:
-    """One line per scenario: plain step, each arm's overhead (us, median), overhead ratios."""
-    head = f"{'scenario':<30} {'plain us':>9} " + " ".join(f"{n + ' +us':>9}" for n in names)
-    head += "   " + " ".join(f"{num + '/' + den + ' med min':>14}" for num, den in pairs)
-    lines = [head]
-    for label, arms in rows:
-        line = f"{label:<30} {_us(arms['plain']['median_us'])} {_overheads(arms, names)}   "
-        line += " ".join(_ratios(arms, num, den) for num, den in pairs)
-        lines.append(line)
+    """Per scenario: plain step and each arm's overhead (us, median), then each ratio's interval.
+
+    ``rows`` pairs a label with a scenario dict holding ``arms_key`` (summaries by arm) and
+    ``ratio_key`` (intervals by ``"num/den"``).
+    """
+    names = [n for n in rows[0][1][arms_key] if n != "plain"]
+    pairs = list(rows[0][1][ratio_key])
+    lines = [f"{'scenario':<32} {'plain us':>9} " + " ".join(f"{n + ' +us':>12}" for n in names)]
+    for label, scenario in rows:
+        arms = scenario[arms_key]
+        cells = " ".join(f"{_us(arms[n]['overhead_median_us']):>12}" for n in names)
+        lines.append(f"{label:<32} {_us(arms['plain']['median_us'])} {cells}")
+    lines.append(f"{'':<32} " + " ".join(f"{p:>21}" for p in pairs))
+    for label, scenario in rows:
+        cells = " ".join(_interval(scenario[ratio_key].get(p)) for p in pairs)
+        lines.append(f"{label:<32} {cells}")
+    lines.append(_noise_line(rows, ratio_key))
     return "\n".join(lines)
+
+
+def _label(s: dict[str, Any]) -> str:
+    return f"{s['count']}x{s['numel']} {s['optimizer']} {s['impl']}"
 
 
 def render(result: dict[str, Any]) -> str:
     """Every section of ``result`` as text tables."""
-    out = [f"machine: {result['machine']}"]
+    out = [f"machine: {result['machine']}", f"load average: {result.get('loadavg', 'n/a')}"]
+    out.append(LEGEND + f"; {LEVEL:.0%} intervals")
     if "single" in result:
-        rows = [
-            (f"{s['count']}x{s['numel']} {s['optimizer']} {s['impl']}", s["arms"])
-            for s in result["single"]
-        ]
         out += [
             "",
-            "single process: overhead over the plain step (us, median of paired diffs);",
-            "ratios of overheads by median and by min",
-            step_table(
-                rows, ("dscale", "torch", "sharded"), [("dscale", "torch"), ("dscale", "sharded")]
-            ),
+            "single process: overhead over the plain step (us, median of paired differences)",
+            step_table([(_label(s), s) for s in result["single"]]),
         ]
-        syncs = [
-            (f"{s['count']}x{s['numel']} {s['optimizer']} {s['impl']}", s["host_syncs"])
-            for s in result["single"]
-            if s["host_syncs"]
-        ]
+        syncs = [(_label(s), s["host_syncs"]) for s in result["single"] if s["host_syncs"]]
         if syncs:
             out += ["", "host syncs per step (CUDA sync debug mode)"]
             out += [f"{label:<30} {counts}" for label, counts in syncs]
@@ -78,56 +99,43 @@ def render(result: dict[str, Any]) -> str:
                 )
                 out.append(f"{split['count']}x{split['numel']:<10} {name:<8} {cells}")
     if "unscale_pass" in result:
-        out += ["", "check-and-unscale pass vs torch._foreach_mul_ (median and min time ratio)"]
+        out += ["", "check-and-unscale pass vs torch._foreach_mul_ (ratio of median times)"]
         for s in result["unscale_pass"]:
             a = s["arms"]
-            med = a["dscale_unscale"]["median_us"] / a["foreach_mul"]["median_us"]
-            low = a["dscale_unscale"]["min_us"] / a["foreach_mul"]["min_us"]
             out.append(
                 f"{s['count']}x{s['numel']:<20} mul {_us(a['foreach_mul']['median_us'])} us"
-                f"  dscale {_us(a['dscale_unscale']['median_us'])} us  {_x(med)} {_x(low)}"
+                f"  dscale {_us(a['dscale_unscale']['median_us'])} us  "
+                + _interval(s["ratios"]["dscale_unscale/foreach_mul"])
             )
     if "sweep" in result:
         sw = result["sweep"]
-        rows = [(f"n={p['count']} x {p['numel']}", p["arms"]) for p in sw["by_count"]]
+        rows = [(f"n={p['count']} x {p['numel']}", p) for p in sw["by_count"]]
         rows += [
-            (f"{p['count']} x {p['numel']} ({p['bytes'] / 2**20:.1f} MiB)", p["arms"])
+            (f"{p['count']} x {p['numel']} ({p['bytes'] / 2**20:.1f} MiB)", p)
             for p in sw["by_bytes"]
         ]
-        out += [
-            "",
-            "growth (SGD foreach): by tensor count, then by bytes",
-            step_table(rows, ("dscale", "torch"), [("dscale", "torch")]),
-        ]
+        out += ["", "growth (SGD foreach): by tensor count, then by bytes", step_table(rows)]
         for name, s in sw["slopes"].items():
             out.append(
                 f"slope {name:<7} {s['us_per_tensor']:8.3f} us/tensor {s['us_per_mib']:8.2f} us/MiB"
             )
     dist_result = result.get("distributed")
     if dist_result:
+        ranks = f"{dist_result['world_size']} ranks gloo"
         out += [
             "",
-            f"{dist_result['world_size']} ranks gloo, MLP {dist_result['depth']}x"
-            f"{dist_result['width']}: overhead of the whole step (backward included)",
+            f"{ranks}, precomputed grads, no wrapper: overhead of step + update (slowest rank)",
+            step_table([(_label(s), s) for s in dist_result["no_wrapper_steps"]]),
         ]
-        out.append(
-            step_table(
-                [
-                    ("ddp whole step", dist_result["ddp"]["arms"]),
-                    ("ddp after backward", dist_result["ddp"]["after_backward"]),
-                ],
-                ("dscale", "dscale+hook", "torch"),
-                [("dscale", "torch"), ("dscale+hook", "torch")],
-            )
-        )
-        out.append(
-            step_table(
-                [
-                    ("fsdp2 whole step", dist_result["fsdp2"]["arms"]),
-                    ("fsdp2 after backward", dist_result["fsdp2"]["after_backward"]),
-                ],
-                ("dscale", "dscale+hook", "sharded"),
-                [("dscale", "sharded"), ("dscale+hook", "sharded")],
-            )
-        )
+        for mode in ("ddp", "fsdp2"):
+            part = dist_result[mode]
+            out += [
+                "",
+                f"{ranks}, {mode}, MLP {dist_result['depth']}x{dist_result['width']}: "
+                "overhead of the whole step (backward included), then after backward",
+                step_table([(f"{mode} whole step", part)]),
+                step_table(
+                    [(f"{mode} after backward", part)], "after_backward_ratios", "after_backward"
+                ),
+            ]
     return "\n".join(out)

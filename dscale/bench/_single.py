@@ -13,9 +13,14 @@ from typing import Any
 import torch
 
 from dscale._unscale import check_and_unscale_, group_by_device_and_dtype
-from dscale.bench._arms import INIT_SCALE, SCALERS, make_optimizer, make_scaler, scaler_step
+from dscale.bench._arms import INIT_SCALE, make_optimizer, make_scaler, scaler_step
+from dscale.bench._stats import compare, ratio_interval
 from dscale.bench._syncs import count_host_syncs
 from dscale.bench._timing import Arm, run_interleaved, summarize
+
+# Single process: dscale against both peers, and torch's scaler against itself (the A/A arm).
+ARMS = ("dscale", "torch", "torch_aa", "sharded")
+PAIRS = (("dscale", "torch"), ("dscale", "sharded"), ("torch_aa", "torch"))
 
 
 class Grads:
@@ -70,9 +75,10 @@ def step_overhead(
     impl: str,
     reps: int,
     device: torch.device,
-    scalers: tuple[str, ...] = SCALERS,
+    scalers: tuple[str, ...] = ARMS,
+    pairs: tuple[tuple[str, str], ...] = PAIRS,
 ) -> dict[str, Any]:
-    """One scenario: per-arm times and overhead over the plain step, plus host syncs on CUDA."""
+    """One scenario: per-arm overhead over the plain step, ratio intervals, host syncs on CUDA."""
     grads = Grads(count, numel, device)
     arms = step_arms(grads, optimizer, impl, device, scalers)
     result = summarize(run_interleaved(arms, reps, device), "plain")
@@ -83,6 +89,7 @@ def step_overhead(
         "optimizer": optimizer,
         "impl": impl,
         "arms": result,
+        "ratios": compare(result, pairs),
         "host_syncs": host_syncs(arms, device),
     }
 
@@ -100,7 +107,16 @@ def unscale_pass(count: int, numel: int, reps: int, device: torch.device) -> dic
         Arm("dscale_unscale", dscale_pass, grads.restore),
     ]
     result = summarize(run_interleaved(arms, reps, device), "foreach_mul")
-    return {"count": count, "numel": numel, "bytes": grads.nbytes, "arms": result}
+    time_ratio = ratio_interval(
+        result["dscale_unscale"]["times_us"], result["foreach_mul"]["times_us"]
+    )
+    return {
+        "count": count,
+        "numel": numel,
+        "bytes": grads.nbytes,
+        "arms": result,
+        "ratios": {"dscale_unscale/foreach_mul": time_ratio},
+    }
 
 
 def _slope(xs: list[float], ys: list[float]) -> float:
@@ -116,12 +132,14 @@ def sweep(
     device: torch.device,
 ) -> dict[str, Any]:
     """How the overhead grows with the number of tensors, and with the bytes (SGD foreach)."""
-    scalers = ("dscale", "torch")
+    scalers, pairs = ("dscale", "torch"), (("dscale", "torch"),)
     by_count = [
-        step_overhead(c, numel_for_count, "sgd", "foreach", reps, device, scalers) for c in counts
+        step_overhead(c, numel_for_count, "sgd", "foreach", reps, device, scalers, pairs)
+        for c in counts
     ]
     by_bytes = [
-        step_overhead(count_for_numel, n, "sgd", "foreach", reps, device, scalers) for n in numels
+        step_overhead(count_for_numel, n, "sgd", "foreach", reps, device, scalers, pairs)
+        for n in numels
     ]
     slopes: dict[str, dict[str, float]] = {}
     for name in scalers:

@@ -11,6 +11,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -51,15 +52,15 @@ def run_interleaved(
     return times
 
 
-def summarize(times: dict[str, list[float]], baseline: str) -> dict[str, dict[str, float]]:
+def summarize(times: dict[str, list[float]], baseline: str) -> dict[str, dict[str, Any]]:
     """Per arm: median and min time, and the overhead over ``baseline`` (in microseconds).
 
-    ``overhead_median_us`` is the median of the per-repetition differences (paired: both ran in
-    the same repetition, under the same load); ``overhead_min_us`` is min(arm) - min(baseline),
-    the least disturbed estimate.
+    ``paired_overheads_us`` holds the per-repetition differences (paired: both ran in the same
+    repetition, under the same load), which the ratio intervals resample; ``overhead_median_us``
+    is their median; ``overhead_min_us`` is min(arm) - min(baseline), the least disturbed estimate.
     """
     base = times[baseline]
-    out: dict[str, dict[str, float]] = {}
+    out: dict[str, dict[str, Any]] = {}
     for name, values in times.items():
         paired = [a - b for a, b in zip(values, base)]
         out[name] = {
@@ -67,15 +68,8 @@ def summarize(times: dict[str, list[float]], baseline: str) -> dict[str, dict[st
             "min_us": min(values) * 1e6,
             "overhead_median_us": statistics.median(paired) * 1e6,
             "overhead_min_us": (min(values) - min(base)) * 1e6,
+            "times_us": [t * 1e6 for t in values],
+            "paired_overheads_us": [d * 1e6 for d in paired],
             "reps": len(values),
         }
     return out
-
-
-def ratio(numerator: float, denominator: float) -> float:
-    """``numerator / denominator`` of two overheads; NaN unless both are positive.
-
-    An overhead at or below zero is below the noise of the run, and a ratio with it would read as
-    a result ("-2x") when it is none.
-    """
-    return numerator / denominator if numerator > 0 and denominator > 0 else float("nan")
