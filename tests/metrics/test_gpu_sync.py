@@ -29,7 +29,12 @@ class _CountersOnly:
 
 
 def test_stats_and_log_never_sync_between_reports(tmp_path) -> None:
-    params = [(f"p{i}", torch.nn.Parameter(torch.zeros(64, device="cuda"))) for i in range(3)]
+    # fp16 parameters with fp16 grads, as a model stored in fp16 has (torch refuses a grad whose
+    # dtype differs from its parameter's).
+    params = [
+        (f"p{i}", torch.nn.Parameter(torch.zeros(64, device="cuda", dtype=torch.float16)))
+        for i in range(3)
+    ]
     stats = NumericsStats(params, underflow_every=2)
     scaler = _CountersOnly()
     log = MetricsLog(tmp_path, stats=stats, every=100)
