@@ -24,14 +24,22 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dscale._grad_measure import GradMeasure
+
 
 class HookState:
     """Per-scaler state the hook shares with the scaler: the flag of the current backward."""
 
     def __init__(
-        self, scale_of: Callable[[], torch.Tensor], group: Any, *, flag_is_global: bool
+        self,
+        scale_of: Callable[[], torch.Tensor],
+        group: Any,
+        *,
+        flag_is_global: bool,
+        measure: GradMeasure | None = None,
     ) -> None:
         self.scale_of = scale_of
+        self.measure = measure  # policy="predictive": also measure the reduced, unscaled grads
         self.group = group
         self.world_size = dist.get_world_size(group) if group is not None else 1
         self.flag_is_global = flag_is_global
@@ -68,6 +76,8 @@ def unscale_allreduce_hook(
     def finish(fut: torch.futures.Future[Any]) -> torch.Tensor:
         reduced = fut.value()[0]
         torch._amp_foreach_non_finite_check_and_unscale_([reduced], found, inv)
+        if state.measure is not None:
+            state.measure.add([reduced], torch.ones_like(scale), scale)
         return reduced
 
     return work.get_future().then(finish)
@@ -80,6 +90,8 @@ def unscale_reduced_shard(state: HookState, reduce_output: torch.Tensor) -> None
     torch._amp_foreach_non_finite_check_and_unscale_(
         [reduce_output], state.flag(reduce_output.device), inv
     )
+    if state.measure is not None:
+        state.measure.add([reduce_output], torch.ones_like(scale), scale)
 
 
 class ReductionHooks:
@@ -90,16 +102,21 @@ class ReductionHooks:
         self.params: set[int] = set()
         self._flag: torch.Tensor | None = None
 
-    def attach(self, model: torch.nn.Module, scale_of: Callable[[], torch.Tensor]) -> None:
+    def attach(
+        self,
+        model: torch.nn.Module,
+        scale_of: Callable[[], torch.Tensor],
+        measure: GradMeasure | None = None,
+    ) -> None:
         """Register the hook that fits ``model`` (DDP or FSDP2); TypeError for anything else."""
         from torch.distributed.fsdp import FSDPModule
         from torch.nn.parallel import DistributedDataParallel
 
         if isinstance(model, DistributedDataParallel):
-            state = HookState(scale_of, model.process_group, flag_is_global=True)
+            state = HookState(scale_of, model.process_group, flag_is_global=True, measure=measure)
             model.register_comm_hook(state, unscale_allreduce_hook)
         elif isinstance(model, FSDPModule):
-            state = HookState(scale_of, None, flag_is_global=False)
+            state = HookState(scale_of, None, flag_is_global=False, measure=measure)
             for unit in model.modules():
                 if isinstance(unit, FSDPModule):
                     unit.set_all_reduce_hook(functools.partial(unscale_reduced_shard, state))
