@@ -352,9 +352,11 @@ class GradScaler:
             retval = masked_step(optimizer, flag, lambda: optimizer.step(*args, **kwargs))
             self._outcomes[id(optimizer)] = flag
         else:
-            # The host sync the skip decision needs; the (small) vector comes in the same copy.
-            state.host_agreed = self._agreed(state).tolist()
-            skipped = state.host_agreed[_agreement.OVERFLOW] > 0
+            if self._predictive is None:
+                skipped = bool(flag.item() > 0)  # the host sync the skip decision needs
+            else:  # policy="predictive": the whole (small) vector, in that same one copy
+                state.host_agreed = self._agreed(state).tolist()
+                skipped = state.host_agreed[_agreement.OVERFLOW] > 0
             retval = None if skipped else optimizer.step(*args, **kwargs)
             state.applied = not skipped
             self._outcomes[id(optimizer)] = not skipped
