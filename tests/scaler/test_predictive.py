@@ -121,7 +121,8 @@ def test_host_and_device_rules_agree_bit_for_bit() -> None:
 
 def _mlp(seed: int) -> nn.Module:
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 16))
+    layers = [nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 16)]
+    return nn.Sequential(*layers)
 
 
 def _loss(model: nn.Module, step: int) -> torch.Tensor:
@@ -236,17 +237,16 @@ def test_min_max_scale_and_hysteresis_hold_under_the_predictive_policy(caplog) -
         "cpu", policy="predictive", min_scale=1.0, on_stuck_at_min="raise", stuck_patience=2
     )
     for step in range(3):
-        for s in (hyst, stuck):
+        for s in (hyst, stuck) if step < 2 else (hyst,):
             s.scale(_loss(model, step)).backward()
             next(model.parameters()).grad.view(-1)[0] = math.inf
-            if s is stuck and step == 1:
-                with pytest.raises(dscale.ScaleCollapsedError, match="min_scale=1"):
-                    s.step(opt)
-                    s.update()
-            elif not (s is stuck and step > 1):
-                s.step(opt)
-                s.update()
+            s.step(opt)
             opt.zero_grad()
+            if s is hyst or step == 0:
+                s.update()
+                continue
+            with pytest.raises(dscale.ScaleCollapsedError, match="min_scale=1"):
+                s.update()  # the second overflow in a row at min_scale (stuck_patience=2)
         if step == 0:
             assert hyst.get_scale() == 1.0  # the first overflow is tolerated (hysteresis=2)
     assert hyst.snapshot()["backoffs"] == 2
