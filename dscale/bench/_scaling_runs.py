@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,7 +60,7 @@ def make_scaler(arm: str, init_scale: float) -> Any:
 
 
 def largest_safe_scale(
-    params: list[torch.Tensor], loss: torch.Tensor, hint: float = 0.0
+    params: Sequence[torch.Tensor], loss: torch.Tensor, hint: float = 0.0
 ) -> tuple[float, list[torch.Tensor]]:
     """The largest 2**e whose backward stays finite (0.0: none), and its unscaled gradients.
 
