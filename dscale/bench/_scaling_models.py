@@ -6,9 +6,9 @@ library must not import ``launch`` (the launcher depends on the library, not the
 launcher's synthetic data (``launch/data.py``).
 
 ``WideRange`` is built to have a wide and shifting gradient range: residual branches scaled by
-LayerScale gains (CaiT) initialised at 1, 2**-10 and 2**-20 (about 1e-6, as deep CaiT models
-use), so the branches' weight gradients span about 20 binades and move as the gains learn, and
-a loss weight that sweeps over 2**-4 .. 2**4 during the run (a loss-weight schedule, as for an
+fixed gains of 1, 2**-10 and 2**-20 (fixed residual scaling, as SkipInit and DeepNet use; 2**-20
+is about 1e-6), so the branches' weight gradients span about 20 binades for the whole run, and a
+loss weight that sweeps over 2**-4 .. 2**4 during the run (a loss-weight schedule, as for an
 auxiliary or KL term), so the whole gradient range shifts up and down by 8 binades.
 """
 
@@ -87,7 +87,7 @@ class GPT(nn.Module):
 
 
 class WideRange(nn.Module):
-    """Per-token residual MLP whose branches carry LayerScale gains of 1, 2**-10 and 2**-20."""
+    """Per-token residual MLP whose branches carry fixed gains of 1, 2**-10 and 2**-20."""
 
     GAINS = (1.0, 2.0**-10, 2.0**-20)
 
@@ -100,14 +100,17 @@ class WideRange(nn.Module):
                 for _ in self.GAINS
             ]
         )
-        self.gains = nn.ParameterList([nn.Parameter(torch.full((d_model,), g)) for g in self.GAINS])
+        # Fixed (not learned) gains, as in SkipInit / DeepNet's fixed residual scaling: the
+        # branches' gradients stay 10 and 20 binades below the others for the whole run.
+        for i, g in enumerate(self.GAINS):
+            self.register_buffer(f"gain{i}", torch.full((d_model,), g))
         self.norm = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab_size)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens)
-        for branch, gain in zip(self.branches, self.gains, strict=True):
-            x = x + gain * branch(x)
+        for i, branch in enumerate(self.branches):
+            x = x + getattr(self, f"gain{i}") * branch(x)
         logits: torch.Tensor = self.head(self.norm(x))
         return logits
 

@@ -29,10 +29,11 @@ def steps_to_within_2x(rec: ArmRecord) -> int | None:
 def run_metrics(rec: ArmRecord, every: int) -> dict[str, Any]:
     """One arm of one run, reduced to the figures of the table.
 
-    Averages over probes use the regular ones (every ``every`` steps from 0), a uniform sample
-    of the run; the dense probes of the first steps serve ``steps_to_within_2x``.
+    Averages over probes use the regular ones (every ``every`` steps from ``every`` on), a
+    uniform sample of the run; step 0 is reported apart, because the predictive policy runs it
+    at scale 1 on purpose. The dense probes of the first steps serve ``steps_to_within_2x``.
     """
-    regular = [s for s in sorted(rec.oracle) if s % every == 0 and rec.oracle[s] > 0]
+    regular = [s for s in sorted(rec.oracle) if s % every == 0 and s > 0 and rec.oracle[s] > 0]
     below = [rec.oracle[s] / rec.scales[s] for s in regular]
     under = [rec.underflow[s] for s in regular if s in rec.underflow]
     return {
@@ -40,6 +41,7 @@ def run_metrics(rec: ArmRecord, every: int) -> dict[str, Any]:
         "skipped_total": sum(rec.skipped),
         "steps_to_within_2x": steps_to_within_2x(rec),
         "underflow_mean": statistics.fmean(under) if under else None,
+        "underflow_step_0": rec.underflow.get(0),
         "final_loss": statistics.fmean(rec.losses[-FINAL_STEPS:]),
         "oracle_over_scale_median": statistics.median(below) if below else None,
     }
@@ -79,6 +81,7 @@ def summarize(runs: list[dict[str, Any]], every: int) -> list[dict[str, Any]]:
         losses = [r["final_loss"] for r in per_run]
         reach = [r["steps_to_within_2x"] for r in per_run]
         under = [r["underflow_mean"] for r in per_run if r["underflow_mean"] is not None]
+        first = [r["underflow_step_0"] for r in per_run if r["underflow_step_0"] is not None]
         below = [r["oracle_over_scale_median"] for r in per_run if r["oracle_over_scale_median"]]
         ratios = row.pop("cost_ratios")
         out.append(
@@ -89,6 +92,7 @@ def summarize(runs: list[dict[str, Any]], every: int) -> list[dict[str, Any]]:
                 "skipped_total_mean": statistics.fmean(r["skipped_total"] for r in per_run),
                 "steps_to_within_2x_max": None if None in reach else max(reach),  # type: ignore[type-var]
                 "underflow_mean": statistics.fmean(under) if under else None,
+                "underflow_step_0": statistics.fmean(first) if first else None,
                 "oracle_over_scale_median": statistics.median(below) if below else None,
                 "final_loss_mean": statistics.fmean(losses),
                 "final_loss_sd": statistics.stdev(losses) if len(losses) > 1 else 0.0,
@@ -102,26 +106,31 @@ def render(rows: list[dict[str, Any]], cfg: dict[str, Any]) -> str:
     """The Markdown table of the README."""
     head = (
         f"| model | scaler @ init | skipped, first {FIRST_STEPS} (max) | steps to within 2x "
-        "(max) | skipped, total (mean) | largest safe / scale (median) | underflow share "
-        "(mean) | final loss (mean +- sd) | step time / dynamic (median [95%]) |"
+        "(max) | skipped, total (mean) | largest safe / scale (median) | underflow share, "
+        "step 0 | underflow share (mean) | final loss (mean +- sd) | step time / dynamic "
+        "(median [95%]) |"
     )
-    lines = [head, "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [head, "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         reach = r["steps_to_within_2x_max"]
         below = r["oracle_over_scale_median"]
         under = r["underflow_mean"]
+        first = r["underflow_step_0"]
         med, lo, hi = r["cost_vs_dynamic"]
         cost = "1 (base)" if r["arm"].startswith("dynamic@") else f"{med:.3f} [{lo:.3f}, {hi:.3f}]"
         lines.append(
             f"| {r['model']} | {r['arm']} | {r['skipped_first_100_max']} | "
             f"{'never' if reach is None else reach} | {r['skipped_total_mean']:.1f} | "
             f"{'-' if below is None else f'{below:g}'} | "
+            f"{'-' if first is None else f'{first:.4f}'} | "
             f"{'-' if under is None else f'{under:.4f}'} | "
             f"{r['final_loss_mean']:.4f} +- {r['final_loss_sd']:.4f} | {cost} |"
         )
     lines.append(
         f"\n{cfg['steps']} steps, {rows[0]['seeds'] if rows else 0} seeds; probes (largest safe "
-        f"scale, underflow) on steps < {cfg['early']} and every {cfg['every']}th step."
+        f"scale, underflow) on steps < {cfg['early']} and every {cfg['every']}th step; "
+        f"medians and means over the probes of every {cfg['every']}th step from "
+        f"{cfg['every']} on; '-': overflowed (skipped) at step 0."
     )
     return "\n".join(lines)
 
@@ -138,19 +147,21 @@ def plot(runs: list[dict[str, Any]], path: str) -> None:
     fig, axes = plt.subplots(
         len(first), len(inits), figsize=(6 * len(inits), 3.2 * len(first)), squeeze=False
     )
+    # torch's line is drawn wide underneath: it coincides with dscale's dynamic one.
     styles = {
-        "torch": ("tab:gray", ":"),
-        "dynamic": ("tab:blue", "-"),
-        "predictive": ("tab:red", "-"),
+        "torch": ("tab:gray", 4.0),
+        "dynamic": ("tab:blue", 1.5),
+        "predictive": ("tab:red", 1.5),
     }
     for row, run in enumerate(first):
         for col, init in enumerate(inits):
             ax = axes[row][col]
             oracle_drawn = False
-            for arm, (color, style) in styles.items():
+            for arm, (color, width) in styles.items():
                 rec: ArmRecord = run["records"][f"{arm}@{init}"]
                 steps = range(len(rec.scales))
-                ax.plot(steps, [math.log2(s) for s in rec.scales], style, color=color, label=arm)
+                log2 = [math.log2(s) for s in rec.scales]
+                ax.plot(steps, log2, "-", lw=width, alpha=0.8, color=color, label=arm)
                 skips = [i for i, s in enumerate(rec.skipped) if s]
                 if skips:
                     ax.plot(
