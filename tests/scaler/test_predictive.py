@@ -366,3 +366,33 @@ def test_snapshot_and_metrics_expose_the_measurement_and_the_target() -> None:
     assert registry.get_sample_value("dscale_grad_max_abs", labels) is not None
     dynamic = ScalerCollector(dscale.GradScaler("cpu"), labels=labels)
     assert "dscale_loss_scale_target" not in {m.name for m in dynamic.collect()}
+
+
+def test_predictive_state_survives_a_dcp_checkpoint_and_loads_across_policies(
+    tmp_path, caplog
+) -> None:
+    from dscale.checkpoint import CheckpointManager
+
+    model = _mlp(8)
+    scaler = dscale.GradScaler("cpu", policy="predictive")
+    _trained(scaler, range(6), model)  # the x40 step backs off and widens the margin
+    saved = scaler.state_dict()
+    assert saved["predictive_margin_log2"] == 2
+    CheckpointManager(tmp_path / "p").save(6, model=model, scaler=scaler)
+    dynamic = dscale.GradScaler("cpu")
+    _trained(dynamic, range(2), _mlp(8))
+    CheckpointManager(tmp_path / "d").save(2, model=model, scaler=dynamic)
+
+    resumed = dscale.GradScaler("cpu", policy="predictive")
+    CheckpointManager(tmp_path / "p").resume("auto", scaler=resumed)
+    assert resumed.state_dict() == saved
+    with caplog.at_level(logging.WARNING, logger="dscale"):
+        plain = dscale.GradScaler("cpu")
+        CheckpointManager(tmp_path / "p").resume("auto", scaler=plain)
+        fresh = dscale.GradScaler("cpu", policy="predictive")
+        CheckpointManager(tmp_path / "d").resume("auto", scaler=fresh)
+    assert plain.get_scale() == scaler.get_scale()
+    assert "ignored ['predictive_margin_log2'" in caplog.text
+    assert fresh.get_scale() == dynamic.get_scale()
+    assert fresh.state_dict()["predictive_margin_log2"] == _predictive.INITIAL_MARGIN_LOG2
+    assert "reset ['predictive_margin_log2'" in caplog.text
