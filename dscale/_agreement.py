@@ -6,6 +6,10 @@ this single function. What travels is a small float32 vector reduced with MAX, o
 and, negated back, the smallest scale over the ranks: the rank-agreement check costs no extra
 collective and, being part of the step, cannot be called on some ranks only). A new field (for
 example a max grad magnitude) is one more entry whose MAX over ranks is what it needs.
+
+``policy="predictive"`` appends two fields (``_grad_measure``): the largest finite gradient
+magnitude and the sampled underflow share; MAX gives the largest over the ranks, so every rank
+sets the same next scale. A dynamic scaler sends the first three only, as before.
 """
 
 from __future__ import annotations
@@ -16,8 +20,8 @@ import torch
 import torch.distributed as dist
 
 #: The agreement vector's fields, in order.
-FIELDS = ("overflow", "scale", "neg_scale")
-OVERFLOW, SCALE, NEG_SCALE = range(len(FIELDS))
+FIELDS = ("overflow", "scale", "neg_scale", "grad_max_abs", "underflow")
+OVERFLOW, SCALE, NEG_SCALE, GRAD_MAX_ABS, UNDERFLOW = range(len(FIELDS))
 
 
 class ScaleRange(NamedTuple):
@@ -27,10 +31,17 @@ class ScaleRange(NamedTuple):
     high: torch.Tensor
 
 
-def agreement_vector(flag: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """This rank's vector: ``flag`` and ``scale`` (already on the same device) in FIELDS order."""
+def agreement_vector(
+    flag: torch.Tensor, scale: torch.Tensor, measured: torch.Tensor | None = None
+) -> torch.Tensor:
+    """This rank's vector: ``flag``, ``scale`` (and ``measured``), on one device, FIELDS order.
+
+    ``measured`` is ``[grad_max_abs, underflow]`` (predictive policy); without it the vector
+    stops after ``neg_scale``.
+    """
     scale = scale.reshape(()).float()
-    return torch.stack([flag.reshape(()).float(), scale, -scale])
+    vector = torch.stack([flag.reshape(()).float(), scale, -scale])
+    return vector if measured is None else torch.cat([vector, measured.float().reshape(2)])
 
 
 def scale_range(agreed: torch.Tensor) -> ScaleRange:

@@ -18,6 +18,9 @@ all-reduces it (one element), but step() no longer makes its own pass over those
 What a hook did not see is never taken on trust (``report()``): parameters DDP or FSDP2 ignore are
 checked by the scaler's own pass, a grad that a later backward outside the hooks accumulated into
 goes back to the scaler's pass, and a grad written after the reduction is refused.
+
+``policy="predictive"`` passes a ``GradMeasure``: the hooks also take the largest magnitude of each
+reduced, unscaled bucket or shard, so the scaler's own pass measures only what they did not see.
 """
 
 # No `from __future__ import annotations`: DDP compares the hook's annotations as objects.
@@ -31,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from dscale import _dist
+from dscale._grad_measure import GradMeasure
 from dscale._unscale import copy_to, local_tensor
 
 
@@ -66,9 +70,11 @@ class HookState:
         group: Any,
         *,
         ddp: bool,
+        measure: GradMeasure | None = None,
     ) -> None:
         self.scale_of = scale_of
         self.scale_calls = scale_calls
+        self.measure = measure  # policy="predictive": also measure the reduced, unscaled grads
         self.params = params  # the parameters this model's hooks reduce
         self.ids = frozenset(id(p) for p in params)
         self.group = group
@@ -201,9 +207,11 @@ def unscale_allreduce_hook(
     def finish(fut: torch.futures.Future[Any]) -> torch.Tensor:
         reduced = fut.value()[0]
         torch._amp_foreach_non_finite_check_and_unscale_([reduced], found, inv)
-        # NCCL runs this callback on its own stream: `inv` and `found` were made on the caller's,
-        # so the allocator must not reuse them before this stream's kernel has read them.
-        _used_on_current_stream(inv, found)
+        if state.measure is not None:  # policy="predictive": the reduced, unscaled grads
+            state.measure.add([reduced], torch.ones_like(scale), scale)
+        # NCCL runs this callback on its own stream: `inv`, `found` and `scale` were made on the
+        # caller's, so the allocator must not reuse them before this stream's kernels read them.
+        _used_on_current_stream(inv, found, scale)
         return reduced
 
     return work.get_future().then(finish)
@@ -216,7 +224,9 @@ def unscale_reduced_shard(state: HookState, reduce_output: torch.Tensor) -> None
     inv = scale.double().reciprocal().float()
     found = state.flag(reduce_output.device)
     torch._amp_foreach_non_finite_check_and_unscale_([reduce_output], found, inv)
-    _used_on_current_stream(inv, found)  # FSDP2 calls this on its reduce stream
+    if state.measure is not None:  # policy="predictive": the reduced, unscaled shard
+        state.measure.add([reduce_output], torch.ones_like(scale), scale)
+    _used_on_current_stream(inv, found, scale)  # FSDP2 calls this on its reduce stream
 
 
 def _used_on_current_stream(*tensors: torch.Tensor) -> None:
@@ -255,6 +265,7 @@ class ReductionHooks:
         model: torch.nn.Module,
         scale_of: Callable[[], torch.Tensor],
         scale_calls: Callable[[], int],
+        measure: GradMeasure | None = None,
     ) -> None:
         """Register the hook that fits ``model`` (DDP or FSDP2); TypeError for anything else."""
         from torch.distributed.fsdp import FSDPModule
@@ -262,12 +273,15 @@ class ReductionHooks:
 
         if isinstance(model, DistributedDataParallel):
             params = _ddp_params(model)
-            state = HookState(scale_of, scale_calls, params, model.process_group, ddp=True)
+            state = HookState(
+                scale_of, scale_calls, params, model.process_group, ddp=True, measure=measure
+            )
             model.register_comm_hook(state, unscale_allreduce_hook)
             for param in params:
                 param.register_hook(_rescale_hook(state, param))
         elif isinstance(model, FSDPModule):
-            state = HookState(scale_of, scale_calls, _fsdp2_params(model), None, ddp=False)
+            params = _fsdp2_params(model)
+            state = HookState(scale_of, scale_calls, params, None, ddp=False, measure=measure)
             for unit in model.modules():
                 if isinstance(unit, FSDPModule):
                     unit.set_all_reduce_hook(functools.partial(unscale_reduced_shard, state))

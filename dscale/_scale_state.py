@@ -10,12 +10,15 @@ optimizers and ``sync_free`` decide on the device, so there the update runs as t
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from dscale import _policy
 from dscale._policy import COUNTER_NAMES, HostState
+
+if TYPE_CHECKING:
+    from dscale._predictive_state import PredictiveScaling
 
 
 def fresh_host_state(init_scale: float, hysteresis: int) -> HostState:
@@ -129,12 +132,22 @@ class ScaleState:
         self._in_flight = (buffer, event)
 
     def update(
-        self, policy: _policy.ScalePolicy, found_inf: torch.Tensor, found: bool | None
+        self,
+        policy: _policy.ScalePolicy,
+        found_inf: torch.Tensor,
+        found: bool | None,
+        predictive: PredictiveScaling | None = None,
     ) -> None:
-        """Apply one iteration: on the host when ``found`` is known there, else on the device."""
+        """Apply one iteration: on the host when ``found`` is known there, else on the device.
+
+        ``predictive`` (policy="predictive", ``dscale._predictive``) adjusts the dynamic rule's
+        result in the same place, before anyone can read it.
+        """
         host = self.host
         if found is not None and host is not None:
             new = _policy.next_host_state(policy, host, found)
+            if predictive is not None:
+                new = predictive.next_host_state(policy, host, new, found)
             if new.scale != host.scale:
                 assert self.scale is not None  # noqa: S101
                 self.scale.fill_(new.scale)
@@ -143,6 +156,7 @@ class ScaleState:
         self._flush()
         assert self.scale is not None and self.counters is not None  # noqa: S101
         assert self.growth_tracker is not None and self.hysteresis_tracker is not None  # noqa: S101
+        before = None if predictive is None else predictive.before_(self.scale, self.counters)
         _policy.update_(
             policy,
             self.scale,
@@ -151,6 +165,10 @@ class ScaleState:
             self.counters,
             found_inf,
         )
+        if predictive is not None and before is not None:
+            predictive.update_(
+                policy, before, self.scale, self.growth_tracker, self.counters, found_inf
+            )
         self.host = None
         self._publish()
 

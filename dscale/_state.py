@@ -28,6 +28,8 @@ from dscale._policy import COUNTER_NAMES, HostState, ScalePolicy, f32
 logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
+#: Version 2 adds policy="predictive"'s keys (``dscale._predictive_state``); dynamic dicts stay 1.
+NEWEST_FORMAT_VERSION = 2
 
 TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 COUNTER_KEYS = tuple(f"num_{name}" for name in COUNTER_NAMES)
@@ -131,10 +133,10 @@ def validate(state: Mapping[str, Any]) -> dict[str, Any]:
         if isinstance(value, torch.Tensor):
             out[key] = int(value.item())
     version = out.get("dscale_format_version", FORMAT_VERSION)
-    if not _is_int(version) or version > FORMAT_VERSION:
+    if not _is_int(version) or version > NEWEST_FORMAT_VERSION:
         raise ValueError(
             f"dscale_format_version={version!r} is newer than this dscale understands "
-            f"({FORMAT_VERSION}); upgrade dscale to load it"
+            f"({NEWEST_FORMAT_VERSION}); upgrade dscale to load it"
         )
     check_scale_args(
         init_scale=out["scale"],

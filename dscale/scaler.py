@@ -13,7 +13,7 @@ from typing import Any, Literal, Protocol
 
 import torch
 
-from dscale import _agreement, _dist, _policy, _state
+from dscale import _agreement, _dist, _policy, _predictive, _predictive_state, _state
 from dscale._masked_step import (
     masked_step,
     params_without_state,
@@ -66,6 +66,7 @@ class _OptimizerState:
     work: Any = None  # pending all-reduce
     over_group: bool = False  # whether `agreed` was reduced over the scaler's group
     applied: bool | None = None  # known on the host when step() synced for its decision
+    host_agreed: list[float] | None = None  # the agreed vector, read in that same sync
 
 
 # issue 13: a subclass of torch.amp.GradScaler; torch's internals are answered in _torch_compat.
@@ -104,6 +105,9 @@ class GradScaler(TorchGradScalerSurface):
         sync_free: skip on the device (the update is undone where the flag is set) instead of
             deciding on the host; no host sync for any optimizer, at the cost of a copy of the
             parameters and optimizer state per step.
+        policy: "dynamic" (torch's rule: search for the scale by overflowing) or "predictive"
+            (set it from the measured gradient range; see ``dscale._predictive``). A predictive
+            scaler's first step runs at ``min(init_scale, 1.0)`` to measure, then jumps.
     """
 
     def __init__(
@@ -123,7 +127,9 @@ class GradScaler(TorchGradScalerSurface):
         on_stuck_at_min: StuckPolicy = "warn",
         stuck_patience: int = 100,
         sync_free: bool = False,
+        policy: _predictive_state.Policy = "dynamic",
     ) -> None:
+        _predictive_state.check_policy(policy)
         _state.check_scale_args(
             init_scale=init_scale,
             growth_factor=growth_factor,
@@ -170,6 +176,10 @@ class GradScaler(TorchGradScalerSurface):
         self._group_arg = process_group
         self._group_ranks = _dist.group_ranks(process_group)
         # The scale and trackers; on the host until the first scale() puts them on a device.
+        # policy="predictive" (dscale/_predictive.py): its measurement and state, else None.
+        self._predictive = _predictive_state.PredictiveScaling() if policy == "predictive" else None
+        if self._predictive is not None:
+            init_scale = _predictive.first_scale(init_scale, min_scale, max_scale)
         self._book = ScaleState(fresh_host_state(float(init_scale), hysteresis))
         self._per_optimizer_states: dict[int, _OptimizerState] = {}
         self._outcomes: dict[int, bool | torch.Tensor] = {}
@@ -263,8 +273,9 @@ class GradScaler(TorchGradScalerSurface):
         except AttachRefusal as exc:
             if exc.peers_agree and group is not None:  # the peers skip rather than wait on us
                 device = _dist.flag_device(group, scale.device)
+                # As long as the peers' vectors (policy="predictive" adds its measurement).
                 refusal = _agreement.agreement_vector(
-                    torch.ones((), device=device), copy_to(scale, device)
+                    torch.ones((), device=device), copy_to(scale, device), self._measured(device)
                 )
                 _agreement.all_reduce_flag(refusal, group).wait()
             raise
@@ -272,6 +283,8 @@ class GradScaler(TorchGradScalerSurface):
         grads = optimizer_grads(optimizer, set(report.covered))
         for observer in self._observers:
             observer.on_grads(optimizer, grads, scale)
+        if self._predictive is not None:  # policy="predictive": measure before the unscale
+            self._predictive.measure.add(grads, scale, scale)
         # The reciprocal in fp64, as torch does: fp32 division can be imprecise.
         inv_scale = scale.double().reciprocal().float() if unscale else torch.ones_like(scale)
         if report.is_global:
@@ -281,10 +294,15 @@ class GradScaler(TorchGradScalerSurface):
             flag = check_and_unscale_(group_by_device_and_dtype(grads), inv_scale, device)
             if report.flag is not None:
                 flag += copy_to(report.flag, device)
-            state.agreed = _agreement.agreement_vector(flag, copy_to(scale, device))
+            measured = self._measured(device)
+            state.agreed = _agreement.agreement_vector(flag, copy_to(scale, device), measured)
         state.over_group = group is not None
         state.work = None if group is None else _agreement.all_reduce_flag(state.agreed, group)
         return unscale
+
+    def _measured(self, device: torch.device) -> torch.Tensor | None:
+        """policy="predictive": this rank's measurement for its agreement vector; else None."""
+        return None if self._predictive is None else self._predictive.measure.take(device)
 
     # ----------------------------------------------------------------- reduction hooks
     def attach(self, model: torch.nn.Module) -> None:
@@ -298,8 +316,12 @@ class GradScaler(TorchGradScalerSurface):
         parameters. Call once, before the first backward.
         """
         if self._enabled:
+            measure = None if self._predictive is None else self._predictive.measure
             self._hooks.attach(
-                model, lambda: self._require_scale("backward"), lambda: self._scale_calls
+                model,
+                lambda: self._require_scale("backward"),
+                lambda: self._scale_calls,
+                measure,
             )
 
     def _agreed(self, state: _OptimizerState) -> torch.Tensor:
@@ -357,7 +379,11 @@ class GradScaler(TorchGradScalerSurface):
             retval = masked_step(optimizer, flag, lambda: optimizer.step(*args, **kwargs))
             self._outcomes[id(optimizer)] = flag
         else:
-            skipped = bool(flag.item() > 0)  # the host sync the skip decision needs
+            if self._predictive is None:
+                skipped = bool(flag.item() > 0)  # the host sync the skip decision needs
+            else:  # policy="predictive": the whole (small) vector, in that same one copy
+                state.host_agreed = self._agreed(state).tolist()
+                skipped = state.host_agreed[_agreement.OVERFLOW] > 0
             retval = None if skipped else optimizer.step(*args, **kwargs)
             state.applied = not skipped
             self._outcomes[id(optimizer)] = not skipped
@@ -379,6 +405,8 @@ class GradScaler(TorchGradScalerSurface):
         self._require_scale("update")
         if new_scale is not None:
             self._book.set_scale(_checked_new_scale(new_scale))
+            if self._predictive is not None:
+                self._predictive.skip_iteration()
             self._per_optimizer_states = {}
             self._hooks.reset()
             return
@@ -393,7 +421,11 @@ class GradScaler(TorchGradScalerSurface):
         self._scale_range = self._range_over_group(states)
         known = all(s.applied is not None for s in states)
         skipped = not all(s.applied for s in states) if known else None
-        self._book.update(self._policy, found, skipped)
+        if self._predictive is not None:  # policy="predictive": this iteration's measurement
+            host_values = [s.host_agreed for s in states]
+            on_host = None if any(v is None for v in host_values) else host_values
+            self._predictive.begin([self._agreed(s) for s in states], on_host)  # type: ignore[arg-type]
+        self._book.update(self._policy, found, skipped, self._predictive)
         self._per_optimizer_states = {}
         self._hooks.reset()
         self._watch_for_collapse()
@@ -504,7 +536,10 @@ class GradScaler(TorchGradScalerSurface):
         metrics scrape) may call it: after device-side updates it returns the newest state whose
         copy has reached the host, which may be an update or two behind.
         """
-        return _snapshot_dict(self._book.read() if wait else self._book.latest())
+        values = _snapshot_dict(self._book.read() if wait else self._book.latest())
+        if self._predictive is not None:  # grad_max_abs, target_scale, margin_log2, underflow
+            values.update(self._predictive.snapshot(wait=wait))
+        return values
 
     def get_scale(self) -> float:
         """The current scale as a Python float (1.0 when disabled).
@@ -557,7 +592,10 @@ class GradScaler(TorchGradScalerSurface):
         """
         if not self._enabled:
             return {}
-        return _state.to_state_dict(self._policy, self._book.read())
+        state = _state.to_state_dict(self._policy, self._book.read())
+        if self._predictive is not None:  # version 2 and the keys of dscale/_predictive_state.py
+            state.update(self._predictive.state_dict())
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict from dscale's or torch's GradScaler; no-op when disabled.
@@ -568,7 +606,12 @@ class GradScaler(TorchGradScalerSurface):
         if not self._enabled:
             return
         self._policy, host = _state.from_state_dict(state_dict, self._policy)
+        predictive = _predictive_state.from_state_dict(state_dict)  # validated before any change
         self._book.load(host)
+        if self._predictive is not None:
+            self._predictive.load(predictive)
+        else:
+            _predictive_state.note_ignored(state_dict)
 
     # ----------------------------------------------------------------- pickling
     def __getstate__(self) -> dict[str, Any]:

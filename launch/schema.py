@@ -153,6 +153,7 @@ class ScalerConfig:
     on_stuck_at_min: str = "warn"
     stuck_patience: int = 100
     sync_free: bool = False
+    policy: str = "dynamic"  # or "predictive": the scale from the measured gradient range
 
 
 @dataclass

@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import platform
+import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -158,7 +159,16 @@ def run(
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """Parse arguments, run, print the tables (rank 0 only) and write ``--json``."""
+    """Parse arguments, run, print the tables (rank 0 only) and write ``--json``.
+
+    ``python -m dscale.bench scaling ...`` runs the scaling policies' benchmark instead.
+    """
+    args_in = list(sys.argv[1:] if argv is None else argv)
+    if args_in[:1] == ["scaling"]:
+        from dscale.bench._scaling_cli import main as scaling_main
+
+        scaling_main(args_in[1:])
+        return
     parser = argparse.ArgumentParser(
         prog="python -m dscale.bench",
         description="Per-step overhead of dscale.GradScaler, torch.amp.GradScaler and "
@@ -185,7 +195,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     parser.add_argument("--no-distributed", action="store_true", help="skip the 2-rank part")
     parser.add_argument("--config-for-tests", choices=sorted(CONFIGS), help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    args = parser.parse_args(args_in)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         dist.init_process_group("gloo", timeout=_ranks.TIMEOUT)
     try:

@@ -158,9 +158,10 @@ def scaler_update(scaler: Any, saved: dict[str, Any]) -> dict[str, Any] | None:
             state[key] = int(tensor)
     policy = getattr(scaler, "_policy", None)
     if policy is not None and scaler.is_enabled():
-        from dscale import _state
+        from dscale import _predictive_state, _state
 
         _state.from_state_dict(state, policy)  # raises ValueError; changes nothing
+        _predictive_state.from_state_dict(state)  # policy="predictive"'s keys, likewise
     return state
 
 

@@ -35,6 +35,19 @@ _GAUGES = (
     ("scale", "dscale_loss_scale", "Current loss scale."),
     ("growth_tracker", "dscale_clean_steps_in_a_row", "Clean steps since the last growth/backoff."),
     ("skipped_in_a_row", "dscale_skipped_steps_in_a_row", "Consecutive skipped iterations."),
+    # policy="predictive" only (dscale._predictive); NaN until measured.
+    (
+        "grad_max_abs",
+        "dscale_grad_max_abs",
+        "Largest finite unscaled gradient magnitude of the last clean step, max over ranks.",
+    ),
+    ("target_scale", "dscale_loss_scale_target", "Scale the predictive policy aims for."),
+    ("margin_log2", "dscale_loss_scale_margin_log2", "log2 of the predictive safety margin."),
+    (
+        "underflow_fraction",
+        "dscale_grad_underflow_fraction_max",
+        "Share of grad elements below fp16's min normal at the scale, max over ranks (sampled).",
+    ),
 )
 
 

@@ -35,6 +35,7 @@ def _no_worker_started(run_dir: Path) -> bool:
         ("scaler.backoff_factor=2.0", "scaler.backoff_factor"),
         ("scaler.growth_interval=0", "scaler.growth_interval"),
         ("scaler.hysteresis_refill=sometimes", "scaler.hysteresis_refill"),
+        ("scaler.policy=adaptive", "scaler.policy"),
         ("trainer.max_steps=0", "trainer.max_steps"),
         ("launcher.nnodes=3:2", "launcher.nnodes"),
         ("launcher.nproc_per_node=lots", "launcher.nproc_per_node"),

@@ -91,16 +91,17 @@ def _train(rank: int, case: str, attach: bool) -> dict[str, Any]:
     return {"params": params, "scales": scales}
 
 
-def _refused_on_one_rank(rank: int) -> dict[str, Any]:
+def _refused_on_one_rank(rank: int, policy: str) -> dict[str, Any]:
     """Only rank 1 writes a grad after the reduction: it raises, rank 0 skips and does not hang.
 
-    With an ignored parameter the step has an agreement collective, which the refusing rank joins.
+    With an ignored parameter the step has an agreement collective, which the refusing rank joins
+    with a vector as long as its peers' (policy="predictive" sends 5 fields, not 3).
     """
     import dscale
 
     model = _ddp(tiny_model(), ignore=("2.bias",))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    scaler = dscale.GradScaler("cpu", init_scale=2.0**10)
+    scaler = dscale.GradScaler("cpu", init_scale=2.0**10, policy=policy)
     scaler.attach(model)
     scaler.scale(model(batch(rank, 0)).sum()).backward()
     if rank == 1:
@@ -170,7 +171,8 @@ def _all(rank: int, world_size: int) -> dict[str, Any]:
         }
     for case in REFUSED:
         out[case] = _refused(rank, case)
-    out["refused_on_one_rank"] = _refused_on_one_rank(rank)
+    for policy in ("dynamic", "predictive"):
+        out[f"refused_on_one_rank/{policy}"] = _refused_on_one_rank(rank, policy)
     return out
 
 
@@ -196,7 +198,12 @@ def test_attach_refuses_grads_it_did_not_check(results, case) -> None:
         assert "attach()" in out[case], out[case]
 
 
-def test_a_refusal_on_one_rank_skips_the_step_on_the_others_instead_of_hanging(results) -> None:
-    r0, r1 = results[0]["refused_on_one_rank"], results[1]["refused_on_one_rank"]
+@pytest.mark.parametrize(("policy", "backed_off"), [("dynamic", 2.0**9), ("predictive", 0.5)])
+def test_a_refusal_on_one_rank_skips_the_step_on_the_others_instead_of_hanging(
+    results, policy, backed_off
+) -> None:
+    key = f"refused_on_one_rank/{policy}"
+    r0, r1 = results[0][key], results[1][key]
     assert "attach()" in r1["error"] and not r1["moved"]
-    assert r0 == {"error": None, "applied": False, "scale": 2.0**9}
+    # predictive: the first step runs at min(init_scale, 1) = 1, and the skip backs off from it.
+    assert r0 == {"error": None, "applied": False, "scale": backed_off}

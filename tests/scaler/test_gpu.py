@@ -75,3 +75,23 @@ def test_plain_step_syncs_once_for_the_skip_decision_and_update_never() -> None:
         assert scaler.get_scale() == 2.0**10  # the host holds it: no device read
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("sync_free", [False, True])
+def test_predictive_policy_measures_and_updates_without_a_sync(sync_free) -> None:
+    model = nn.Linear(64, 64).cuda()
+    if sync_free:
+        opt: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    else:
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3, fused=True)
+    scaler = dscale.GradScaler("cuda", policy="predictive", sync_free=sync_free)
+    scales = []
+    for step in range(4):
+        before = model.weight.detach().clone()
+        _iteration(model, opt, scaler, poison=step == 2)
+        if step == 2:
+            assert torch.equal(model.weight, before)  # the poisoned step was skipped
+        scales.append(scaler.get_scale())
+    assert scales[0] > 1.0  # the first measurement set the scale (the first step ran at 1)
+    assert scales[2] == scales[1] / 2  # the overflow backed off
+    assert scaler.snapshot()["margin_log2"] == 2  # and widened the margin

@@ -105,13 +105,29 @@ def test_fused_and_sync_free_steps_read_nothing_back_from_the_device(monkeypatch
     assert fused == []
     assert free == []
     assert plain == ["item"]  # the skip decision, as torch's scaler makes it
+    # policy="predictive": the measurement rides in the same reads (one copy of the vector).
+    kwargs = {"policy": "predictive"}
+    fused = _count_host_reads(
+        monkeypatch, dscale.GradScaler("cpu", **kwargs), OPTIMIZERS["adam-fused"]
+    )
+    free = _count_host_reads(
+        monkeypatch,
+        dscale.GradScaler("cpu", sync_free=True, **kwargs),
+        OPTIMIZERS["sgd-momentum"],
+    )
+    plain = _count_host_reads(
+        monkeypatch, dscale.GradScaler("cpu", **kwargs), OPTIMIZERS["sgd-momentum"]
+    )
+    assert (fused, free, plain) == ([], [], ["tolist"])
     # The step that creates optimizer state reads the flag once: state a skipped step created
     # must be removed (not zeroed) to equal skipping. Normally once per run.
-    for scaler, factory in (
-        (dscale.GradScaler("cpu"), OPTIMIZERS["adam-fused"]),
-        (dscale.GradScaler("cpu", sync_free=True), OPTIMIZERS["sgd-momentum"]),
-    ):
-        assert _count_host_reads(monkeypatch, scaler, factory, warm_up=False) == ["item"]
+    for policy in ("dynamic", "predictive"):
+        for scaler, factory in (
+            (dscale.GradScaler("cpu", policy=policy), OPTIMIZERS["adam-fused"]),
+            (dscale.GradScaler("cpu", sync_free=True, policy=policy), OPTIMIZERS["sgd-momentum"]),
+        ):
+            reads = _count_host_reads(monkeypatch, scaler, factory, warm_up=False)
+            assert reads == ["item"], policy
 
 
 def test_step_applied_after_a_fused_step_reads_the_agreed_flag_lazily() -> None:

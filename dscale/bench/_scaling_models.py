@@ -1,0 +1,153 @@
+"""The models and data of ``python -m dscale.bench scaling``.
+
+``MLP`` and ``GPT`` are the launcher's models (``launch/models.py``), rebuilt here because the
+library must not import ``launch`` (the launcher depends on the library, not the reverse);
+``tests/test_bench_scaling.py`` holds them to the same parameters and outputs. ``batches`` is the
+launcher's synthetic data (``launch/data.py``).
+
+``WideRange`` is built to have a wide and shifting gradient range: residual branches scaled by
+fixed gains of 1, 2**-10 and 2**-20 (fixed residual scaling, as SkipInit and DeepNet use; 2**-20
+is about 1e-6), so the branches' weight gradients span about 20 binades for the whole run, and a
+loss weight that sweeps over 2**-4 .. 2**4 during the run (a loss-weight schedule, as for an
+auxiliary or KL term), so the whole gradient range shifts up and down by 8 binades.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+
+class MLP(nn.Module):
+    """Embedding, ``n_layers`` hidden layers, logits (launch.models.MLP)."""
+
+    def __init__(self, vocab_size: int, d_model: int, hidden: int, n_layers: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab_size, d_model)
+        layers: list[nn.Module] = []
+        width = d_model
+        for _ in range(n_layers):
+            layers += [nn.Linear(width, hidden), nn.GELU()]
+            width = hidden
+        self.layers = nn.ModuleList([nn.Sequential(*layers)])
+        self.head = nn.Linear(width, vocab_size)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        logits: torch.Tensor = self.head(x)
+        return logits
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: causal self-attention, then a 4x MLP (launch.models.Block)."""
+
+    def __init__(self, d_model: int, n_heads: int) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d_model)
+        self.attn = nn.MultiheadAttention(d_model, n_heads, batch_first=True)
+        self.ln2 = nn.LayerNorm(d_model)
+        self.mlp = nn.Sequential(
+            nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model)
+        )
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        h = self.ln1(x)
+        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
+        out: torch.Tensor = x + self.mlp(self.ln2(x))
+        return out
+
+
+class GPT(nn.Module):
+    """Token and position embeddings, blocks, final norm, logits (launch.models.GPT)."""
+
+    def __init__(
+        self, vocab_size: int, d_model: int, n_layers: int, n_heads: int, seq_len: int
+    ) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab_size, d_model)
+        self.pos = nn.Embedding(seq_len, d_model)
+        self.layers = nn.ModuleList([Block(d_model, n_heads) for _ in range(n_layers)])
+        self.norm = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, vocab_size)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        t = tokens.shape[1]
+        positions = torch.arange(t, device=tokens.device)
+        mask = torch.ones(t, t, dtype=torch.bool, device=tokens.device).triu(1)
+        x = self.embed(tokens) + self.pos(positions)
+        for layer in self.layers:
+            x = layer(x, mask)
+        logits: torch.Tensor = self.head(self.norm(x))
+        return logits
+
+
+class WideRange(nn.Module):
+    """Per-token residual MLP whose branches carry fixed gains of 1, 2**-10 and 2**-20."""
+
+    GAINS = (1.0, 2.0**-10, 2.0**-20)
+
+    def __init__(self, vocab_size: int, d_model: int, hidden: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab_size, d_model)
+        self.branches = nn.ModuleList(
+            [
+                nn.Sequential(nn.Linear(d_model, hidden), nn.GELU(), nn.Linear(hidden, d_model))
+                for _ in self.GAINS
+            ]
+        )
+        # Fixed (not learned) gains, as in SkipInit / DeepNet's fixed residual scaling: the
+        # branches' gradients stay 10 and 20 binades below the others for the whole run.
+        for i, g in enumerate(self.GAINS):
+            self.register_buffer(f"gain{i}", torch.full((d_model,), g))
+        self.norm = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, vocab_size)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for i, branch in enumerate(self.branches):
+            x = x + getattr(self, f"gain{i}") * branch(x)
+        logits: torch.Tensor = self.head(self.norm(x))
+        return logits
+
+
+def loss_weight(model: str, step: int, steps: int) -> float:
+    """The wide model's loss weight at ``step``: 2**(4 sin(2 pi step / steps)); 1 otherwise."""
+    if model != "wide":
+        return 1.0
+    return 2.0 ** (4.0 * math.sin(2.0 * math.pi * step / steps))
+
+
+def build(model: str, seq_len: int) -> nn.Module:
+    """The launcher's default ``gpt_small`` and ``mlp`` configs, or the wide-range model."""
+    if model == "gpt":
+        return GPT(vocab_size=256, d_model=64, n_layers=2, n_heads=4, seq_len=seq_len)
+    if model == "mlp":
+        return MLP(vocab_size=256, d_model=64, hidden=256, n_layers=2)
+    if model == "wide":
+        return WideRange(vocab_size=256, d_model=64, hidden=256)
+    raise ValueError(f"model must be 'gpt', 'mlp' or 'wide', got {model!r}")
+
+
+def batches(
+    seed: int, seq_len: int, batch_size: int, noise: float = 0.1, vocab_size: int = 256
+) -> Callable[[int], torch.Tensor]:
+    """launch.data.synthetic_batches for rank 0: ``next = (7 * prev + 3) % vocab`` plus noise."""
+
+    def batch(step: int) -> torch.Tensor:
+        g = torch.Generator()
+        g.manual_seed(seed * 1_000_003 + step)
+        tokens = torch.empty(batch_size, seq_len + 1, dtype=torch.long)
+        tokens[:, 0] = torch.randint(vocab_size, (batch_size,), generator=g)
+        random = torch.randint(vocab_size, (batch_size, seq_len + 1), generator=g)
+        flip = torch.rand(batch_size, seq_len + 1, generator=g) < noise
+        for t in range(1, seq_len + 1):
+            rule = (7 * tokens[:, t - 1] + 3) % vocab_size
+            tokens[:, t] = torch.where(flip[:, t], random[:, t], rule)
+        return tokens
+
+    return batch

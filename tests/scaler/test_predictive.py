@@ -1,0 +1,422 @@
+"""policy="predictive": the target against brute force, host == device, real fp16 gradients."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import dscale
+from dscale import _policy, _predictive
+from dscale._policy import HostState, ScalePolicy
+from dscale._predictive import PredictiveHost
+
+
+def _brute_force_target_log2(m: float, margin: int) -> int:
+    """The largest t with m * 2**margin * 2**t <= 65504, by trying every t (exact in float64)."""
+    best = _predictive.MIN_TARGET_LOG2
+    for t in range(_predictive.MIN_TARGET_LOG2, _predictive.MAX_TARGET_LOG2 + 1):
+        if m * 2.0**margin * 2.0**t <= 65504.0:
+            best = t
+    return best
+
+
+def test_target_is_the_largest_power_of_two_keeping_the_magnitude_in_fp16() -> None:
+    rng = random.Random(0)
+    top = 65504.0 / 2**16
+    values = [2.0**e for e in range(-30, 20)]
+    values += [top * 2.0**e for e in range(-20, 5)]  # the boundary mantissa itself
+    values += [math.nextafter(top, 1.0) * 2.0**e for e in range(-20, 5)]  # just above it
+    values += [rng.uniform(1e-9, 1e3) for _ in range(300)]
+    for m in values:
+        m = float(torch.tensor(m, dtype=torch.float32))  # the measurement is fp32
+        for margin in range(0, 5):
+            assert _predictive.target_log2(m, margin) == _brute_force_target_log2(m, margin), (
+                m,
+                margin,
+            )
+            # The scaled magnitude (with the margin) is finite in fp16, and twice it is not.
+            at = torch.tensor(m * 2.0 ** (margin + _predictive.target_log2(m, margin)))
+            assert torch.isfinite(at.half()) and at.item() <= 65504.0
+
+
+def _policy_matrix() -> list[ScalePolicy]:
+    out = []
+    for interval in (1, 3, 2000):
+        for lo, hi in ((None, None), (2.0**4, 2.0**12), (0.75, None)):
+            for hyst in (1, 2):
+                out.append(ScalePolicy(2.0, 0.5, interval, lo, hi, hyst, "on_growth"))
+    return out
+
+
+def test_host_and_device_rules_agree_bit_for_bit() -> None:
+    rng = random.Random(1)
+    magnitudes = [0.0, 2.0**-40, 1e-7, 3e-4, 0.01, 0.5, 1.0, 65504.0 / 2**16, 7.0, 1e5]
+    checked = 0
+    for policy in _policy_matrix():
+        for _ in range(60):
+            scale = rng.choice([1.0, 0.75, 2.0**10, 3.0 * 2**8, 2.0**16, 2.0**30])
+            lo = policy.min_scale or 0.0
+            hi = policy.max_scale or math.inf
+            scale = min(max(scale, lo), hi)
+            before = HostState(
+                _policy.f32(scale),
+                rng.randrange(0, policy.growth_interval),
+                rng.randrange(0, policy.hysteresis + 1),
+                tuple(rng.randrange(0, 5) for _ in range(_policy.NUM_COUNTERS)),
+            )
+            p = PredictiveHost(
+                margin_log2=rng.randrange(0, 4),
+                rise_tracker=rng.randrange(0, 3),
+                measured=rng.random() < 0.7,
+            )
+            found = rng.random() < 0.3
+            m = float(torch.tensor(rng.choice(magnitudes) * rng.uniform(0.5, 2.0)).float())
+            underflow = rng.choice([-1.0, 0.0, 0.25])
+            after = _policy.next_host_state(policy, before, found)
+            host, host_p = _predictive.next_host_state(
+                policy, before, after, p, found, m, underflow
+            )
+
+            t_scale = torch.tensor(before.scale, dtype=torch.float32)
+            t_growth = torch.tensor(before.growth_tracker, dtype=torch.int32)
+            t_hyst = torch.tensor(before.hysteresis_tracker, dtype=torch.int32)
+            t_counters = torch.tensor(before.counters, dtype=torch.int64)
+            found_inf = torch.tensor(float(found))
+            b_scale, b_counters = t_scale.clone(), t_counters.clone()
+            _policy.update_(policy, t_scale, t_growth, t_hyst, t_counters, found_inf)
+            vector = torch.tensor(p.as_list(), dtype=torch.float32)
+            _predictive.update_(
+                policy,
+                vector,
+                b_scale,
+                b_counters,
+                t_scale,
+                t_growth,
+                t_counters,
+                found_inf,
+                torch.tensor(m),
+                torch.tensor(underflow),
+            )
+            device_p = PredictiveHost.from_list(vector.tolist())
+            case = (policy, before, p, found, m)
+            assert t_scale.item() == host.scale, case
+            assert tuple(t_counters.tolist()) == host.counters, case
+            assert (device_p.margin_log2, device_p.rise_tracker, device_p.measured) == (
+                host_p.margin_log2,
+                host_p.rise_tracker,
+                host_p.measured,
+            ), case
+            if not found:
+                assert device_p.target_scale == host_p.target_scale, case
+            checked += 1
+    assert checked == len(_policy_matrix()) * 60
+
+
+def _mlp(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    layers = [nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 16)]
+    return nn.Sequential(*layers)
+
+
+def _loss(model: nn.Module, step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(step)
+    x = torch.randn(64, 32, generator=g) * 4
+    y = torch.randint(16, (64,), generator=g)
+    with torch.autocast("cpu", dtype=torch.float16):
+        out = model(x)
+    return F.cross_entropy(out.float(), y)
+
+
+def _largest_safe_scale(model: nn.Module, loss: torch.Tensor) -> float:
+    """Brute force: the largest power-of-two scale whose fp16 backward has no inf/NaN."""
+    params = list(model.parameters())
+    best = 0.0
+    for e in range(0, 41):
+        grads = torch.autograd.grad(loss * 2.0**e, params, retain_graph=True)
+        if all(torch.isfinite(g).all() for g in grads):
+            best = 2.0**e
+    return best
+
+
+@pytest.mark.parametrize("init_scale", [2.0**16, 2.0**32])
+def test_predictive_scale_stays_below_and_near_the_largest_safe_scale(init_scale) -> None:
+    model = _mlp(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = dscale.GradScaler("cpu", init_scale=init_scale, policy="predictive")
+    assert scaler.get_scale() == 1.0  # the first step measures at a scale that cannot overflow
+    ratios = []
+    for step in range(12):
+        loss = _loss(model, step)
+        safe = _largest_safe_scale(model, loss)
+        used = scaler.get_scale()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        assert scaler.step_applied(), step
+        assert used <= safe, (step, used, safe)
+        ratios.append(safe / used)
+    # From the step after the first measurement on: at most 4x below the largest safe scale
+    # (the margin of 2, and a rise waits RISE_AFTER steps), and within 2x on most steps.
+    assert max(ratios[1:]) <= 4.0, ratios
+    assert sorted(ratios[1:])[len(ratios) // 2] <= 2.0, ratios
+    # Negative control: the dynamic rule from 2**32 skips steps while it searches.
+    model = _mlp(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    dynamic = dscale.GradScaler("cpu", init_scale=init_scale)
+    for step in range(12):
+        dynamic.scale(_loss(model, step)).backward()
+        dynamic.step(opt)
+        dynamic.update()
+        opt.zero_grad()
+    assert dynamic.snapshot()["skipped_steps"] >= (5 if init_scale == 2.0**32 else 0)
+
+
+def _run(scaler: dscale.GradScaler, opt_name: str, steps: int, poison: set[int]) -> list[float]:
+    model = _mlp(1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, fused=opt_name == "sgd-fused")
+    scales = []
+    for step in range(steps):
+        scaler.scale(_loss(model, step) * (30.0 if step in (6, 7) else 1.0)).backward()
+        if step in poison:
+            next(model.parameters()).grad.view(-1)[0] = math.inf
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        scales.append(scaler.get_scale())
+    return scales
+
+
+def test_plain_fused_and_sync_free_steps_follow_the_same_scale_trajectory() -> None:
+    kwargs = {"init_scale": 2.0**20, "policy": "predictive", "growth_interval": 3}
+    poison = {3, 9}
+    plain = _run(dscale.GradScaler("cpu", **kwargs), "sgd", 14, poison)
+    free = _run(dscale.GradScaler("cpu", sync_free=True, **kwargs), "sgd", 14, poison)
+    assert plain == free
+    assert plain == _run(dscale.GradScaler("cpu", **kwargs), "sgd-fused", 14, poison)
+    assert len(set(plain)) > 3  # the scale moved: jumped, dropped for the x30 loss, backed off
+
+
+def test_an_overflow_skips_backs_off_and_widens_the_margin() -> None:
+    scaler = dscale.GradScaler("cpu", policy="predictive")
+    model = _mlp(2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for step in range(3):
+        scaler.scale(_loss(model, step)).backward()
+        if step == 2:
+            next(model.parameters()).grad.view(-1)[0] = math.nan
+        before = scaler.get_scale()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    assert not scaler.step_applied()
+    assert scaler.get_scale() == before / 2
+    assert scaler.snapshot()["margin_log2"] == _predictive.INITIAL_MARGIN_LOG2 + 1
+
+
+def test_min_max_scale_and_hysteresis_hold_under_the_predictive_policy(caplog) -> None:
+    scaler = dscale.GradScaler(
+        "cpu", policy="predictive", init_scale=4.0, min_scale=2.0, max_scale=2.0**10
+    )
+    assert scaler.get_scale() == 2.0  # the first scale is clamped into [min, max]
+    model = _mlp(3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler.scale(_loss(model, 0)).backward()
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.get_scale() == 2.0**10  # the target (far above) clamped to max_scale
+    hyst = dscale.GradScaler("cpu", policy="predictive", hysteresis=2)
+    stuck = dscale.GradScaler(
+        "cpu", policy="predictive", min_scale=1.0, on_stuck_at_min="raise", stuck_patience=2
+    )
+    for step in range(3):
+        for s in (hyst, stuck) if step < 2 else (hyst,):
+            s.scale(_loss(model, step)).backward()
+            next(model.parameters()).grad.view(-1)[0] = math.inf
+            s.step(opt)
+            opt.zero_grad()
+            if s is hyst or step == 0:
+                s.update()
+                continue
+            with pytest.raises(dscale.ScaleCollapsedError, match="min_scale=1"):
+                s.update()  # the second overflow in a row at min_scale (stuck_patience=2)
+        if step == 0:
+            assert hyst.get_scale() == 1.0  # the first overflow is tolerated (hysteresis=2)
+    assert hyst.snapshot()["backoffs"] == 2
+
+
+def test_bad_policy_is_a_value_error_listing_both() -> None:
+    with pytest.raises(ValueError, match=r"policy must be one of \('dynamic', 'predictive'\)"):
+        dscale.GradScaler("cpu", policy="adaptive")  # type: ignore[arg-type]
+
+
+def test_dynamic_policy_matches_torch_scaler_bit_for_bit() -> None:
+    def trace(scaler) -> list[float]:
+        model = _mlp(4)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        out = []
+        for step in range(10):
+            scaler.scale(_loss(model, step)).backward()
+            if step in (2, 3, 7):
+                next(model.parameters()).grad.view(-1)[0] = math.inf
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            out.append(scaler.get_scale())
+        return out + [float(p.detach().sum()) for p in model.parameters()]
+
+    kwargs = {"init_scale": 2.0**20, "growth_interval": 2}
+    ours = trace(dscale.GradScaler("cpu", policy="dynamic", **kwargs))
+    assert ours == trace(torch.amp.GradScaler("cpu", **kwargs))
+    assert ours == trace(dscale.GradScaler("cpu", **kwargs))
+
+
+def _trained(scaler: dscale.GradScaler, steps: range, model: nn.Module) -> list[float]:
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    out = []
+    for step in steps:
+        scaler.scale(_loss(model, step) * (40.0 if step == 5 else 1.0)).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        out.append(scaler.get_scale())
+    return out
+
+
+def test_a_resumed_predictive_scaler_continues_exactly() -> None:
+    kwargs = {"policy": "predictive", "growth_interval": 2}
+    whole = _trained(dscale.GradScaler("cpu", **kwargs), range(10), _mlp(5))
+    first = dscale.GradScaler("cpu", **kwargs)
+    model = _mlp(5)
+    head = _trained(first, range(4), model)
+    saved = copy.deepcopy(first.state_dict())
+    assert saved["dscale_format_version"] == 2 and saved["policy"] == "predictive"
+    resumed = dscale.GradScaler("cpu", **kwargs)
+    resumed.load_state_dict(saved)
+    assert head + _trained(resumed, range(4, 10), model) == whole
+
+
+def test_state_dicts_load_across_policies_and_say_what_was_reset(caplog) -> None:
+    model = _mlp(6)
+    predictive = dscale.GradScaler("cpu", policy="predictive")
+    _trained(predictive, range(3), model)
+    dynamic = dscale.GradScaler("cpu")
+    _trained(dynamic, range(3), _mlp(6))
+    torch_sd = torch.amp.GradScaler("cpu", init_scale=2.0**9).state_dict()
+    assert dynamic.state_dict()["dscale_format_version"] == 1  # dynamic dicts are unchanged
+
+    with caplog.at_level(logging.WARNING, logger="dscale"):
+        target = dscale.GradScaler("cpu", policy="predictive")
+        target.load_state_dict(torch_sd)
+    assert target.get_scale() == 2.0**9
+    assert "reset ['predictive_margin_log2'" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="dscale"):
+        target.load_state_dict(dynamic.state_dict())
+    assert "reset" in caplog.text and target.get_scale() == dynamic.get_scale()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="dscale"):
+        back = dscale.GradScaler("cpu")
+        back.load_state_dict(predictive.state_dict())
+    assert "ignored ['predictive_margin_log2'" in caplog.text
+    assert back.get_scale() == predictive.get_scale()
+    torch_scaler = torch.amp.GradScaler("cpu")
+    torch_scaler.load_state_dict(predictive.state_dict())
+    assert torch_scaler.get_scale() == predictive.get_scale()
+
+    bad = dict(predictive.state_dict(), predictive_margin_log2=99)
+    before = target.state_dict()
+    with pytest.raises(ValueError, match="predictive_margin_log2 must be an int"):
+        target.load_state_dict(bad)
+    assert target.state_dict() == before  # a rejected dict changes nothing
+
+
+def test_snapshot_and_metrics_expose_the_measurement_and_the_target() -> None:
+    from prometheus_client.core import CollectorRegistry
+
+    from dscale.metrics._collector import ScalerCollector
+
+    scaler = dscale.GradScaler("cpu", policy="predictive")
+    model = _mlp(7)
+    assert math.isnan(scaler.snapshot()["grad_max_abs"])
+    _trained(scaler, range(2), model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    scale = scaler.get_scale()
+    scaler.scale(_loss(model, 2)).backward()
+    # The oracle: the largest unscaled magnitude over every grad (exact: the scale is 2**k).
+    largest = max((p.grad.abs().max() / scale).item() for p in model.parameters())
+    scaler.step(opt)
+    scaler.update()
+    snap = scaler.snapshot()
+    assert snap["grad_max_abs"] == largest
+    assert snap["target_scale"] == 2.0 ** _predictive.target_log2(largest, snap["margin_log2"])
+    assert 0.0 <= snap["underflow_fraction"] < 1.0  # step 0 was a sample
+    registry = CollectorRegistry()
+    labels = {"rank": "0", "local_rank": "0", "node": "n", "job_name": "j"}
+    registry.register(ScalerCollector(scaler, labels=labels))
+    assert registry.get_sample_value("dscale_grad_max_abs", labels) == snap["grad_max_abs"]
+    assert registry.get_sample_value("dscale_loss_scale_target", labels) == snap["target_scale"]
+    assert registry.get_sample_value("dscale_grad_max_abs", labels) is not None
+    dynamic = ScalerCollector(dscale.GradScaler("cpu"), labels=labels)
+    assert "dscale_loss_scale_target" not in {m.name for m in dynamic.collect()}
+
+
+def test_predictive_state_survives_a_dcp_checkpoint_and_loads_across_policies(
+    tmp_path, caplog
+) -> None:
+    from dscale.checkpoint import CheckpointManager
+
+    model = _mlp(8)
+    scaler = dscale.GradScaler("cpu", policy="predictive")
+    _trained(scaler, range(6), model)  # the x40 step backs off and widens the margin
+    saved = scaler.state_dict()
+    assert saved["predictive_margin_log2"] == 2
+    CheckpointManager(tmp_path / "p").save(6, model=model, scaler=scaler)
+    dynamic = dscale.GradScaler("cpu")
+    _trained(dynamic, range(2), _mlp(8))
+    CheckpointManager(tmp_path / "d").save(2, model=model, scaler=dynamic)
+
+    resumed = dscale.GradScaler("cpu", policy="predictive")
+    CheckpointManager(tmp_path / "p").resume("auto", scaler=resumed)
+    assert resumed.state_dict() == saved
+    with caplog.at_level(logging.WARNING, logger="dscale"):
+        plain = dscale.GradScaler("cpu")
+        CheckpointManager(tmp_path / "p").resume("auto", scaler=plain)
+        fresh = dscale.GradScaler("cpu", policy="predictive")
+        CheckpointManager(tmp_path / "d").resume("auto", scaler=fresh)
+    assert plain.get_scale() == scaler.get_scale()
+    assert "ignored ['predictive_margin_log2'" in caplog.text
+    assert fresh.get_scale() == dynamic.get_scale()
+    assert fresh.state_dict()["predictive_margin_log2"] == _predictive.INITIAL_MARGIN_LOG2
+    assert "reset ['predictive_margin_log2'" in caplog.text
+
+
+def test_a_checkpoint_with_a_bad_predictive_value_is_refused_before_the_model_changes(
+    tmp_path,
+) -> None:
+    from dscale.checkpoint import CheckpointError, CheckpointManager
+
+    model = _mlp(8)
+    scaler = dscale.GradScaler("cpu", policy="predictive")
+    _trained(scaler, range(2), model)
+    good = scaler.state_dict()
+    scaler.state_dict = lambda: {**good, "predictive_margin_log2": 99}  # type: ignore[method-assign]
+    CheckpointManager(tmp_path).save(2, model=model, scaler=scaler)
+
+    target, resumed = _mlp(8), dscale.GradScaler("cpu", policy="predictive")
+    with torch.no_grad():
+        for p in target.parameters():
+            p.add_(1.0)  # differs from the saved model: a load that went ahead would show
+    before = [p.detach().clone() for p in target.parameters()]
+    state_before = resumed.state_dict()
+    with pytest.raises(CheckpointError, match="predictive_margin_log2"):
+        CheckpointManager(tmp_path).resume("auto", model=target, scaler=resumed)
+    assert all(torch.equal(p, q) for p, q in zip(target.parameters(), before, strict=True))
+    assert resumed.state_dict() == state_before

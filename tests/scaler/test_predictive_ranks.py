@@ -1,0 +1,111 @@
+"""policy="predictive" on 2 gloo ranks: every rank sets the same scale, from the MAX over ranks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tests.multirank import run_ranks
+from tests.scaler._setup import batch, full_params, tiny_model, wrap
+
+
+def _local_max(model: torch.nn.Module, scale: float) -> float:
+    largest = 0.0
+    for p in model.parameters():
+        grad = p.grad._local_tensor if hasattr(p.grad, "_local_tensor") else p.grad
+        if grad is not None and grad.numel():
+            largest = max(largest, (grad.abs().max() / scale).item())
+    return largest
+
+
+def _train(
+    rank: int, parallel: str | None, *, attach: bool, reduce: bool, steps: int = 5
+) -> dict[str, Any]:
+    import dscale
+    import dscale._agreement as agreement
+    from dscale import _predictive
+
+    model = tiny_model()
+    if parallel is not None:
+        model = wrap(model, parallel)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = dscale.GradScaler("cpu", policy="predictive", growth_interval=2)
+    if attach:
+        scaler.attach(model)
+    real = agreement.all_reduce_flag
+    sizes: list[int] = []
+
+    def counting(values: torch.Tensor, group: Any) -> Any:
+        sizes.append(values.numel())
+        return real(values, group) if reduce else None
+
+    agreement.all_reduce_flag = counting
+    scales, expected = [], []
+    try:
+        for step in range(steps):
+            opt.zero_grad()
+            # Rank 1's loss is 16x rank 0's: without DDP its grads are 16x larger.
+            loss = model(batch(rank, step)).square().mean() * (16.0 if rank == 1 else 1.0)
+            scale = scaler.get_scale()
+            scaler.scale(loss).backward()
+            # The oracle, with the test's own collective (not counted): the target from the
+            # largest magnitude over both ranks, from the grads as the step sees them.
+            local = [0.0] if attach else [_local_max(model, scale)]
+            both = [None, None]
+            dist.all_gather_object(both, local[0])
+            margin = scaler.snapshot()["margin_log2"]
+            expected.append(2.0 ** _predictive.target_log2(max(both), margin))
+            scaler.step(opt)
+            scaler.update()
+            scales.append(scaler.get_scale())
+    finally:
+        agreement.all_reduce_flag = real
+    return {
+        "scales": scales,
+        "targets": expected,
+        "sizes": sizes,
+        "measured": scaler.snapshot()["grad_max_abs"],
+        "params": full_params(model, parallel or "none"),
+    }
+
+
+def _scenarios(rank: int, world_size: int) -> dict[str, Any]:
+    return {
+        "plain": _train(rank, None, attach=False, reduce=True),
+        "plain/no-reduce": _train(rank, None, attach=False, reduce=False),
+        "ddp": _train(rank, "ddp", attach=False, reduce=True),
+        "ddp/attach": _train(rank, "ddp", attach=True, reduce=True),
+        "fsdp2/attach": _train(rank, "fsdp2", attach=True, reduce=True),
+    }
+
+
+def test_every_rank_sets_the_same_scale_from_the_largest_magnitude_over_ranks() -> None:
+    out = run_ranks(_scenarios, timeout_s=120.0)
+    r0, r1 = out[0], out[1]
+
+    # Different grads per rank (no DDP): one collective per step, the 5-field vector, and both
+    # ranks move to the scale the oracle computes from the max over ranks.
+    a, b = r0["plain"], r1["plain"]
+    assert a["sizes"] == b["sizes"] == [5] * 5
+    assert a["scales"] == b["scales"]
+    assert a["targets"] == b["targets"]
+    assert a["scales"][0] == a["targets"][0]  # the first measured step jumps to the target
+    assert a["measured"] == b["measured"] > 0
+
+    # Negative control: without the all-reduce, rank 1 (16x larger grads) picks a lower scale.
+    c, d = r0["plain/no-reduce"], r1["plain/no-reduce"]
+    assert c["scales"][0] == 16 * d["scales"][0]
+
+    # DDP, with and without attach(): the hook measures the reduced bucket, the same values.
+    e, f = r0["ddp"], r1["ddp"]
+    g, h = r0["ddp/attach"], r1["ddp/attach"]
+    assert e["scales"] == f["scales"] == g["scales"] == h["scales"]
+    assert e["scales"][0] == e["targets"][0]
+    assert torch.equal(e["params"], g["params"])
+    assert g["sizes"] == []  # DDP's own reduction made the vector global: no scaler collective
+    # FSDP2 with attach(): the reduce-scatter output is measured in the hook; ranks agree.
+    i, j = r0["fsdp2/attach"], r1["fsdp2/attach"]
+    assert i["sizes"] == j["sizes"] == [5] * 5
+    assert i["scales"] == j["scales"] == e["scales"]
