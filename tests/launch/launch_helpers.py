@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from tests.ports import free_port, free_port_pair  # noqa: F401 - re-exported for tests
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "configs"
@@ -102,29 +103,6 @@ def skipped_in_metrics_log(run_dir: Path, rank: int) -> list[int]:
     lines = (run_dir / "metrics" / f"rank{rank}.jsonl").read_text().splitlines()
     rows = [json.loads(line) for line in lines if line.strip()]
     return sorted({r["step"] for r in rows if r["skipped"]})
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def free_port_pair() -> int:
-    """A base port whose next port was free too, for 2 local ranks' exporters."""
-    for _ in range(50):
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            base = a.getsockname()[1]
-            if base >= 65535:
-                continue
-            with socket.socket() as b:
-                try:
-                    b.bind(("127.0.0.1", base + 1))
-                except OSError:
-                    continue
-        return int(base)
-    raise RuntimeError("no two adjacent free ports on 127.0.0.1")
 
 
 def leftover_workers(run_dir: Path) -> list[str]:

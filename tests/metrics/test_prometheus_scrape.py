@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,33 +17,11 @@ import pytest
 import yaml
 
 from tests.deploy._tools import DEPLOY, PROMETHEUS_DIR, ROOT
+from tests.ports import free_port, free_port_pair
 from tests.tools import require_tool
 
 DEADLINE_S = 240.0
 POLL_S = 0.5  # poll interval of the HTTP API while waiting for state; not a synchronisation
-
-
-def _free_port_pair() -> int:
-    """A port p with p and p + 1 free on 127.0.0.1 a moment ago (one per local rank)."""
-    for _ in range(50):
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            port = a.getsockname()[1]
-            if port >= 65535:
-                continue
-            with socket.socket() as b:
-                try:
-                    b.bind(("127.0.0.1", port + 1))
-                except OSError:
-                    continue
-                return int(port)
-    raise RuntimeError("no two consecutive free ports on 127.0.0.1")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _prometheus_config(tmp: Path, base_port: int, discovery: str) -> Path:
@@ -140,7 +117,7 @@ def test_prometheus_scrapes_both_ranks_final_scale_and_grafana_queries_parse(
     tmp_path, discovery: str
 ) -> None:
     prometheus = require_tool("prometheus")
-    base_port, prom_port = _free_port_pair(), _free_port()
+    base_port, prom_port = free_port_pair(), free_port()
     out = tmp_path / "run"
     out.mkdir()
     procs: dict[str, subprocess.Popen] = {}
