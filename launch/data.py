@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from dscale.bench._scaling_models import batches
+
 Batches = Callable[[int], torch.Tensor]
 
 
@@ -24,20 +26,11 @@ def _generator(seed: int, rank: int, step: int) -> torch.Generator:
 def synthetic_batches(
     seed: int, rank: int, seq_len: int, batch_size: int, noise: float, vocab_size: int
 ) -> Batches:
-    """Sequences that follow ``next = (7 * prev + 3) % vocab`` except for ``noise`` of the bytes."""
+    """Sequences that follow ``next = (7 * prev + 3) % vocab`` except for ``noise`` of the bytes.
 
-    def batch(step: int) -> torch.Tensor:
-        g = _generator(seed, rank, step)
-        tokens = torch.empty(batch_size, seq_len + 1, dtype=torch.long)
-        tokens[:, 0] = torch.randint(vocab_size, (batch_size,), generator=g)
-        random = torch.randint(vocab_size, (batch_size, seq_len + 1), generator=g)
-        flip = torch.rand(batch_size, seq_len + 1, generator=g) < noise
-        for t in range(1, seq_len + 1):
-            rule = (7 * tokens[:, t - 1] + 3) % vocab_size
-            tokens[:, t] = torch.where(flip[:, t], random[:, t], rule)
-        return tokens
-
-    return batch
+    The library's (``dscale.bench``), so the scaling benchmark trains on the same data.
+    """
+    return batches(seed, seq_len, batch_size, noise, vocab_size, rank=rank)
 
 
 def text_batches(seed: int, rank: int, seq_len: int, batch_size: int, path: str) -> Batches:

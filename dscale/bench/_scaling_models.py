@@ -1,9 +1,8 @@
 """The models and data of ``python -m dscale.bench scaling``.
 
-``MLP`` and ``GPT`` are the launcher's models (``launch/models.py``), rebuilt here because the
-library must not import ``launch`` (the launcher depends on the library, not the reverse);
-``tests/test_bench_scaling.py`` holds them to the same parameters and outputs. ``batches`` is the
-launcher's synthetic data (``launch/data.py``).
+``MLP``, ``GPT`` and ``batches`` are also the launcher's demo models and synthetic data:
+``launch/models.py`` and ``launch/data.py`` import them from here, because the launcher depends on
+the library and not the reverse, so the benchmark trains exactly what ``make run`` trains.
 
 ``WideRange`` is built to have a wide and shifting gradient range: residual branches scaled by
 fixed gains of 1, 2**-10 and 2**-20 (fixed residual scaling, as SkipInit and DeepNet use; 2**-20
@@ -22,7 +21,7 @@ from torch import nn
 
 
 class MLP(nn.Module):
-    """Embedding, ``n_layers`` hidden layers, logits (launch.models.MLP)."""
+    """Embedding, ``n_layers`` hidden layers, logits: a bigram model with a little depth."""
 
     def __init__(self, vocab_size: int, d_model: int, hidden: int, n_layers: int) -> None:
         super().__init__()
@@ -35,6 +34,10 @@ class MLP(nn.Module):
         self.layers = nn.ModuleList([nn.Sequential(*layers)])
         self.head = nn.Linear(width, vocab_size)
 
+    def blocks(self) -> list[nn.Module]:
+        """The units FSDP2 shards."""
+        return list(self.layers)
+
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens)
         for layer in self.layers:
@@ -44,7 +47,7 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block: causal self-attention, then a 4x MLP (launch.models.Block)."""
+    """Pre-norm transformer block: causal self-attention, then a 4x MLP."""
 
     def __init__(self, d_model: int, n_heads: int) -> None:
         super().__init__()
@@ -63,7 +66,7 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """Token and position embeddings, blocks, final norm, logits (launch.models.GPT)."""
+    """Token and position embeddings, ``n_layers`` blocks, final norm, logits."""
 
     def __init__(
         self, vocab_size: int, d_model: int, n_layers: int, n_heads: int, seq_len: int
@@ -74,6 +77,10 @@ class GPT(nn.Module):
         self.layers = nn.ModuleList([Block(d_model, n_heads) for _ in range(n_layers)])
         self.norm = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab_size)
+
+    def blocks(self) -> list[nn.Module]:
+        """The units FSDP2 shards."""
+        return list(self.layers)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         t = tokens.shape[1]
@@ -134,13 +141,22 @@ def build(model: str, seq_len: int) -> nn.Module:
 
 
 def batches(
-    seed: int, seq_len: int, batch_size: int, noise: float = 0.1, vocab_size: int = 256
+    seed: int,
+    seq_len: int,
+    batch_size: int,
+    noise: float = 0.1,
+    vocab_size: int = 256,
+    *,
+    rank: int = 0,
 ) -> Callable[[int], torch.Tensor]:
-    """launch.data.synthetic_batches for rank 0: ``next = (7 * prev + 3) % vocab`` plus noise."""
+    """Sequences that follow ``next = (7 * prev + 3) % vocab`` except for ``noise`` of the bytes.
+
+    A batch is a pure function of (seed, rank, step), so a resumed run sees the same batches.
+    """
 
     def batch(step: int) -> torch.Tensor:
         g = torch.Generator()
-        g.manual_seed(seed * 1_000_003 + step)
+        g.manual_seed(seed * 1_000_003 + rank * 10_007 + step)
         tokens = torch.empty(batch_size, seq_len + 1, dtype=torch.long)
         tokens[:, 0] = torch.randint(vocab_size, (batch_size,), generator=g)
         random = torch.randint(vocab_size, (batch_size, seq_len + 1), generator=g)
