@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -53,6 +54,31 @@ def scaler_for(scaler: GradScaler | None, precision: str, where: str) -> GradSca
         )
     check_scaler(scaler, where)  # a disabled one is said once and kept: it passes through
     return scaler
+
+
+def init_fsdp_precision(plugin: Any, scaler: GradScaler | None, precision: str, where: str) -> None:
+    """Set up an FSDPPrecision plugin (Trainer's or Fabric's) as Lightning's ``__init__`` would.
+
+    Lightning 2.6's own ``__init__`` raises for any scaler, so it is not called; this keeps the
+    scaler and autocasts on the scaler's device (Lightning's is "cuda" only).
+    """
+    if precision not in FSDP_INPUT_DTYPES:
+        raise ValueError(
+            f"precision={precision!r} is not an FSDP precision; use one of "
+            f"{sorted(FSDP_INPUT_DTYPES)}"
+        )
+    plugin.scaler = scaler_for(scaler, precision, where)
+    plugin.precision = precision
+    plugin._desired_input_dtype = FSDP_INPUT_DTYPES[precision]
+    plugin._autocast_device = scaler._device if scaler is not None else "cuda"
+
+
+def mixed_autocast(plugin: Any) -> AbstractContextManager[Any] | None:
+    """fp16 or bf16 autocast on the plugin's device for a "mixed" precision; None otherwise."""
+    if "mixed" not in plugin.precision:
+        return None
+    dtype = torch.bfloat16 if plugin.precision == "bf16-mixed" else torch.float16
+    return torch.autocast(plugin._autocast_device, dtype=dtype)
 
 
 def unscale_if_scaled(scaler: Any, optimizer: Any) -> None:

@@ -30,8 +30,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 from dscale.integrations._lightning_common import (
-    FSDP_INPUT_DTYPES,
     MasterWeights,
+    init_fsdp_precision,
+    mixed_autocast,
     require_lightning,
     scaler_for,
     unscale_if_scaled,
@@ -87,23 +88,11 @@ class FSDPPrecision(_FSDPPrecision):  # type: ignore[misc]
             "16-mixed"
         ),
     ) -> None:
-        if precision not in FSDP_INPUT_DTYPES:
-            raise ValueError(
-                f"precision={precision!r} is not an FSDP precision; use one of "
-                f"{sorted(FSDP_INPUT_DTYPES)}"
-            )
-        self.scaler = scaler_for(  # type: ignore[assignment]
-            scaler, precision, "dscale.integrations.fabric.FSDPPrecision"
-        )
-        self.precision = precision
-        self._desired_input_dtype = FSDP_INPUT_DTYPES[precision]
-        self._autocast_device = scaler._device if scaler is not None else "cuda"
+        init_fsdp_precision(self, scaler, precision, "dscale.integrations.fabric.FSDPPrecision")
 
     def forward_context(self) -> AbstractContextManager[Any]:
-        if "mixed" in self.precision:
-            dtype = torch.bfloat16 if self.precision == "bf16-mixed" else torch.float16
-            return torch.autocast(self._autocast_device, dtype=dtype)
-        return super().forward_context()  # type: ignore[no-any-return]
+        autocast = mixed_autocast(self)
+        return autocast if autocast is not None else super().forward_context()
 
     def unscale_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         unscale_if_scaled(self.scaler, optimizer)

@@ -22,8 +22,9 @@ from contextlib import AbstractContextManager
 from typing import Any, Literal
 
 from dscale.integrations._lightning_common import (
-    FSDP_INPUT_DTYPES,
     MasterWeights,
+    init_fsdp_precision,
+    mixed_autocast,
     require_lightning,
     scaler_for,
     unscale_if_scaled,
@@ -134,27 +135,15 @@ class FSDPPrecision(_FSDPPrecision):  # type: ignore[misc]
             "16-mixed"
         ),
     ) -> None:
-        if precision not in FSDP_INPUT_DTYPES:
-            raise ValueError(
-                f"precision={precision!r} is not an FSDP precision; use one of "
-                f"{sorted(FSDP_INPUT_DTYPES)}"
-            )
-        self.scaler = scaler_for(  # type: ignore[assignment]
-            scaler, precision, "dscale.integrations.lightning.FSDPPrecision"
-        )
-        self.precision = precision
-        self._desired_input_dtype = FSDP_INPUT_DTYPES[precision]
-        self._autocast_device = scaler._device if scaler is not None else "cuda"
+        init_fsdp_precision(self, scaler, precision, "dscale.integrations.lightning.FSDPPrecision")
 
     def connect(self, model: Any, optimizers: list[Any], lr_schedulers: list[Any]) -> Any:
         hold_on_skipped_steps(lr_schedulers, _scaler_skipped(self.scaler))
         return super().connect(model, optimizers, lr_schedulers)
 
     def forward_context(self) -> AbstractContextManager[Any]:
-        if "mixed" in self.precision:
-            dtype = torch.bfloat16 if self.precision == "bf16-mixed" else torch.float16
-            return torch.autocast(self._autocast_device, dtype=dtype)
-        return super().forward_context()  # type: ignore[no-any-return]
+        autocast = mixed_autocast(self)
+        return autocast if autocast is not None else super().forward_context()
 
 
 class MasterWeightsPrecision(_HalfPrecision):  # type: ignore[misc]
