@@ -19,6 +19,8 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
+from dscale._unscale import copy_to
+
 #: The agreement vector's fields, in order.
 FIELDS = ("overflow", "scale", "neg_scale", "grad_max_abs", "underflow")
 OVERFLOW, SCALE, NEG_SCALE, GRAD_MAX_ABS, UNDERFLOW = range(len(FIELDS))
@@ -42,6 +44,24 @@ def agreement_vector(
     scale = scale.reshape(()).float()
     vector = torch.stack([flag.reshape(()).float(), scale, -scale])
     return vector if measured is None else torch.cat([vector, measured.float().reshape(2)])
+
+
+def blank_vector(
+    scale: torch.Tensor,
+    host_scale: float | None,
+    device: torch.device,
+    measured: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """This rank's vector with the overflow field 0, for the check to write its flag into.
+
+    ``host_scale`` is the scale's value when the host knows it: on the CPU the vector is then
+    made from Python numbers in one call instead of a few tensor ops.
+    """
+    if host_scale is not None and device.type == "cpu":
+        vector = torch.tensor([0.0, host_scale, -host_scale], dtype=torch.float32)
+        return vector if measured is None else torch.cat([vector, measured.float().reshape(2)])
+    zero = torch.zeros((), dtype=torch.float32, device=device)
+    return agreement_vector(zero, copy_to(scale, device), measured)
 
 
 def scale_range(agreed: torch.Tensor) -> ScaleRange:

@@ -134,11 +134,13 @@ class ScaleState:
     def update(
         self,
         policy: _policy.ScalePolicy,
-        found_inf: torch.Tensor,
+        found_inf: torch.Tensor | None,
         found: bool | None,
         predictive: PredictiveScaling | None = None,
     ) -> None:
         """Apply one iteration: on the host when ``found`` is known there, else on the device.
+
+        ``found_inf`` (the agreed flag as a tensor) is needed for the device path only.
 
         ``predictive`` (policy="predictive", ``dscale._predictive``) adjusts the dynamic rule's
         result in the same place, before anyone can read it.
@@ -154,6 +156,7 @@ class ScaleState:
             self.host = new
             return
         self._flush()
+        assert found_inf is not None  # noqa: S101 - GradScaler passes it for this path
         assert self.scale is not None and self.counters is not None  # noqa: S101
         assert self.growth_tracker is not None and self.hysteresis_tracker is not None  # noqa: S101
         before = None if predictive is None else predictive.before_(self.scale, self.counters)

@@ -8,7 +8,8 @@ the global value non-finite too. Agreement across ranks is the job of ``_agreeme
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Sequence
+from typing import cast
 
 import torch
 
@@ -34,6 +35,15 @@ def optimizer_grads(
 
     ``skip`` holds ids of parameters whose grads were already handled (the DDP hook).
     """
+    if not skip:  # the common case, in one pass at C speed per element (no call per grad)
+        grads = [
+            grad
+            for group in optimizer.param_groups
+            for param in group["params"]
+            if (grad := param.grad) is not None
+        ]
+        if all(type(grad) is torch.Tensor and not grad.is_sparse for grad in grads):
+            return grads
     out: list[torch.Tensor] = []
     for group in optimizer.param_groups:
         for param in group["params"]:
@@ -52,40 +62,32 @@ def optimizer_grads(
     return out
 
 
-def group_by_device_and_dtype(grads: Iterable[torch.Tensor]) -> GradGroups:
-    """Split ``grads`` into lists that one fused kernel call can take."""
-    groups: GradGroups = defaultdict(lambda: defaultdict(list))
-    for grad in grads:
-        groups[grad.device][grad.dtype].append(grad)
+def group_by_device_and_dtype(grads: Sequence[torch.Tensor]) -> GradGroups:
+    """Split ``grads`` into lists that one fused kernel call can take (torch's own grouping)."""
+    groups: GradGroups = defaultdict(dict)
+    if not grads:
+        return groups
+    grouped = torch._C._group_tensors_by_device_and_dtype([list(grads)], False)
+    for (device, dtype), (tensors, _) in grouped.items():
+        groups[device][dtype] = cast(list[torch.Tensor], tensors[0])  # no None went in
     return groups
 
 
-def check_and_unscale_(
-    groups: GradGroups, inv_scale: torch.Tensor, flag_device: torch.device
-) -> torch.Tensor:
-    """Multiply every grad by ``inv_scale`` and return a one-element flag (> 0: inf/NaN found).
+def check_and_unscale_(groups: GradGroups, inv_scale: torch.Tensor, found: torch.Tensor) -> None:
+    """Multiply every grad by ``inv_scale``; make ``found`` (one element, zeroed) > 0 on inf/NaN.
 
     One ``_amp_foreach_non_finite_check_and_unscale_`` call per (device, dtype): a single
-    read-and-write pass in fp32 math, fp16 grads included. The returned flag lives on
-    ``flag_device``; per-device flags are added there without a host sync (CPU->GPU copies are
+    read-and-write pass in fp32 math, fp16 grads included. Grads on ``found``'s device write it
+    directly; another device's flag is added to it without a host sync (CPU->GPU copies are
     non-blocking, a GPU->CPU copy only happens when the backend can only reduce on the CPU).
     """
-    per_device: list[torch.Tensor] = []
     for device, per_dtype in groups.items():
-        found = torch.zeros((), dtype=torch.float32, device=device)
+        here = found if device == found.device else torch.zeros((), device=device)
         scale_here = copy_to(inv_scale, device)  # a CPU kernel reads it at once (CPU offload)
         for grads in per_dtype.values():
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, scale_here)
-        per_device.append(found)
-    return combine_flags(per_device, flag_device)
-
-
-def combine_flags(flags: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """Sum per-device flags onto ``device`` (a fresh zero flag when this rank holds no grads)."""
-    total = torch.zeros((), dtype=torch.float32, device=device)
-    for flag in flags:
-        total += copy_to(flag, device)
-    return total
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, here, scale_here)
+        if here is not found:
+            found += copy_to(here, found.device)
 
 
 def copy_to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -104,7 +104,8 @@ class GradScaler(TorchGradScalerSurface):
         stuck_patience: skipped steps in a row at ``min_scale`` before ``on_stuck_at_min`` acts.
         sync_free: skip on the device (the update is undone where the flag is set) instead of
             deciding on the host; no host sync for any optimizer, at the cost of a copy of the
-            parameters and optimizer state per step.
+            parameters and optimizer state per step. On the CPU, where reading the flag costs
+            nothing, steps are skipped on the host instead.
         policy: "dynamic" (torch's rule: search for the scale by overflowing) or "predictive"
             (set it from the measured gradient range; see ``dscale._predictive``). A predictive
             scaler's first step runs at ``min(init_scale, 1.0)`` to measure, then jumps.
@@ -188,8 +189,14 @@ class GradScaler(TorchGradScalerSurface):
         self._observers: list[GradObserver] = []
         self._updates_since_stuck_check = 0
         self._hooks = ReductionHooks()
-        self._scale_range: _agreement.ScaleRange | None = None
+        # The last update()'s scale range, or the agreed vector it is read from on request.
+        self._scale_range: _agreement.ScaleRange | torch.Tensor | None = None
         self._scale_calls = 0
+        # Decide fused and sync_free steps on the host when the agreed flag is in host memory.
+        # Tests turn it off to run the device-side decision (the CUDA path) on the CPU.
+        self._read_host_flags = True
+        self._inv_scale: tuple[float, torch.Tensor] | None = None  # (scale, 1/scale)
+        self._one: torch.Tensor | None = None
 
     # ----------------------------------------------------------------- device state
     def _scale_on(self, device: torch.device) -> torch.Tensor:
@@ -285,20 +292,41 @@ class GradScaler(TorchGradScalerSurface):
             observer.on_grads(optimizer, grads, scale)
         if self._predictive is not None:  # policy="predictive": measure before the unscale
             self._predictive.measure.add(grads, scale, scale)
-        # The reciprocal in fp64, as torch does: fp32 division can be imprecise.
-        inv_scale = scale.double().reciprocal().float() if unscale else torch.ones_like(scale)
+        inv_scale = self._unscale_factor(scale) if unscale else self._unit(scale)
         if report.is_global:
             group = None  # DDP's own all-reduce over a group covering ours made the flag global
         device = scale.device if group is None else _dist.flag_device(group, scale.device)
+        host = self._book.host
         with torch.no_grad():
-            flag = check_and_unscale_(group_by_device_and_dtype(grads), inv_scale, device)
+            state.agreed = _agreement.blank_vector(
+                scale, None if host is None else host.scale, device, self._measured(device)
+            )
+            flag = state.agreed[_agreement.OVERFLOW]  # a view: the check writes the flag into it
+            check_and_unscale_(group_by_device_and_dtype(grads), inv_scale, flag)
             if report.flag is not None:
                 flag += copy_to(report.flag, device)
-            measured = self._measured(device)
-            state.agreed = _agreement.agreement_vector(flag, copy_to(scale, device), measured)
         state.over_group = group is not None
         state.work = None if group is None else _agreement.all_reduce_flag(state.agreed, group)
         return unscale
+
+    def _unscale_factor(self, scale: torch.Tensor) -> torch.Tensor:
+        """1/scale as a tensor, made once per scale value while the host knows the scale."""
+        host = self._book.host
+        if host is None:  # the reciprocal in fp64, as torch does: fp32 division can be imprecise
+            return scale.double().reciprocal().float()
+        cached = self._inv_scale
+        if cached is None or cached[0] != host.scale or cached[1].device != scale.device:
+            # The same fp64 reciprocal rounded once to fp32 (inf for a scale that underflowed).
+            inverse = _policy.f32(1.0 / host.scale) if host.scale else math.inf
+            cached = (host.scale, torch.full((), inverse, device=scale.device))
+            self._inv_scale = cached
+        return cached[1]
+
+    def _unit(self, scale: torch.Tensor) -> torch.Tensor:
+        """A 1.0 to check without unscaling (fused optimizers unscale in their own kernel)."""
+        if self._one is None or self._one.device != scale.device:
+            self._one = torch.ones_like(scale)
+        return self._one
 
     def _measured(self, device: torch.device) -> torch.Tensor | None:
         """policy="predictive": this rank's measurement for its agreement vector; else None."""
@@ -338,12 +366,23 @@ class GradScaler(TorchGradScalerSurface):
     def _agreed_flag(self, state: _OptimizerState) -> torch.Tensor:
         return self._agreed(state)[_agreement.OVERFLOW]
 
+    def _decide_on_host(self, state: _OptimizerState) -> bool:
+        """Read the agreed vector on the host (one sync on GPU): whether the step is applied.
+
+        The whole (small) vector comes in that one copy: policy="predictive" uses its
+        measurement, and the scale range is then known on the host too.
+        """
+        state.host_agreed = self._agreed(state).tolist()
+        state.applied = not state.host_agreed[_agreement.OVERFLOW] > 0
+        return state.applied
+
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """Unscale (unless done), agree across ranks, then step unless some rank overflowed.
 
         Returns the optimizer's return value, or None when the step was skipped. With a plain or
         foreach optimizer the skip decision reads the agreed flag (one host sync, as torch); fused
-        optimizers (``_step_supports_amp_scaling``) and ``sync_free=True`` decide on the device.
+        optimizers (``_step_supports_amp_scaling``) and ``sync_free=True`` decide on the device,
+        except on the CPU, where the flag is in host memory already and is read there for free.
         """
         if not self._enabled:
             return optimizer.step(*args, **kwargs)
@@ -360,9 +399,13 @@ class GradScaler(TorchGradScalerSurface):
         was_unscaled = state.stage is _Stage.UNSCALED
         if state.stage is _Stage.READY:
             was_unscaled = self._check(optimizer, state, unscale=not fused)
-        flag = self._agreed_flag(state)
+        agreed = self._agreed(state)
+        # On the CPU the agreed flag is already in host memory: reading it costs nothing, and
+        # deciding on the host makes update() plain arithmetic instead of ~50 tiny tensor ops.
+        on_host = agreed.device.type == "cpu" and self._read_host_flags
 
         if fused:
+            flag = agreed[_agreement.OVERFLOW]
             scale = self._require_scale("step")
             optimizer.grad_scale = None if was_unscaled else scale  # type: ignore[attr-defined]
             optimizer.found_inf = flag  # type: ignore[attr-defined]
@@ -374,19 +417,15 @@ class GradScaler(TorchGradScalerSurface):
                 del optimizer.found_inf  # type: ignore[attr-defined]
             if fresh:
                 remove_state_created_by_skipped_step(optimizer, fresh, flag)
-            self._outcomes[id(optimizer)] = flag
-        elif self._sync_free:
+            self._outcomes[id(optimizer)] = self._decide_on_host(state) if on_host else flag
+        elif self._sync_free and not on_host:
+            flag = agreed[_agreement.OVERFLOW]
             retval = masked_step(optimizer, flag, lambda: optimizer.step(*args, **kwargs))
             self._outcomes[id(optimizer)] = flag
         else:
-            if self._predictive is None:
-                skipped = bool(flag.item() > 0)  # the host sync the skip decision needs
-            else:  # policy="predictive": the whole (small) vector, in that same one copy
-                state.host_agreed = self._agreed(state).tolist()
-                skipped = state.host_agreed[_agreement.OVERFLOW] > 0
-            retval = None if skipped else optimizer.step(*args, **kwargs)
-            state.applied = not skipped
-            self._outcomes[id(optimizer)] = not skipped
+            applied = self._decide_on_host(state)  # the host sync the skip decision needs
+            retval = optimizer.step(*args, **kwargs) if applied else None
+            self._outcomes[id(optimizer)] = applied
         state.stage = _Stage.STEPPED
         self._last_stepped = id(optimizer)
         for callback in self._callbacks:
@@ -416,11 +455,12 @@ class GradScaler(TorchGradScalerSurface):
                 "update() found no inf checks since the last update(): call "
                 "scaler.step(optimizer) (or scaler.unscale_(optimizer)) before scaler.update()"
             )
-        flags = [self._agreed_flag(s) for s in states]
-        found = flags[0] if len(flags) == 1 else torch.stack(flags).sum()
         self._scale_range = self._range_over_group(states)
         known = all(s.applied is not None for s in states)
         skipped = not all(s.applied for s in states) if known else None
+        # The flag as a tensor only where it is used: a device-side update, or observers.
+        on_device = not known or self._book.host is None
+        found = self._found(states) if on_device or self._observers else None
         if self._predictive is not None:  # policy="predictive": this iteration's measurement
             host_values = [s.host_agreed for s in states]
             on_host = None if any(v is None for v in host_values) else host_values
@@ -430,7 +470,12 @@ class GradScaler(TorchGradScalerSurface):
         self._hooks.reset()
         self._watch_for_collapse()
         for observer in self._observers:
-            observer.on_update(self, found)
+            observer.on_update(self, found)  # type: ignore[arg-type]
+
+    def _found(self, states: list[_OptimizerState]) -> torch.Tensor:
+        """The iteration's agreed flag on the scale's device (> 0: some step overflowed)."""
+        flags = [self._agreed_flag(s) for s in states]
+        return flags[0] if len(flags) == 1 else torch.stack(flags).sum()
 
     def _watch_for_collapse(self) -> None:
         """Act on a scale stuck at min_scale; after device-side updates, checks every N steps."""
@@ -457,11 +502,16 @@ class GradScaler(TorchGradScalerSurface):
             raise ScaleCollapsedError(message)
         logger.warning("%s", message)
 
-    def _range_over_group(self, states: list[_OptimizerState]) -> _agreement.ScaleRange | None:
-        """Min and max scale over the group from this iteration's collective, if one ran."""
+    def _range_over_group(
+        self, states: list[_OptimizerState]
+    ) -> _agreement.ScaleRange | torch.Tensor | None:
+        """Min and max scale over the group from this iteration's collective, if one ran.
+
+        After a collective: its agreed vector, turned into the range only when asked for.
+        """
         for state in states:
             if state.over_group:
-                return _agreement.scale_range(self._agreed(state))
+                return self._agreed(state)
         if self._process_group() is None:  # one process: its own scale is the whole range
             scale = self._require_scale("update")
             return _agreement.ScaleRange(scale, scale)
@@ -475,6 +525,8 @@ class GradScaler(TorchGradScalerSurface):
         update(), and after an iteration in which no scaler collective ran (a DDP model under
         ``attach()`` whose reduction already made the flag global).
         """
+        if isinstance(self._scale_range, torch.Tensor):
+            self._scale_range = _agreement.scale_range(self._scale_range)
         return self._scale_range
 
     # ----------------------------------------------------------------- was it applied?
@@ -629,11 +681,15 @@ class GradScaler(TorchGradScalerSurface):
         state["_outcomes"] = {}
         state["_last_stepped"] = None
         state["_scale_range"] = None
+        state["_inv_scale"] = None  # device tensors, made again on demand
+        state["_one"] = None
         # Hooks are registered on live models; a copy must attach() again.
         state["_hooks"] = ReductionHooks()
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        for name, default in (("_read_host_flags", True), ("_inv_scale", None), ("_one", None)):
+            state.setdefault(name, default)  # pickled before these existed
         self.__dict__.update(state)
 
 

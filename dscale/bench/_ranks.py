@@ -20,6 +20,7 @@ import json
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -112,6 +113,24 @@ def _fsdp_arms(width: int, depth: int, x: torch.Tensor) -> list[Arm]:
     return arms
 
 
+def _aligned(arms: list[Arm]) -> list[Arm]:
+    """Each arm starts on every rank at once: a barrier after its (untimed) prepare.
+
+    Without it, an arm with a collective absorbs the drift between the ranks that the arms
+    without one (the plain step, torch's scaler) let build up, and is charged for it.
+    """
+
+    def prepared(arm: Arm) -> Callable[[], None]:
+        def prepare() -> None:
+            if arm.prepare is not None:
+                arm.prepare()
+            dist.barrier()
+
+        return prepare
+
+    return [Arm(arm.name, arm.run, prepared(arm)) for arm in arms]
+
+
 def _slowest_rank(times: dict[str, list[float]]) -> dict[str, list[float]]:
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, times)
@@ -126,7 +145,7 @@ def _no_wrapper(cfg: dict[str, Any]) -> list[dict[str, Any]]:
         for impl in ("foreach", "fused"):
             grads = Grads(count, numel, cpu, seed=dist.get_rank())
             arms = step_arms(grads, "sgd", impl, cpu, NO_WRAPPER_ARMS)
-            times = _slowest_rank(run_interleaved(arms, cfg["reps"], cpu, WARMUP))
+            times = _slowest_rank(run_interleaved(_aligned(arms), cfg["reps"], cpu, WARMUP))
             summary = summarize(times, "plain")
             out.append(
                 {
@@ -149,7 +168,8 @@ def run_here(cfg: dict[str, Any]) -> dict[str, Any] | None:
     out["no_wrapper_steps"] = _no_wrapper(cfg)
     for name, build in (("ddp", _ddp_arms), ("fsdp2", _fsdp_arms)):
         arms = build(cfg["width"], cfg["depth"], x)
-        times = _slowest_rank(run_interleaved(arms, cfg["reps"], torch.device("cpu"), WARMUP))
+        timed = _aligned(arms)
+        times = _slowest_rank(run_interleaved(timed, cfg["reps"], torch.device("cpu"), WARMUP))
         after = {a.name: a.run.after_backward[WARMUP:] for a in arms}  # type: ignore[attr-defined]
         pairs = PEER_PAIRS + ((("dscale", "torch"),) if name == "ddp" else ())
         whole, after_backward = summarize(times, "plain"), summarize(_slowest_rank(after), "plain")

@@ -100,7 +100,8 @@ def unscale_pass(count: int, numel: int, reps: int, device: torch.device) -> dic
     inv = torch.full((), 1.0 / INIT_SCALE, device=device)
 
     def dscale_pass() -> None:
-        check_and_unscale_(group_by_device_and_dtype(grads.grads), inv, device)
+        found = torch.zeros((), device=device)
+        check_and_unscale_(group_by_device_and_dtype(grads.grads), inv, found)
 
     arms = [
         Arm("foreach_mul", lambda: torch._foreach_mul_(grads.grads, inv), grads.restore),

@@ -1,12 +1,15 @@
 """Interleaved timing of benchmark arms, and the summary statistics reported for them.
 
-Each repetition runs every arm once, starting at a rotating arm so that no arm always runs first
-(after a cache-cold gap) or last. An arm's ``prepare`` (restoring gradients) runs untimed right
+Each repetition runs every arm once, in a fresh random order (the same on every rank: seeded by the
+repetition), so that no arm always runs first, last, or right after the same other arm. A fixed
+rotation keeps each arm's predecessor: with large tensors the allocator and cache state an arm
+leaves behind then bill its successor, and an A/A pair came out 1.7x apart. An arm's ``prepare`` (restoring gradients) runs untimed right
 before its timed ``run``.
 """
 
 from __future__ import annotations
 
+import random
 import statistics
 import time
 from collections.abc import Callable
@@ -42,8 +45,9 @@ def run_interleaved(
     """Time every arm ``reps`` times, interleaved; returns seconds per arm (warm-up dropped)."""
     times: dict[str, list[float]] = {arm.name: [] for arm in arms}
     for rep in range(warmup + reps):
-        shift = rep % len(arms)
-        for arm in arms[shift:] + arms[:shift]:
+        order = list(arms)
+        random.Random(rep).shuffle(order)
+        for arm in order:
             if arm.prepare is not None:
                 arm.prepare()
             elapsed = time_once(arm.run, device)

@@ -8,6 +8,7 @@ from prometheus_client import CollectorRegistry
 
 import dscale
 from dscale.metrics import ScalerCollector
+from tests.scaler._setup import decide_on_device
 
 pytestmark = pytest.mark.filterwarnings("ignore:dscale.GradScaler. the loss's autograd graph")
 
@@ -26,6 +27,8 @@ def test_a_scrape_between_scale_and_backward_changes_nothing(sync_free) -> None:
     model = torch.nn.Linear(3, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = dscale.GradScaler("cpu", init_scale=8.0, growth_interval=1, sync_free=sync_free)
+    if sync_free:
+        decide_on_device(scaler)  # device-side state, as on a GPU
     registry = _collector(scaler)
     for step in range(4):
         opt.zero_grad()

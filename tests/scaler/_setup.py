@@ -67,3 +67,19 @@ def poison_first_grad(model: nn.Module) -> None:
 def batch(rank: int, step: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(1000 * step + rank)
     return torch.randn(4, 8, generator=g)
+
+
+def decide_on_device(scaler):
+    """Make a CPU scaler decide fused and sync_free steps on the device, as it does on a GPU.
+
+    On the CPU the agreed flag is in host memory, so the scaler reads it there and updates with
+    host arithmetic; tests of the device-side decision (the CUDA path) turn that off to run it.
+    """
+    scaler._read_host_flags = False
+    return scaler
+
+
+def decision_paths(fused: bool) -> list[tuple[bool, bool]]:
+    """(sync_free, on_device) pairs that exercise distinct code: the host decision, the fused
+    optimizer's device decision (fused only), and the masked sync_free step on the device."""
+    return [(False, False), *([(False, True)] if fused else []), (True, True)]

@@ -1,7 +1,8 @@
 """The differential matrix, single process: dscale against torch's own skipping path, bit for bit.
 
 Every optimizer in torch.optim, each implementation it has (for-loop, foreach, fused), with the
-options that change how state is created, under four skip patterns, with ``sync_free`` off and on.
+options that change how state is created, under four skip patterns, with ``sync_free`` off and on,
+and with the decision taken on the host (the CPU path) and on the device (the CUDA path).
 The reference is ``torch.amp.GradScaler`` with the same optimizer: a skipped step there is a step
 that never ran. One exception, stated: torch's fused kernels still create state on a skipped first
 step (fused SGD leaves its momentum buffer uninitialised), so a fused run whose first step is
@@ -22,6 +23,7 @@ import torch
 from torch import nn
 
 import dscale
+from tests.scaler._setup import decide_on_device, decision_paths
 
 pytestmark = pytest.mark.filterwarnings("ignore:dscale.GradScaler.*:UserWarning")
 
@@ -158,11 +160,13 @@ def test_dscale_equals_torch_skipping_for_every_implementation_option_and_skip_p
             skips,
             matrices_only=matrices,
         )
-        for sync_free in (False, True):
-            what = f"{name} {options} {impl} skip={pattern} sync_free={sync_free}"
+        for sync_free, on_device in decision_paths(impl == "fused"):
+            what = f"{name} {options} {impl} skip={pattern} sync_free={sync_free} {on_device=}"
             scaler = dscale.GradScaler(
                 "cpu", init_scale=2.0**8, growth_interval=2, sync_free=sync_free
             )
+            if on_device:
+                decide_on_device(scaler)
             try:
                 ours = _run(scaler, _make(name, options, impl), skips, matrices_only=matrices)
                 _assert_same(ours, ref, exact=not fused_first, what=what)
@@ -199,11 +203,12 @@ def test_sync_free_is_exact_for_an_optimizer_that_rebinds_its_state(pattern) -> 
     make = lambda p: _IntStepSGD(p, int_step=False)  # noqa: E731
     skips = SKIP_PATTERNS[pattern]
     ref = _run(torch.amp.GradScaler("cpu", init_scale=2.0**8), make, skips)
-    ours = _run(dscale.GradScaler("cpu", init_scale=2.0**8, sync_free=True), make, skips)
+    scaler = decide_on_device(dscale.GradScaler("cpu", init_scale=2.0**8, sync_free=True))
+    ours = _run(scaler, make, skips)
     _assert_same(ours, ref, exact=True, what=pattern)
 
 
 def test_sync_free_refuses_a_python_int_step_at_the_first_step() -> None:
-    scaler = dscale.GradScaler("cpu", sync_free=True)
+    scaler = decide_on_device(dscale.GradScaler("cpu", sync_free=True))
     with pytest.raises(ValueError, match=r"_IntStepSGD: its state 'step' is a Python int"):
         _run(scaler, lambda p: _IntStepSGD(p, int_step=True), ())

@@ -23,7 +23,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from tests.multirank import run_ranks
-from tests.scaler._setup import batch, full_params
+from tests.scaler._setup import batch, decide_on_device, decision_paths, full_params
 
 OPTIMIZERS = {
     "sgd-dampening-forloop": lambda p: torch.optim.SGD(
@@ -139,12 +139,14 @@ def _cases(topologies: list[str], rank: int, groups: list[Any]) -> dict[str, Any
         reference = dscale.GradScaler if topology == "fsdp2_ignored" else torch.amp.GradScaler
         ref_scaler = reference("cpu", init_scale=2.0**8, growth_interval=2)
         ref = _run(rank, topology, groups, make_opt, skips, scaler=ref_scaler, everywhere=True)
-        for sync_free in (False, True):
+        for sync_free, on_device in decision_paths("fused" in opt_name):
             scaler = dscale.GradScaler(
                 "cpu", init_scale=2.0**8, growth_interval=2, sync_free=sync_free
             )
+            if on_device:
+                decide_on_device(scaler)
             ours = _run(rank, topology, groups, make_opt, skips, scaler=scaler, everywhere=False)
-            key = f"{topology}/{opt_name}/skip={skip_name}/sync_free={sync_free}"
+            key = f"{topology}/{opt_name}/skip={skip_name}/sync_free={sync_free}/{on_device=}"
             out[key] = {
                 "params_equal": torch.equal(ours[0], ref[0]),
                 "state_equal": len(ours[1]) == len(ref[1])

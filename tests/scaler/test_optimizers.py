@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import dscale
+from tests.scaler._setup import decide_on_device
 
 pytestmark = pytest.mark.filterwarnings("ignore:dscale.GradScaler.*:UserWarning")
 
@@ -65,7 +66,8 @@ def test_fused_sgd_with_a_skipped_first_step_matches_foreach_sgd() -> None:
 def test_sync_free_steps_give_the_same_result_as_skipping(name) -> None:
     skip_model, _ = _train(dscale.GradScaler("cpu", init_scale=2.0**8), OPTIMIZERS[name])
     free_model, _ = _train(
-        dscale.GradScaler("cpu", init_scale=2.0**8, sync_free=True), OPTIMIZERS[name]
+        decide_on_device(dscale.GradScaler("cpu", init_scale=2.0**8, sync_free=True)),
+        OPTIMIZERS[name],
     )
     for p, q in zip(skip_model.parameters(), free_model.parameters()):
         assert torch.equal(p, q), name
@@ -96,38 +98,62 @@ def _count_host_reads(monkeypatch, scaler, opt_factory, *, warm_up: bool = True)
 
 
 def test_fused_and_sync_free_steps_read_nothing_back_from_the_device(monkeypatch) -> None:
-    fused = _count_host_reads(monkeypatch, dscale.GradScaler("cpu"), OPTIMIZERS["adam-fused"])
+    # The device-side decision (what a GPU runs), forced on the CPU.
+    def on_device(**kwargs):
+        return decide_on_device(dscale.GradScaler("cpu", **kwargs))
+
+    fused = _count_host_reads(monkeypatch, on_device(), OPTIMIZERS["adam-fused"])
     # SGD: Adam without capturable=True reads its own step counter on the host.
-    free = _count_host_reads(
-        monkeypatch, dscale.GradScaler("cpu", sync_free=True), OPTIMIZERS["sgd-momentum"]
-    )
-    plain = _count_host_reads(monkeypatch, dscale.GradScaler("cpu"), OPTIMIZERS["sgd-momentum"])
+    free = _count_host_reads(monkeypatch, on_device(sync_free=True), OPTIMIZERS["sgd-momentum"])
+    plain = _count_host_reads(monkeypatch, on_device(), OPTIMIZERS["sgd-momentum"])
     assert fused == []
     assert free == []
-    assert plain == ["item"]  # the skip decision, as torch's scaler makes it
+    assert plain == ["tolist"]  # the skip decision, as torch's scaler makes it (one copy)
     # policy="predictive": the measurement rides in the same reads (one copy of the vector).
     kwargs = {"policy": "predictive"}
-    fused = _count_host_reads(
-        monkeypatch, dscale.GradScaler("cpu", **kwargs), OPTIMIZERS["adam-fused"]
-    )
+    fused = _count_host_reads(monkeypatch, on_device(**kwargs), OPTIMIZERS["adam-fused"])
     free = _count_host_reads(
-        monkeypatch,
-        dscale.GradScaler("cpu", sync_free=True, **kwargs),
-        OPTIMIZERS["sgd-momentum"],
+        monkeypatch, on_device(sync_free=True, **kwargs), OPTIMIZERS["sgd-momentum"]
     )
-    plain = _count_host_reads(
-        monkeypatch, dscale.GradScaler("cpu", **kwargs), OPTIMIZERS["sgd-momentum"]
-    )
+    plain = _count_host_reads(monkeypatch, on_device(**kwargs), OPTIMIZERS["sgd-momentum"])
     assert (fused, free, plain) == ([], [], ["tolist"])
     # The step that creates optimizer state reads the flag once: state a skipped step created
     # must be removed (not zeroed) to equal skipping. Normally once per run.
     for policy in ("dynamic", "predictive"):
         for scaler, factory in (
-            (dscale.GradScaler("cpu", policy=policy), OPTIMIZERS["adam-fused"]),
-            (dscale.GradScaler("cpu", sync_free=True, policy=policy), OPTIMIZERS["sgd-momentum"]),
+            (on_device(policy=policy), OPTIMIZERS["adam-fused"]),
+            (on_device(sync_free=True, policy=policy), OPTIMIZERS["sgd-momentum"]),
         ):
             reads = _count_host_reads(monkeypatch, scaler, factory, warm_up=False)
             assert reads == ["item"], policy
+
+
+@pytest.mark.parametrize("policy", ["dynamic", "predictive"])
+def test_on_the_cpu_fused_and_sync_free_steps_decide_on_the_host(monkeypatch, policy) -> None:
+    # The flag is in host memory there: one read of the agreed vector, no masked step, and an
+    # update in host arithmetic (the scaler's host state stays the authority).
+    import dscale.scaler as scaler_module
+
+    for kwargs, factory in (({}, "adam-fused"), ({"sync_free": True}, "sgd-momentum")):
+        scaler = dscale.GradScaler("cpu", policy=policy, **kwargs)
+        masked: list[object] = []
+        monkeypatch.setattr(scaler_module, "masked_step", lambda *a, out=masked: out.append(a))
+        reads = _count_host_reads(monkeypatch, scaler, OPTIMIZERS[factory])
+        assert reads == ["tolist"], kwargs
+        assert masked == [], kwargs
+        assert scaler._book.host is not None, kwargs
+
+
+def test_host_and_device_decisions_give_identical_runs() -> None:
+    for kwargs, factory in (({}, "adam-fused"), ({"sync_free": True}, "sgd-momentum")):
+        host_scaler = dscale.GradScaler("cpu", init_scale=2.0**8, **kwargs)
+        host_model, _ = _train(host_scaler, OPTIMIZERS[factory])
+        device_scaler = decide_on_device(dscale.GradScaler("cpu", init_scale=2.0**8, **kwargs))
+        device_model, _ = _train(device_scaler, OPTIMIZERS[factory])
+        for p, q in zip(host_model.parameters(), device_model.parameters(), strict=True):
+            assert torch.equal(p, q), kwargs
+        assert host_scaler.state_dict() == device_scaler.state_dict(), kwargs
+        assert host_scaler.snapshot()["skipped_steps"] == len(POISON), kwargs
 
 
 def test_step_applied_after_a_fused_step_reads_the_agreed_flag_lazily() -> None:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import dscale
+from tests.scaler._setup import decide_on_device
 
 pytestmark = pytest.mark.filterwarnings("ignore:dscale.GradScaler.*:UserWarning")
 
@@ -106,8 +107,8 @@ def test_host_and_device_updates_follow_the_same_rule_exactly(kwargs) -> None:
     # Plain steps update on the host; sync_free steps update with device ops. Same trajectory.
     pattern = [int(i % 7 == 0 or i % 11 in (3, 4) or i % 23 > 20) for i in range(150)]
     host = dscale.GradScaler("cpu", init_scale=2.0**12, growth_interval=3, **kwargs)
-    device = dscale.GradScaler(
-        "cpu", init_scale=2.0**12, growth_interval=3, sync_free=True, **kwargs
+    device = decide_on_device(
+        dscale.GradScaler("cpu", init_scale=2.0**12, growth_interval=3, sync_free=True, **kwargs)
     )
     for overflow in pattern:
         _drive(host, [overflow])

@@ -16,6 +16,7 @@ import dscale
 from dscale import _policy, _predictive
 from dscale._policy import HostState, ScalePolicy
 from dscale._predictive import PredictiveHost
+from tests.scaler._setup import decide_on_device
 
 
 def _brute_force_target_log2(m: float, margin: int) -> int:
@@ -198,8 +199,13 @@ def test_plain_fused_and_sync_free_steps_follow_the_same_scale_trajectory() -> N
     kwargs = {"init_scale": 2.0**20, "policy": "predictive", "growth_interval": 3}
     poison = {3, 9}
     plain = _run(dscale.GradScaler("cpu", **kwargs), "sgd", 14, poison)
-    free = _run(dscale.GradScaler("cpu", sync_free=True, **kwargs), "sgd", 14, poison)
+    # The device-side decisions (the CUDA path), forced on the CPU.
+    free = _run(
+        decide_on_device(dscale.GradScaler("cpu", sync_free=True, **kwargs)), "sgd", 14, poison
+    )
     assert plain == free
+    fused = decide_on_device(dscale.GradScaler("cpu", **kwargs))
+    assert plain == _run(fused, "sgd-fused", 14, poison)
     assert plain == _run(dscale.GradScaler("cpu", **kwargs), "sgd-fused", 14, poison)
     assert len(set(plain)) > 3  # the scale moved: jumped, dropped for the x30 loss, backed off
 
