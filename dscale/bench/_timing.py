@@ -3,8 +3,8 @@
 Each repetition runs every arm once, in a fresh random order (the same on every rank: seeded by the
 repetition), so that no arm always runs first, last, or right after the same other arm. A fixed
 rotation keeps each arm's predecessor: with large tensors the allocator and cache state an arm
-leaves behind then bill its successor, and an A/A pair came out 1.7x apart. An arm's ``prepare`` (restoring gradients) runs untimed right
-before its timed ``run``.
+leaves behind then bill its successor, and an A/A pair came out 1.7x apart. An arm's ``prepare``
+(restoring gradients) runs untimed right before its timed ``run``.
 """
 
 from __future__ import annotations
