@@ -20,6 +20,10 @@ SCALERS = ("dscale", "torch", "sharded")
 # An arm named "<scaler>_aa" is a second, independent copy of that scaler: the A/A arm, whose
 # ratio to the first copy shows what plain noise does to a ratio in the same run.
 AA_SUFFIX = "_aa"
+# "<scaler>_unscaled" calls ``unscale_()`` before ``step()``. For ShardedGradScaler with a fused
+# optimizer this is what makes the ranks agree: its fused path skips the all-reduce (torch 2.13),
+# so one rank's inf is skipped on that rank only. With it, it makes dscale's one collective.
+UNSCALE_SUFFIX = "_unscaled"
 
 
 def make_optimizer(
@@ -38,7 +42,7 @@ def make_optimizer(
 
 def make_scaler(name: str, device: torch.device) -> Any:
     """A scaler by arm name with its scale already initialised (as the first scale() call does)."""
-    name = name.removesuffix(AA_SUFFIX)
+    name = name.removesuffix(AA_SUFFIX).removesuffix(UNSCALE_SUFFIX)
     if name == "dscale":
         scaler: Any = dscale.GradScaler(device.type, init_scale=INIT_SCALE)
     elif name == "torch":
@@ -53,10 +57,14 @@ def make_scaler(name: str, device: torch.device) -> Any:
     return scaler
 
 
-def scaler_step(scaler: Any, optimizer: torch.optim.Optimizer) -> Callable[[], None]:
-    """The timed body of a scaler arm: step + update."""
+def scaler_step(
+    scaler: Any, optimizer: torch.optim.Optimizer, *, unscale_first: bool = False
+) -> Callable[[], None]:
+    """The timed body of a scaler arm: step + update (after ``unscale_()`` if asked)."""
 
     def run() -> None:
+        if unscale_first:
+            scaler.unscale_(optimizer)
         scaler.step(optimizer)
         scaler.update()
 

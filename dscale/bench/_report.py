@@ -122,11 +122,19 @@ def render(result: dict[str, Any]) -> str:
     dist_result = result.get("distributed")
     if dist_result:
         ranks = f"{dist_result['world_size']} ranks gloo"
-        out += [
-            "",
-            f"{ranks}, precomputed grads, no wrapper: overhead of step + update (slowest rank)",
-            step_table([(_label(s), s) for s in dist_result["no_wrapper_steps"]]),
-        ]
+        for impl in ("foreach", "fused"):
+            rows = [(_label(s), s) for s in dist_result["no_wrapper_steps"] if s["impl"] == impl]
+            if rows:
+                out += [
+                    "",
+                    f"{ranks}, precomputed grads, no wrapper, {impl}: overhead of step + update "
+                    "(slowest rank)",
+                    step_table(rows),
+                ]
+        out.append(
+            "(fused: ShardedGradScaler makes no all-reduce and its ranks do not agree on a skip; "
+            "sharded_unscaled calls unscale_() first, which makes the same collective as dscale)"
+        )
         for mode in ("ddp", "fsdp2"):
             part = dist_result[mode]
             out += [

@@ -13,7 +13,13 @@ from typing import Any
 import torch
 
 from dscale._unscale import check_and_unscale_, group_by_device_and_dtype
-from dscale.bench._arms import INIT_SCALE, make_optimizer, make_scaler, scaler_step
+from dscale.bench._arms import (
+    INIT_SCALE,
+    UNSCALE_SUFFIX,
+    make_optimizer,
+    make_scaler,
+    scaler_step,
+)
 from dscale.bench._stats import compare, ratio_interval
 from dscale.bench._syncs import count_host_syncs
 from dscale.bench._timing import Arm, run_interleaved, summarize
@@ -52,7 +58,10 @@ def step_arms(
     arms = [Arm("plain", plain.step, grads.restore)]
     for name in scalers:
         opt = make_optimizer(grads.params, optimizer, impl)
-        arms.append(Arm(name, scaler_step(make_scaler(name, device), opt), grads.restore))
+        run = scaler_step(
+            make_scaler(name, device), opt, unscale_first=name.endswith(UNSCALE_SUFFIX)
+        )
+        arms.append(Arm(name, run, grads.restore))
     return arms
 
 
