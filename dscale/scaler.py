@@ -34,6 +34,8 @@ from dscale._warnings import warn_if_scaling_is_not_needed
 logger = logging.getLogger(__name__)
 
 StuckPolicy = Literal["raise", "warn"]
+# Grads that a fused optimizer's check may unscale in place without losing small values.
+_FULL_PRECISION = (torch.float32, torch.float64)
 
 
 class ScaleCollapsedError(RuntimeError):
@@ -265,7 +267,7 @@ class GradScaler(TorchGradScalerSurface):
         state.stage = _Stage.UNSCALED
 
     def _check(
-        self, optimizer: torch.optim.Optimizer, state: _OptimizerState, *, unscale: bool
+        self, optimizer: torch.optim.Optimizer, state: _OptimizerState, *, unscale: bool | None
     ) -> bool:
         """Grads -> observers -> flag -> agree; True when the grads are unscaled afterwards.
 
@@ -286,8 +288,14 @@ class GradScaler(TorchGradScalerSurface):
                 )
                 _agreement.all_reduce_flag(refusal, group).wait()
             raise
-        unscale = unscale or report.unscaled  # the pass must match what the hooks did
         grads = optimizer_grads(optimizer, set(report.covered))
+        groups = group_by_device_and_dtype(grads)
+        if unscale is None:  # a fused optimizer, which can unscale in its own kernel
+            # The check writes every grad anyway, so unscaling there is free, and spares the
+            # fused kernel its own division (an extra pass on the CPU). fp16/bf16 grads stay
+            # scaled: unscaled in their own storage, small values would flush to zero.
+            unscale = all(d in _FULL_PRECISION for per_dtype in groups.values() for d in per_dtype)
+        unscale = unscale or report.unscaled  # the pass must match what the hooks did
         for observer in self._observers:
             observer.on_grads(optimizer, grads, scale)
         if self._predictive is not None:  # policy="predictive": measure before the unscale
@@ -302,7 +310,7 @@ class GradScaler(TorchGradScalerSurface):
                 scale, None if host is None else host.scale, device, self._measured(device)
             )
             flag = state.agreed[_agreement.OVERFLOW]  # a view: the check writes the flag into it
-            check_and_unscale_(group_by_device_and_dtype(grads), inv_scale, flag)
+            check_and_unscale_(groups, inv_scale, flag)
             if report.flag is not None:
                 flag += copy_to(report.flag, device)
         state.over_group = group is not None
@@ -398,7 +406,7 @@ class GradScaler(TorchGradScalerSurface):
         fused = getattr(optimizer, "_step_supports_amp_scaling", False)
         was_unscaled = state.stage is _Stage.UNSCALED
         if state.stage is _Stage.READY:
-            was_unscaled = self._check(optimizer, state, unscale=not fused)
+            was_unscaled = self._check(optimizer, state, unscale=None if fused else True)
         agreed = self._agreed(state)
         # On the CPU the agreed flag is already in host memory: reading it costs nothing, and
         # deciding on the host makes update() plain arithmetic instead of ~50 tiny tensor ops.
