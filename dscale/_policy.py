@@ -55,6 +55,9 @@ def update_(
 
     ``found_inf`` is the agreed flag of the iteration (> 0: an optimizer overflowed on some rank).
     """
+    if _is_torch_rule(policy):
+        _torch_rule_update_(policy, scale, growth_tracker, hysteresis_tracker, counters, found_inf)
+        return
     found = found_inf.to(scale.device) > 0
     clean = ~found
 
@@ -94,6 +97,52 @@ def update_(
     scale.copy_(new_scale)
     growth_tracker.copy_(tracker)
     hysteresis_tracker.copy_(hyst)
+
+
+def _is_torch_rule(policy: ScalePolicy) -> bool:
+    """torch's own rule: no clamp, back off on every overflow (then torch's kernel applies)."""
+    return policy.min_scale is None and policy.max_scale is None and policy.hysteresis == 1
+
+
+def _torch_rule_update_(
+    policy: ScalePolicy,
+    scale: torch.Tensor,
+    growth_tracker: torch.Tensor,
+    hysteresis_tracker: torch.Tensor,
+    counters: torch.Tensor,
+    found_inf: torch.Tensor,
+) -> None:
+    """:func:`update_` for torch's rule in about 15 ops instead of 45 (a GPU launches each one).
+
+    The scale and growth tracker go through torch's own ``_amp_update_scale_`` kernel (the same
+    fp64 products rounded once to fp32); the counters and the hysteresis tracker follow from
+    the flag and whether the scale moved, so the state equals the general rule's exactly.
+    """
+    found_inf = found_inf.to(scale.device).float().reshape(())
+    found = found_inf > 0
+    before = scale.clone()
+    # torch grows at ==, dscale at >= (a growth_interval lowered mid-run): the same once clamped.
+    growth_tracker.clamp_(max=policy.growth_interval - 1)
+    torch._amp_update_scale_(
+        scale,
+        growth_tracker,
+        found_inf,
+        policy.growth_factor,
+        policy.backoff_factor,
+        policy.growth_interval,
+    )
+    hit = found.long()
+    one = torch.ones_like(hit)
+    # steps + 1, skipped + hit, in_a_row -> (in_a_row + 1) * hit, growths, backoffs.
+    keep = torch.stack([one, one, hit, one, one])
+    step = torch.stack([one, hit, hit, (scale > before).long(), (scale < before).long()])
+    counters.mul_(keep).add_(step)
+    # Hysteresis 1: emptied by an overflow, refilled by a clean step or (on_growth) a growth,
+    # which after a clean step is exactly when the growth tracker went back to 0.
+    refill = (
+        ~found if policy.hysteresis_refill == "on_clean_step" else ~found & (growth_tracker == 0)
+    )
+    hysteresis_tracker.copy_(torch.where(found, 0, torch.where(refill, 1, hysteresis_tracker)))
 
 
 _F32 = struct.Struct("f")

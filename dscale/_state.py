@@ -192,6 +192,13 @@ def from_state_dict(
         hysteresis_refill=s.get("hysteresis_refill", current.hysteresis_refill),
     )
     check_scale_args(init_scale=1.0, **asdict(policy), prefix="state_dict: ")
+    hysteresis_tracker = int(s.get("_hysteresis_tracker", policy.hysteresis))
+    if hysteresis_tracker > policy.hysteresis:  # the rule only ever refills it to hysteresis
+        raise ValueError(
+            f"state_dict: _hysteresis_tracker={hysteresis_tracker} exceeds "
+            f"hysteresis={policy.hysteresis}; a scaler never holds more tolerated overflows than "
+            "its hysteresis: fix the dict, or set hysteresis to at least the tracker"
+        )
     scale = float(s["scale"])
     clamped = min(max(scale, policy.min_scale or scale), policy.max_scale or scale)
     if clamped != scale:
@@ -201,7 +208,7 @@ def from_state_dict(
     host = HostState(
         f32(clamped),
         int(s["_growth_tracker"]),
-        int(s.get("_hysteresis_tracker", policy.hysteresis)),
+        hysteresis_tracker,
         tuple(int(s.get(k, 0)) for k in COUNTER_KEYS),
     )
     return policy, host

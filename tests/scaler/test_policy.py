@@ -101,6 +101,9 @@ def test_overflows_that_are_not_at_the_minimum_never_trip_the_stuck_policy() -> 
         {"hysteresis": 3},
         {"hysteresis": 2, "hysteresis_refill": "on_clean_step", "growth_factor": 3.0},
         {"backoff_factor": 0.3, "growth_factor": 1.7, "max_scale": 1e9},
+        # torch's rule (no clamp, hysteresis 1): the device runs torch's own kernel.
+        {"hysteresis_refill": "on_clean_step"},
+        {"backoff_factor": 0.3, "growth_factor": 1.7},
     ],
 )
 def test_host_and_device_updates_follow_the_same_rule_exactly(kwargs) -> None:
@@ -110,12 +113,25 @@ def test_host_and_device_updates_follow_the_same_rule_exactly(kwargs) -> None:
     device = decide_on_device(
         dscale.GradScaler("cpu", init_scale=2.0**12, growth_interval=3, sync_free=True, **kwargs)
     )
-    for overflow in pattern:
+    for i, overflow in enumerate(pattern):
+        if i == 100:  # lowered mid-run, below the trackers' count: both must grow at once
+            for scaler in (host, device):
+                scaler.set_growth_interval(1)
         _drive(host, [overflow])
         _drive(device, [overflow])
-        assert host.state_dict() == device.state_dict()
+        assert host.state_dict() == device.state_dict(), i
     assert host.snapshot()["backoffs"] > 5
     assert host.snapshot()["growths"] > 5
+
+
+def test_torchs_rule_updates_on_the_device_with_torchs_kernel(monkeypatch) -> None:
+    calls = []
+    real = torch._amp_update_scale_
+    monkeypatch.setattr(torch, "_amp_update_scale_", lambda *a: calls.append(1) or real(*a))
+    for kwargs, expected in (({}, 3), ({"hysteresis": 2}, 0), ({"max_scale": 2.0**20}, 0)):
+        calls.clear()
+        _drive(decide_on_device(dscale.GradScaler("cpu", sync_free=True, **kwargs)), [0, 1, 0])
+        assert len(calls) == expected, kwargs
 
 
 def test_after_plain_steps_the_scale_is_read_without_touching_the_device(monkeypatch) -> None:

@@ -83,6 +83,7 @@ def test_resumed_run_continues_exactly_as_an_uninterrupted_one() -> None:
         ({"_growth_tracker": -3}, "_growth_tracker"),
         ({"min_scale": 10.0, "max_scale": 1.0}, "min_scale"),
         ({"hysteresis_refill": "sometimes"}, "hysteresis_refill"),
+        ({"hysteresis": 1, "_hysteresis_tracker": 5}, "exceeds hysteresis=1"),
         ({"dscale_format_version": 99}, "newer"),
         ({"scale": None}, "init_scale"),
     ],
