@@ -5,8 +5,10 @@ No timing assertions: speed is what the benchmark reports, not what tests check.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
+from collections import Counter
 
 import pytest
 import torch
@@ -14,6 +16,7 @@ import torch
 from dscale.bench import _cli
 from dscale.bench._report import render
 from dscale.bench._syncs import count_host_syncs
+from dscale.bench._timing import balanced_orders
 
 STEP_ARMS = {"plain", "dscale", "torch", "torch_aa", "sharded"}
 INTERVAL_KEYS = {"estimate", "low", "high", "verdict"}
@@ -131,3 +134,14 @@ def test_sync_counter_refuses_to_count_without_cuda(monkeypatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(RuntimeError, match="needs CUDA"):
         count_host_syncs(lambda: None)
+
+
+@pytest.mark.parametrize("n", [2, 3, 5, 6])
+def test_arm_orders_put_every_arm_after_every_other_and_in_every_place_equally_often(n) -> None:
+    orders = balanced_orders(n)
+    assert all(sorted(order) == list(range(n)) for order in orders)
+    follows = Counter((a, b) for order in orders for a, b in itertools.pairwise(order))
+    places = Counter((arm, place) for order in orders for place, arm in enumerate(order))
+    assert set(follows) == {(a, b) for a in range(n) for b in range(n) if a != b}
+    assert len(set(follows.values())) == 1  # a fixed rotation fails here: one predecessor each
+    assert len(places) == n * n and len(set(places.values())) == 1

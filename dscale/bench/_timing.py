@@ -1,15 +1,15 @@
 """Interleaved timing of benchmark arms, and the summary statistics reported for them.
 
-Each repetition runs every arm once, in a fresh random order (the same on every rank: seeded by the
-repetition), so that no arm always runs first, last, or right after the same other arm. A fixed
-rotation keeps each arm's predecessor: with large tensors the allocator and cache state an arm
-leaves behind then bill its successor, and an A/A pair came out 1.7x apart. An arm's ``prepare``
-(restoring gradients) runs untimed right before its timed ``run``.
+Each repetition runs every arm once. The orders come from a Williams design: over one cycle of
+orders every arm runs in every position, and right after every other arm, equally often (the same
+on every rank). With large tensors an arm bills its successor for the cache and allocator state it
+leaves behind: a fixed rotation (each arm always after the same one) put an A/A pair 1.7x apart,
+and seeded random orders, which repeat across runs, kept a 1.3x bias on one arm run after run.
+An arm's ``prepare`` (restoring gradients) runs untimed right before its timed ``run``.
 """
 
 from __future__ import annotations
 
-import random
 import statistics
 import time
 from collections.abc import Callable
@@ -44,16 +44,33 @@ def run_interleaved(
 ) -> dict[str, list[float]]:
     """Time every arm ``reps`` times, interleaved; returns seconds per arm (warm-up dropped)."""
     times: dict[str, list[float]] = {arm.name: [] for arm in arms}
+    orders = balanced_orders(len(arms))
     for rep in range(warmup + reps):
-        order = list(arms)
-        random.Random(rep).shuffle(order)
-        for arm in order:
+        for index in orders[(rep - warmup) % len(orders)]:  # measured reps start a cycle
+            arm = arms[index]
             if arm.prepare is not None:
                 arm.prepare()
             elapsed = time_once(arm.run, device)
             if rep >= warmup:
                 times[arm.name].append(elapsed)
     return times
+
+
+def balanced_orders(n: int) -> list[list[int]]:
+    """Orders of ``n`` arms in which each arm follows each other arm equally often (Williams).
+
+    ``n`` orders for an even ``n``, ``2n`` (each also reversed) for an odd one. Run reps in
+    multiples of their number for an exact balance.
+    """
+    first, low, high = [0], 1, n - 1
+    while len(first) < n:  # 0, 1, n-1, 2, n-2, ...
+        first.append(low)
+        low += 1
+        if len(first) < n:
+            first.append(high)
+            high -= 1
+    orders = [[(arm + shift) % n for arm in first] for shift in range(n)]
+    return orders if n % 2 == 0 else orders + [order[::-1] for order in orders]
 
 
 def summarize(times: dict[str, list[float]], baseline: str) -> dict[str, dict[str, Any]]:
