@@ -14,6 +14,7 @@ sets the same next scale. A dynamic scaler sends the first three only, as before
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import torch
@@ -58,10 +59,16 @@ def blank_vector(
     made from Python numbers in one call instead of a few tensor ops.
     """
     if host_scale is not None and device.type == "cpu":
-        vector = torch.tensor([0.0, host_scale, -host_scale], dtype=torch.float32)
+        vector = _cpu_template(host_scale).clone()
         return vector if measured is None else torch.cat([vector, measured.float().reshape(2)])
     zero = torch.zeros((), dtype=torch.float32, device=device)
     return agreement_vector(zero, copy_to(scale, device), measured)
+
+
+@functools.lru_cache(maxsize=4)
+def _cpu_template(host_scale: float) -> torch.Tensor:
+    """``[0, scale, -scale]`` for a scale value (it changes rarely): a copy is one cheap op."""
+    return torch.tensor([0.0, host_scale, -host_scale], dtype=torch.float32)
 
 
 def scale_range(agreed: torch.Tensor) -> ScaleRange:

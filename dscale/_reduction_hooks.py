@@ -252,6 +252,10 @@ def _fsdp2_params(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     return [p for p in params if p.requires_grad]
 
 
+#: The report when no hook ran.
+NO_HOOKS = HookReport(None, frozenset(), is_global=False, unscaled=False)
+
+
 class ReductionHooks:
     """The models a scaler is attached to, and the flag their hooks recorded this iteration."""
 
@@ -296,12 +300,14 @@ class ReductionHooks:
         self, optimizer: torch.optim.Optimizer, scaler_group: Any, device: torch.device
     ) -> HookReport:
         """What the hooks checked of ``optimizer``'s grads, for the scaler's ``_check``."""
+        if not self.states:  # nothing attached: the common case, answered at once
+            return NO_HOOKS
         if not self._taken:
             flags = [f for s in self.states for f in s.take_flags()]
             self._flag = torch.stack([copy_to(f, device) for f in flags]).sum() if flags else None
             self._taken = True
         if self._flag is None:
-            return HookReport(None, frozenset(), is_global=False, unscaled=False)
+            return NO_HOOKS
         params = [p for g in optimizer.param_groups for p in g["params"]]
         # Decided from what every rank shares (parameter sets, groups), never from local grads:
         # ranks that disagreed here would run different collectives and hang.
