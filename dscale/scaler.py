@@ -194,6 +194,7 @@ class GradScaler(TorchGradScalerSurface):
         # The last update()'s scale range, or the agreed vector it is read from on request.
         self._scale_range: _agreement.ScaleRange | torch.Tensor | None = None
         self._scale_calls = 0
+        self._iteration = 0  # update() calls: every rank counts alike (the vector's schedule)
         # Decide fused and sync_free steps on the host when the agreed flag is in host memory.
         # Tests turn it off to run the device-side decision (the CUDA path) on the CPU.
         self._read_host_flags = True
@@ -284,7 +285,10 @@ class GradScaler(TorchGradScalerSurface):
                 device = _dist.flag_device(group, scale.device)
                 # As long as the peers' vectors (policy="predictive" adds its measurement).
                 refusal = _agreement.agreement_vector(
-                    torch.ones((), device=device), copy_to(scale, device), self._measured(device)
+                    torch.ones((), device=device),
+                    copy_to(scale, device),
+                    self._measured(device),
+                    with_range=self._carries_range(),
                 )
                 _agreement.all_reduce_flag(refusal, group).wait()
             raise
@@ -307,7 +311,11 @@ class GradScaler(TorchGradScalerSurface):
         host = self._book.host
         with torch.no_grad():
             state.agreed = _agreement.blank_vector(
-                scale, None if host is None else host.scale, device, self._measured(device)
+                scale,
+                None if host is None else host.scale,
+                device,
+                self._measured(device),
+                with_range=self._carries_range(),
             )
             flag = state.agreed[_agreement.OVERFLOW]  # a view: the check writes the flag into it
             check_and_unscale_(groups, inv_scale, flag)
@@ -316,6 +324,10 @@ class GradScaler(TorchGradScalerSurface):
         state.over_group = group is not None
         state.work = None if group is None else _agreement.all_reduce_flag(state.agreed, group)
         return unscale
+
+    def _carries_range(self) -> bool:
+        """Whether this iteration's vector carries the scale fields (see ``_agreement``)."""
+        return _agreement.carries_range(self._iteration)
 
     def _unscale_factor(self, scale: torch.Tensor) -> torch.Tensor:
         """1/scale as a tensor, made once per scale value while the host knows the scale."""
@@ -456,6 +468,7 @@ class GradScaler(TorchGradScalerSurface):
                 self._predictive.skip_iteration()
             self._per_optimizer_states = {}
             self._hooks.reset()
+            self._iteration += 1
             return
         states = list(self._per_optimizer_states.values())
         if not states:
@@ -476,6 +489,7 @@ class GradScaler(TorchGradScalerSurface):
         self._book.update(self._policy, found, skipped, self._predictive)
         self._per_optimizer_states = {}
         self._hooks.reset()
+        self._iteration += 1
         self._watch_for_collapse()
         for observer in self._observers:
             observer.on_update(self, found)  # type: ignore[arg-type]
@@ -513,9 +527,10 @@ class GradScaler(TorchGradScalerSurface):
     def _range_over_group(
         self, states: list[_OptimizerState]
     ) -> _agreement.ScaleRange | torch.Tensor | None:
-        """Min and max scale over the group from this iteration's collective, if one ran.
+        """Min and max scale over the group from this iteration's collective, if it carried them.
 
-        After a collective: its agreed vector, turned into the range only when asked for.
+        After a collective: its agreed vector, turned into the range only when asked for (None
+        then if it was the flag alone).
         """
         for state in states:
             if state.over_group:
@@ -528,10 +543,12 @@ class GradScaler(TorchGradScalerSurface):
     def agreed_scale_range(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(min, max) of the scale over the scaler's ranks in the last update(), as tensors.
 
-        Carried on the step's own agreement collective, so it costs nothing and is known on
-        every rank alike; reading it as numbers is a host sync on GPU. None before the first
-        update(), and after an iteration in which no scaler collective ran (a DDP model under
-        ``attach()`` whose reduction already made the flag global).
+        Carried on the step's own agreement collective, so it costs no collective of its own and
+        is known on every rank alike; reading it as numbers is a host sync on GPU. A dynamic
+        scaler carries it on every ``dscale._agreement.RANGE_EVERY``-th update (the first
+        included; every update with policy="predictive"). None before the first update(), after
+        an update whose collective did not carry it, and after an iteration in which no scaler
+        collective ran (a DDP model under ``attach()`` whose reduction made the flag global).
         """
         if isinstance(self._scale_range, torch.Tensor):
             self._scale_range = _agreement.scale_range(self._scale_range)
@@ -696,7 +713,13 @@ class GradScaler(TorchGradScalerSurface):
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        for name, default in (("_read_host_flags", True), ("_inv_scale", None), ("_one", None)):
+        defaults = (
+            ("_read_host_flags", True),
+            ("_inv_scale", None),
+            ("_one", None),
+            ("_iteration", 0),
+        )
+        for name, default in defaults:
             state.setdefault(name, default)  # pickled before these existed
         self.__dict__.update(state)
 

@@ -4,10 +4,11 @@ They always should (the scaler agrees on overflow with one all-reduce). If they 
 ranks are training with different effective learning rates and users must know at once, so a
 mismatch is logged as a warning on every rank and counted in ``dscale_rank_scale_mismatch_total``.
 
-The check runs no collective of its own: the scaler's per-step agreement vector already carries
-the scale's min and max over the ranks (``GradScaler.agreed_scale_range()``). So it cannot hang a
-job that attaches it on some ranks only (metrics served from rank 0), and costs a host read every
-``every`` steps, nothing in between.
+The check runs no collective of its own: the scaler's agreement vector carries the scale's min and
+max over the ranks on every ``RANGE_EVERY``-th update (``GradScaler.agreed_scale_range()``). So it
+cannot hang a job that attaches it on some ranks only (metrics served from rank 0), and costs a
+host read per check, nothing in between. A check that falls due between two such updates runs at
+the next one.
 """
 
 from __future__ import annotations
@@ -18,15 +19,17 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from dscale._agreement import RANGE_EVERY
+
 logger = logging.getLogger(__name__)
 
 
 class RankScaleCheck:
     """A ``GradObserver`` that compares the scale across ranks after every ``every``-th update.
 
-    ``mismatches`` counts checks that found a difference; ``unchecked`` counts due checks for
-    which the step had no scaler collective to read (a DDP model under ``attach()``, whose own
-    reduction made the flag global).
+    ``mismatches`` counts checks that found a difference; ``unchecked`` counts due checks that
+    found no range to read within ``RANGE_EVERY`` updates (no scaler collective ran: a DDP model
+    under ``attach()``, whose own reduction made the flag global).
     """
 
     def __init__(self, every: int) -> None:
@@ -41,19 +44,28 @@ class RankScaleCheck:
         self.last_min: float | None = None
         self.last_max: float | None = None
         self._updates = 0
+        self._waited: int | None = (
+            None  # updates a due check has waited for a range; None: none due
+        )
 
     def on_grads(self, optimizer: Any, grads: list[Tensor], scale: Tensor) -> None:
         """Nothing to do before the check."""
 
     def on_update(self, scaler: Any, found_inf: Tensor) -> None:
-        """Every ``every`` updates, read the scale range the step's collective carried."""
+        """Every ``every`` updates, read the scale range at the next update that carried one."""
         self._updates += 1
-        if self._updates % self.every:
+        if self._updates % self.every == 0 and self._waited is None:
+            self._waited = 0
+        if self._waited is None:
             return
         agreed = scaler.agreed_scale_range()
         if agreed is None:
-            self.unchecked += 1
+            self._waited += 1
+            if self._waited >= RANGE_EVERY:  # a range would have come by now: none runs
+                self.unchecked += 1
+                self._waited = None
             return
+        self._waited = None
         lo, hi = torch.stack([t.detach().reshape(()) for t in agreed]).tolist()  # host read
         self.last_min, self.last_max = lo, hi
         if lo != hi:

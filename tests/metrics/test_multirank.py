@@ -61,7 +61,52 @@ def _scenarios(rank: int, world_size: int) -> dict[str, Any]:
     logging.getLogger("dscale.metrics").addHandler(capture)
     out["mismatch"] = _train_with_check(rank, init_scale=1024.0 * (rank + 1), exporter=True)
     out["mismatch"]["logs"] = capture.messages
+    out["schedule"] = _schedule(rank)
+    out["attached"] = _attached_without_collective(rank)
     return out
+
+
+def _schedule(rank: int) -> dict[str, Any]:
+    """34 updates, scales differing by rank, a check every 5: when do ranges travel and count?"""
+    w = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([w], lr=0.0)
+    scaler = dscale.GradScaler("cpu", init_scale=256.0 * (rank + 1), growth_interval=1000)
+    check = RankScaleCheck(every=5)
+    scaler.add_observer(check)
+    lengths, checked_at = [], []
+    real = _agreement.all_reduce_flag
+
+    def counting(values, group):
+        lengths.append(values.numel())
+        return real(values, group)
+
+    with mock.patch.object(_agreement, "all_reduce_flag", counting):
+        for update in range(1, 35):
+            scaler.scale(w.sum()).backward()
+            scaler.step(opt)
+            before = check.mismatches
+            scaler.update()
+            if check.mismatches > before:
+                checked_at.append(update)
+    return {"lengths": lengths, "checked_at": checked_at, "unchecked": check.unchecked}
+
+
+def _attached_without_collective(rank: int) -> dict[str, Any]:
+    """DDP + attach(): no scaler collective runs, so a due check ends up counted as unchecked."""
+    model = wrap(tiny_model(), "ddp")
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler = dscale.GradScaler(device="cpu", init_scale=512.0, growth_interval=1000)
+    scaler.attach(model)
+    check = RankScaleCheck(every=1)
+    scaler.add_observer(check)
+    unchecked = []
+    for step in range(2 * _agreement.RANGE_EVERY):
+        opt.zero_grad()
+        scaler.scale(model(batch(rank, step)).sum()).backward()
+        scaler.step(opt)
+        scaler.update()
+        unchecked.append(check.unchecked)
+    return {"unchecked": unchecked, "mismatches": check.mismatches}
 
 
 def _train_with_check(rank: int, *, init_scale: float, exporter: bool) -> dict[str, Any]:
@@ -105,13 +150,24 @@ def test_rank_local_attribution_and_the_scale_disagreement_detector() -> None:
         # Only rank 1 held the inf, so only rank 1 names the parameter.
         assert r1["nonfinite"] == {r1["first_name"]: 1, "other": 0}, parallel
         assert r0["nonfinite"] == {"other": 0}, parallel
-    # One collective per step on every rank, with or without the check: a 3-field vector.
-    assert out[0]["rank0_only"]["collectives"] == out[1]["rank0_only"]["collectives"] == [3] * 3
+    # One collective per step on every rank, with or without the check: the scale fields ride
+    # on the first iteration's vector, the flag goes alone after it.
+    assert out[0]["rank0_only"]["collectives"] == out[1]["rank0_only"]["collectives"] == [3, 1, 1]
     assert out[0]["rank0_only"]["count"] == 0
     assert out[0]["rank0_only"]["min_max"] == (512.0, 512.0)
     for rank in (0, 1):
         m = out[rank]["mismatch"]
-        assert m["count"] == 3  # every step's check saw the two scales
+        assert m["count"] == 1  # the one range of the three steps saw the two scales
         assert m["min_max"] == (1024.0, 2048.0)
-        assert m["exported"] == 3.0
+        assert m["exported"] == 1.0
         assert any("ranks disagree on the loss scale" in msg for msg in m["logs"]), m["logs"]
+        # The schedule, the same on both ranks: ranges on iterations 0, 16 and 32; a check due at
+        # update 5 waits for the range of update 17, one due at 20 for that of update 33.
+        s = out[rank]["schedule"]
+        every = _agreement.RANGE_EVERY
+        assert s["lengths"] == [3 if i % every == 0 else 1 for i in range(34)]
+        assert s["checked_at"] == [17, 33] and s["unchecked"] == 0
+        # No scaler collective at all (attach): a due check gives up after RANGE_EVERY updates.
+        a = out[rank]["attached"]
+        assert a["mismatches"] == 0
+        assert a["unchecked"][every - 1] == 1 and a["unchecked"][-1] == 2
