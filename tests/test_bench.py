@@ -5,6 +5,7 @@ No timing assertions: speed is what the benchmark reports, not what tests check.
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import json
 import math
@@ -145,3 +146,22 @@ def test_arm_orders_put_every_arm_after_every_other_and_in_every_place_equally_o
     assert set(follows) == {(a, b) for a in range(n) for b in range(n) if a != b}
     assert len(set(follows.values())) == 1  # a fixed rotation fails here: one predecessor each
     assert len(places) == n * n and len(set(places.values())) == 1
+
+
+def test_scenario_runs_only_the_rows_asked_for(tmp_path, capsys) -> None:
+    path = tmp_path / "one.json"
+    args = ["--json", str(path), "--reps", "2", "--scenario", "3x64:adam:fused"]
+    _cli.main([*args, "--scenario", "2X32:sgd:foreach"])
+    out = json.loads(path.read_text())
+    rows = [(s["count"], s["numel"], s["optimizer"], s["impl"]) for s in out["single"]]
+    assert rows == [(3, 64, "adam", "fused"), (2, 32, "sgd", "foreach")]
+    assert {"phases", "unscale_pass", "sweep", "distributed"}.isdisjoint(out)
+    assert "torch_aa/torch" in capsys.readouterr().out  # the table with its A/A arm
+
+
+@pytest.mark.parametrize("bad", ["8x4:sgd", "8:sgd:fused", "0x4:sgd:fused", "8x4:lamb:fused"])
+def test_a_malformed_scenario_is_refused_with_the_format(bad) -> None:
+    with pytest.raises(SystemExit):
+        _cli.main(["--scenario", bad])
+    with pytest.raises(argparse.ArgumentTypeError, match="COUNT"):
+        _cli.parse_scenario(bad)

@@ -110,6 +110,26 @@ def run_single(cfg: dict[str, Any], device: torch.device) -> dict[str, Any]:
     return {"single": single, "phases": split, "unscale_pass": unscale, "sweep": sweep}
 
 
+Scenario = tuple[int, int, str, str]  # count, numel, optimizer, impl
+
+
+def parse_scenario(text: str) -> Scenario:
+    """``COUNTxNUMEL:OPTIMIZER:IMPL`` (``8x4194304:sgd:fused``) -> a single-process scenario."""
+    try:
+        shape, optimizer, impl = text.split(":")
+        count, numel = (int(n) for n in shape.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--scenario takes COUNTxNUMEL:OPTIMIZER:IMPL, e.g. 8x4194304:sgd:fused; got {text!r}"
+        ) from None
+    if count < 1 or numel < 1 or optimizer not in OPTIMIZERS or impl not in IMPLS:
+        raise argparse.ArgumentTypeError(
+            f"--scenario {text!r}: COUNT and NUMEL must be >= 1, OPTIMIZER one of {OPTIMIZERS}, "
+            f"IMPL one of {IMPLS}"
+        )
+    return count, numel, optimizer, impl
+
+
 def _dist_cfg(cfg: dict[str, Any], reps: int | None) -> dict[str, Any]:
     """Whole steps vary more than optimizer steps: the 2-rank part defaults to more reps."""
     return {**cfg["dist"], "reps": reps if reps is not None else cfg["dist"]["reps"]}
@@ -121,8 +141,13 @@ def run(
     device: str = "cpu",
     distributed: bool = True,
     threads: int = 1,
+    scenarios: Sequence[Scenario] = (),
 ) -> dict[str, Any]:
-    """Run the benchmark in this process (plus spawned gloo ranks); returns the result dict."""
+    """Run the benchmark in this process (plus spawned gloo ranks); returns the result dict.
+
+    ``scenarios``: only these single-process step scenarios (no other section), to look at one
+    row again with more repetitions.
+    """
     if config not in CONFIGS:
         raise ValueError(f"config must be one of {sorted(CONFIGS)}, got {config!r}")
     if reps is not None and reps < 1:
@@ -147,10 +172,16 @@ def run(
         with tempfile.TemporaryDirectory() as tmp:
             _single_rank_group(tmp)
             try:
-                result.update(run_single(cfg, dev))
+                if scenarios:
+                    result["single"] = [
+                        _single.step_overhead(count, numel, opt, impl, cfg["reps"], dev)
+                        for count, numel, opt, impl in scenarios
+                    ]
+                else:
+                    result.update(run_single(cfg, dev))
             finally:
                 dist.destroy_process_group()
-        if distributed:
+        if distributed and not scenarios:
             result["distributed"] = _ranks.run_spawned(_dist_cfg(cfg, reps))
     result["seconds"] = time.perf_counter() - start
     # Other work on the machine widens every interval: say how busy it was (1-minute averages).
@@ -194,13 +225,23 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="torch CPU threads for the single-process part (default 1: steadier on shared cores)",
     )
     parser.add_argument("--no-distributed", action="store_true", help="skip the 2-rank part")
+    parser.add_argument(
+        "--scenario",
+        action="append",
+        type=parse_scenario,
+        default=[],
+        metavar="COUNTxNUMEL:OPT:IMPL",
+        help="run only this single-process scenario (repeatable), e.g. 8x4194304:sgd:fused",
+    )
     parser.add_argument("--config-for-tests", choices=sorted(CONFIGS), help=argparse.SUPPRESS)
     args = parser.parse_args(args_in)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         dist.init_process_group("gloo", timeout=_ranks.TIMEOUT)
     try:
         config = args.config_for_tests or ("quick" if args.quick else "full")
-        result = run(config, args.reps, args.device, not args.no_distributed, args.threads)
+        result = run(
+            config, args.reps, args.device, not args.no_distributed, args.threads, args.scenario
+        )
         if dist.is_initialized() and dist.get_rank() != 0:
             return
         print(render(result))  # noqa: T201
