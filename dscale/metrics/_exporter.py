@@ -143,9 +143,10 @@ def start_exporter(
             ``TORCHELASTIC_RUN_ID`` or "dscale".
         linger_s: how long ``stop()`` keeps serving so the last values are scraped; make it at
             least one scrape interval (plus about 6 s for a file_sd target to be picked up).
-        check_agreement_every: compare the scale across ranks every this many steps (a host
-            read of two numbers each time; the values ride on the scaler's own per-step
-            collective, so no rank waits for another and ranks may differ here); 0 turns it off.
+        check_agreement_every: compare the scale across ranks every this many steps, at the
+            next update whose collective carries the scale range (one in 16; a host read of two
+            numbers each time; the values ride on the scaler's own collective, so no rank waits
+            for another and ranks may differ here); 0 turns it off.
         certfile, keyfile: serve HTTPS with this certificate.
         registry: register into this registry (default: a new one holding only dscale's metrics).
 
