@@ -18,6 +18,11 @@ What it changes in the ``Accelerator`` (accelerate 1.15; the places are in its `
   sync-free step waits for the GPU once.
 - ``save_state`` / ``load_state`` then write and read dscale's state dict (``scaler.pt``), also
   under FSDP2 (accelerate calls the scaler's ``_lazy_init_scale_growth_tracker`` there).
+- A step with no ``accelerator.backward()`` since the optimizer's last step runs without the
+  scaler. Under FSDP2, torch.distributed.checkpoint gives an optimizer with no state a zero-grad
+  ``step()`` to create it (``load_state``, the HF Trainer's resume); through the scaler that step
+  counted as a training step, so the scaler restored by ``load_state`` came back one step on
+  (torch's scaler: its growth tracker; the HF Trainer's resume raises, no ``scale()`` yet).
 """
 
 from __future__ import annotations
@@ -90,6 +95,7 @@ def _report_skips_from(accelerator: Any) -> None:
             prepared, DScaleAcceleratedOptimizer
         ):
             prepared.__class__ = DScaleAcceleratedOptimizer
+            prepared._scale_calls_at_step = accelerator.scaler._scale_calls
         return prepared
 
     # prepare() looks the method up on the instance, so this covers prepare() and FSDP2 alike.
@@ -101,11 +107,22 @@ class DScaleAcceleratedOptimizer(AcceleratedOptimizer):  # type: ignore[misc]
 
     def step(self, closure: Any = None) -> None:
         self._dscale_stepped = False
-        super().step(closure)
         scaler = self.scaler
+        if self._grads_unscaled(scaler):
+            self.optimizer.step(closure)  # e.g. DCP's state-creating zero-grad step
+            return
+        super().step(closure)
         self._dscale_stepped = (
             scaler is not None and scaler.is_enabled() and self.gradient_state.sync_gradients
         )
+        if self._dscale_stepped:
+            self._scale_calls_at_step = scaler._scale_calls
+
+    def _grads_unscaled(self, scaler: GradScaler | None) -> bool:
+        """No scale() (so no ``accelerator.backward()``) since this optimizer's last step."""
+        if scaler is None or not scaler.is_enabled() or not self.gradient_state.sync_gradients:
+            return False
+        return scaler._scale_calls == getattr(self, "_scale_calls_at_step", None)
 
     @property
     def step_was_skipped(self) -> bool:

@@ -45,9 +45,29 @@ def _accelerator(**kwargs: Any) -> Any:
     return Accelerator(mixed_precision="fp16", cpu=True, **kwargs)
 
 
-def _setup(optimizer: str, scaler_kind: str) -> tuple[Any, ...]:
+def _fsdp2_accelerator() -> Any:
+    """accelerate's own FSDP2 code (prepare, save_state, load_state) on CPU.
+
+    accelerate picks FSDP for GPU-type setups only (``state.py`` leaves MULTI_CPU out), so the
+    type is set after construction, where ACCELERATE_USE_FSDP sets it on GPUs. PartialState's
+    copy too: every ``AcceleratorState()`` built later re-reads it.
+    """
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
+    acc = _accelerator(fsdp_plugin=plugin)
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+    acc.state.distributed_type = DistributedType.FSDP
+    acc.state.fsdp_plugin = plugin  # with the mixed precision AcceleratorState sets on GPUs
+    plugin.set_mixed_precision("fp16")
+    assert acc.is_fsdp2
+    return acc
+
+
+def _setup(optimizer: str, scaler_kind: str, fsdp2: bool = False) -> tuple[Any, ...]:
     make_opt, sync_free = OPTIMIZERS[optimizer]
-    acc = _accelerator()
+    acc = _fsdp2_accelerator() if fsdp2 else _accelerator()
     if scaler_kind == "dscale":
         use_dscale(acc, dscale.GradScaler("cpu", init_scale=INIT_SCALE, sync_free=sync_free))
     else:  # what it took before: two private assignments and torch's scaler
@@ -171,6 +191,7 @@ def _accelerate_checks(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
 
     out["trainer-dscale"] = _trainer_run(rank, tmp, "dscale")
     out["trainer-torch"] = _trainer_run(rank, tmp, "torch")
+    out.update(_fsdp2_checks(rank, tmp))  # last: accelerate leaves ACCELERATE_USE_FSDP set
 
     # Bad input, on the way through: said once and passed through, or a clear error.
     with warnings.catch_warnings(record=True) as caught:
@@ -179,6 +200,40 @@ def _accelerate_checks(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
         use_dscale(bf16, dscale.GradScaler("cpu"))
         use_dscale(bf16, dscale.GradScaler("cpu"))
     out["bf16"] = {"scaler": bf16.scaler, "warnings": [str(w.message) for w in caught]}
+    return out
+
+
+def _fsdp2_checks(rank: int, tmp: str) -> dict[str, Any]:
+    """FSDP2: the run, save_state/load_state resume, and optimizer loads before any backward.
+
+    torch.distributed.checkpoint creates an empty optimizer's state with a zero-grad step(); under
+    FSDP2 accelerate's load_state (and the HF Trainer's resume) make that step on a prepared
+    optimizer, so through the scaler it counts as a training step.
+    """
+    from accelerate.utils import load_fsdp_optimizer
+
+    out = {
+        f"fsdp2-dscale-{name}": _train(rank, *_setup(name, "dscale", fsdp2=True), range(STEPS))
+        for name in OPTIMIZERS
+    }
+    for kind in ("dscale", "torch"):  # accelerate's own FSDP2 scaler is torch's class
+        acc, model, opt, sched = _setup("adamw_fused", kind, fsdp2=True)
+        _train(rank, acc, model, opt, sched, range(INF_STEP + 1))
+        acc.save_state(f"{tmp}/fsdp2-{kind}")
+        saved = acc.scaler.state_dict()
+        acc, model, opt, sched = _setup("adamw_fused", kind, fsdp2=True)
+        acc.load_state(f"{tmp}/fsdp2-{kind}")
+        loaded = acc.scaler.state_dict()
+        rows = _train(rank, acc, model, opt, sched, range(INF_STEP + 1, STEPS))
+        out[f"fsdp2-resume-{kind}"] = {"saved": saved, "loaded": loaded, "rows": rows}
+
+        # The HF Trainer's resume: the optimizer is loaded first, the scaler after, fresh till then.
+        acc, model, opt, _ = _setup("adamw_fused", kind, fsdp2=True)
+        try:
+            load_fsdp_optimizer(acc.state.fsdp_plugin, acc, opt, model, f"{tmp}/fsdp2-{kind}")
+            out[f"fsdp2-optimizer-first-{kind}"] = {"scale": acc.scaler.get_scale(), "error": None}
+        except (AssertionError, RuntimeError) as error:
+            out[f"fsdp2-optimizer-first-{kind}"] = {"error": str(error)}
     return out
 
 
@@ -246,6 +301,46 @@ def test_accelerate_save_and_load_state_resume_exactly(runs) -> None:
         for a, b in zip(resume["rows"], full, strict=True):
             assert a["params"] == b["params"]
             assert (a["scale"], a["sched"], a["skipped"]) == (b["scale"], b["sched"], b["skipped"])
+
+
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+def test_fsdp2_every_rank_skips_together(runs, optimizer) -> None:
+    rows = {rank: runs[rank][f"fsdp2-dscale-{optimizer}"] for rank in (0, 1)}
+    for rank in (0, 1):
+        assert [r["skipped"] for r in rows[rank]] == SKIPS, rank
+        assert [r["scale"] for r in rows[rank]] == [
+            INIT_SCALE if s < INF_STEP else INIT_SCALE / 2 for s in range(STEPS)
+        ]
+        assert {r["hidden"] for r in rows[rank]} == {torch.float16}
+    for a, b in zip(rows[0], rows[1], strict=True):
+        assert a["params"] == b["params"]
+    assert rows[0][INF_STEP]["params"] == rows[0][INF_STEP - 1]["params"]
+
+
+def test_fsdp2_load_state_restores_the_scaler_as_saved_and_resumes_exactly(runs) -> None:
+    for rank in (0, 1):
+        resume = runs[rank]["fsdp2-resume-dscale"]
+        assert resume["loaded"] == resume["saved"]
+        assert (resume["saved"]["num_steps"], resume["saved"]["_growth_tracker"]) == (3, 0)
+        full = runs[rank]["fsdp2-dscale-adamw_fused"][INF_STEP + 1 :]
+        for a, b in zip(resume["rows"], full, strict=True):
+            assert a["params"] == b["params"]
+            assert (a["scale"], a["sched"], a["skipped"]) == (b["scale"], b["sched"], b["skipped"])
+
+
+def test_fsdp2_load_state_with_torch_scaler_counts_the_state_creating_step(runs) -> None:
+    # DCP's zero-grad step went through torch's scaler: one growth step that never trained.
+    for rank in (0, 1):
+        resume = runs[rank]["fsdp2-resume-torch"]
+        assert resume["saved"]["_growth_tracker"] == 0
+        assert resume["loaded"]["_growth_tracker"] == 1
+
+
+def test_fsdp2_optimizer_loads_before_the_first_backward(runs) -> None:
+    for rank in (0, 1):
+        assert runs[rank]["fsdp2-optimizer-first-dscale"] == {"scale": INIT_SCALE, "error": None}
+        # torch's scaler refuses a step before its first scale(): the Trainer's resume fails.
+        assert "_scale is None" in runs[rank]["fsdp2-optimizer-first-torch"]["error"]
 
 
 def test_hf_trainer_holds_its_lr_schedule_on_the_skipped_step_with_fused_adamw(runs) -> None:
@@ -321,3 +416,32 @@ def test_prepared_optimizer_reports_from_dscale_and_pickles() -> None:
     assert type(opt) is DScaleAcceleratedOptimizer
     assert opt.step_was_skipped is False  # not stepped yet
     assert type(pickle.loads(pickle.dumps(opt))) is DScaleAcceleratedOptimizer
+
+
+def test_only_a_step_with_no_backward_since_the_last_bypasses_the_scaler() -> None:
+    from accelerate import Accelerator
+
+    acc = Accelerator(mixed_precision="fp16", cpu=True)
+    scaler = dscale.GradScaler("cpu", init_scale=INIT_SCALE)
+    use_dscale(acc, scaler)
+    first, second = torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)
+    opt_a, opt_b = acc.prepare(
+        torch.optim.SGD(first.parameters(), lr=0.1), torch.optim.SGD(second.parameters(), lr=0.1)
+    )
+    # One backward, two optimizers: both steps go through the scaler (accelerate updates it
+    # after each), and the one whose grads hold the inf is skipped.
+    acc.backward(second(first(torch.ones(2, 4))).sum())
+    first.weight.grad[0, 0] = float("inf")
+    before = first.weight.detach().clone()
+    opt_a.step()
+    opt_b.step()
+    assert (opt_a.step_was_skipped, opt_b.step_was_skipped) == (True, False)
+    assert torch.equal(first.weight, before)
+    assert scaler.state_dict()["num_steps"] == 2
+    # No backward since: the grads were never scaled, so the step is the optimizer's own.
+    counted = scaler.state_dict()["num_steps"]
+    second.weight.grad = torch.ones_like(second.weight)
+    weight = second.weight.detach().clone()
+    opt_b.step()
+    assert torch.equal(second.weight, weight - 0.1)
+    assert scaler.state_dict()["num_steps"] == counted
