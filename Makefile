@@ -5,16 +5,20 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 # Every later install is held to the torch that is there, so no requirement swaps it for a CUDA build.
 TORCH_PIN := $(VENV)/torch-constraint.txt
+# timm's NativeScaler is tested as timm ships it, but timm requires torchvision, whose registry
+# build is CUDA's (and breaks `import lightning`): timm alone, without its requirements.
+TIMM_SPEC ?= timm==1.0.31
 # apt-get runs through sudo unless we are root.
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: install system-tools test test-fast lint fmt run bench
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -c "import torch; print('torch==' + torch.__version__)" > $(TORCH_PIN)
 	$(PY) -m pip install -q -c $(TORCH_PIN) -e ".[test,dev]"
+	$(PY) -m pip install -q --no-deps "$(TIMM_SPEC)"
 	touch $@
 
 install: $(VENV)/.installed

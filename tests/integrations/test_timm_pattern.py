@@ -1,13 +1,19 @@
 """timm's NativeScaler with dscale's scaler swapped in: the documented one-liner, on 2 gloo ranks.
 
-timm 1.0.31 cannot be imported here: every import path runs through timm.layers, which needs
-torchvision, and the registry's torchvision is a CUDA build. So this runs a verbatim copy of
-``timm.utils.cuda.NativeScaler`` (Apache-2.0, Ross Wightman), with ``dispatch_clip_grad``
-reduced to its "norm" mode; the one-liner touches nothing else.
+This is timm's own ``NativeScaler`` (timm 1.0.31, installed with ``--no-deps`` by the Makefile).
+``import timm`` needs torchvision, whose registry build is CUDA's (and breaks ``import lightning``),
+so the ranks import ``timm.utils.cuda`` (and the clipping it calls) without running
+``timm/__init__.py`` or ``timm/utils/__init__.py``; nothing else of timm is involved.
 """
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
+import sys
+import types
+from importlib import metadata
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,49 +31,33 @@ from tests.integrations._frameworks import (
 )
 from tests.multirank import run_ranks
 
-
-def dispatch_clip_grad(parameters, value, mode="norm", norm_type=2.0):
-    assert mode == "norm"
-    torch.nn.utils.clip_grad_norm_(parameters, value, norm_type=norm_type)
+TIMM = "1.0.31"  # the Makefile's TIMM_SPEC
 
 
-class NativeScaler:  # timm/utils/cuda.py, timm 1.0.31, verbatim apart from formatting
-    state_dict_key = "amp_scaler"
-
-    def __init__(self, device="cuda"):
-        try:
-            self._scaler = torch.amp.GradScaler(device=device)
-        except (AttributeError, TypeError):
-            self._scaler = torch.cuda.amp.GradScaler()
-
-    def __call__(
-        self,
-        loss,
-        optimizer,
-        clip_grad=None,
-        clip_mode="norm",
-        parameters=None,
-        create_graph=False,
-        need_update=True,
-    ):
-        self._scaler.scale(loss).backward(create_graph=create_graph)
-        if need_update:
-            if clip_grad is not None:
-                assert parameters is not None
-                self._scaler.unscale_(optimizer)
-                dispatch_clip_grad(parameters, clip_grad, mode=clip_mode)
-            self._scaler.step(optimizer)
-            self._scaler.update()
-
-    def state_dict(self):
-        return self._scaler.state_dict()
-
-    def load_state_dict(self, state_dict):
-        self._scaler.load_state_dict(state_dict)
+def timm_native_scaler() -> type:
+    """``timm.utils.cuda.NativeScaler`` from the installed timm, its package inits not run."""
+    try:
+        found = metadata.version("timm")
+    except metadata.PackageNotFoundError:
+        found = None
+    if found != TIMM:
+        raise RuntimeError(
+            f"the timm tests need timm=={TIMM} (found {found}); `make install` puts it in "
+            f"the venv with --no-deps (pip install --no-deps timm=={TIMM})"
+        )
+    spec = importlib.util.find_spec("timm")  # finds the package without importing it
+    assert spec is not None and spec.origin is not None
+    root = Path(spec.origin).parent
+    for name, folder in (("timm", root), ("timm.utils", root / "utils")):
+        package = types.ModuleType(name)
+        package.__path__ = [str(folder)]
+        sys.modules[name] = package  # only inside the spawned ranks
+    return importlib.import_module("timm.utils.cuda").NativeScaler
 
 
 def _timm_loop(rank: int, world_size: int) -> dict[str, Any]:
-    out: dict[str, Any] = {}
+    NativeScaler = timm_native_scaler()
+    out: dict[str, Any] = {"module": NativeScaler.__module__}
     for kind in ("dscale", "torch"):
         loss_scaler = NativeScaler(device="cpu")
         if kind == "dscale":
@@ -87,6 +77,11 @@ def _timm_loop(rank: int, world_size: int) -> dict[str, Any]:
             loss_scaler(loss, optimizer, clip_grad=10.0, parameters=model.parameters())
             rows.append({"scale": loss_scaler._scaler.get_scale(), "params": flat_params(model)})
         out[kind] = {"rows": rows, "state": loss_scaler.state_dict()}
+    # timm's checkpoints save loss_scaler.state_dict() under "amp_scaler"; resume loads it back.
+    resumed = NativeScaler(device="cpu")
+    resumed._scaler = dscale.GradScaler("cpu")
+    resumed.load_state_dict(out["dscale"]["state"])
+    out["resumed"] = resumed.state_dict()
     return out
 
 
@@ -99,7 +94,9 @@ def test_timm_native_scaler_with_dscale_swapped_in_skips_on_every_rank() -> None
         INIT_SCALE if s < INF_STEP else INIT_SCALE / 2 for s in range(STEPS)
     ]
     assert dscale_rows[0][INF_STEP]["params"] == dscale_rows[0][INF_STEP - 1]["params"]
+    assert out[0]["module"] == "timm.utils.cuda"
     assert out[0]["dscale"]["state"]["num_skipped_steps"] == 1  # NativeScaler's state_dict
+    assert out[0]["resumed"] == out[0]["dscale"]["state"]
     # torch's scaler in the same loop: rank 0 applied what rank 1 skipped.
     torch_rows = {rank: out[rank]["torch"]["rows"] for rank in (0, 1)}
     assert torch_rows[0][INF_STEP]["params"] != torch_rows[1][INF_STEP]["params"]
