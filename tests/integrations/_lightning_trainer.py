@@ -6,6 +6,7 @@ sees the same data as the uninterrupted run.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import lightning as L
@@ -57,9 +58,11 @@ class LitNet(L.LightningModule):
             scale = scaler.get_scale()
         else:
             scale = precision.fp16_optimizer(self.optimizers().optimizer).loss_scale
-        self.rows.append(
-            {"scale": scale, "sched": scheduler.last_epoch, "params": flat_params(self.net)}
-        )
+        self.rows.append({"scale": scale, "sched": scheduler.last_epoch, **self._params()})
+
+    def _params(self) -> dict[str, Any]:
+        finite = all(bool(p.detach().isfinite().all()) for p in self.net.parameters())
+        return {"params": flat_params(self.net), "finite": finite}
 
     def configure_optimizers(self) -> Any:
         if self.fused:
@@ -82,6 +85,39 @@ class ShardedLitNet(LitNet):
         fully_shard(self.net, mesh=mesh)
 
 
+class FSDP1LitNet(LitNet):
+    """LitNet wrapped in torch's FSDP1 by configure_model; Lightning's FSDPStrategy keeps that.
+
+    Lightning would wrap with ``device_id=None`` on the CPU, which FSDP1 refuses.
+    """
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        if not isinstance(self.net, FullyShardedDataParallel):
+            self.net = FullyShardedDataParallel(self.net, device_id=torch.device("cpu"))
+
+    def _params(self) -> dict[str, Any]:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        with FullyShardedDataParallel.summon_full_params(self.net):
+            return super()._params()
+
+
+def _cpu_fsdp_strategy() -> Any:
+    """Lightning's FSDPStrategy on the CPU: its code unchanged, its accelerator check passed.
+
+    Lightning refuses ``type(strategy) is FSDPStrategy`` without a CUDA accelerator
+    (``accelerator_connector.py``); a subclass that changes nothing is not refused.
+    """
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    class CPUFSDPStrategy(FSDPStrategy):  # type: ignore[misc]
+        pass
+
+    return CPUFSDPStrategy(state_dict_type="sharded")
+
+
 def _loader(rank: int) -> Any:
     # 8 samples, batch 4, DistributedSampler over 2 ranks: one batch per rank per epoch.
     data = torch.cat([batch(r, 0) for r in range(2)])
@@ -101,6 +137,8 @@ def _fit(
     strategy: Any = "ddp"
     if isinstance(module, ShardedLitNet):
         strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
+    elif isinstance(module, FSDP1LitNet):
+        strategy = _cpu_fsdp_strategy()
     trainer = L.Trainer(
         accelerator="cpu",
         devices=2,
@@ -159,6 +197,34 @@ def trainer_checks(rank: int, tmp: str) -> dict[str, Any]:
         "in_checkpoint": first.trainer_ref.precision_plugin.state_dict(),  # type: ignore[attr-defined]
         "loaded": resumed.loaded_scaler,
         "rows": resumed.rows,
+    }
+
+    # Lightning's FSDP strategy (FSDP1) with dscale's FSDPPrecision; a full-state checkpoint.
+    # No gradient_clip_val: Lightning's FSDPPrecision, and so dscale's, refuses norm clipping.
+    def fsdp_plugin() -> Any:
+        return dscale_lightning.FSDPPrecision(dscale.GradScaler("cpu", init_scale=INIT_SCALE))
+
+    out["trainer-fsdp1"] = _fit(rank, fsdp_plugin(), STEPS, FSDP1LitNet(), clip=None).rows
+    first = _fit(rank, fsdp_plugin(), INF_STEP + 1, FSDP1LitNet(), clip=None)
+    path = f"{tmp}/trainer-fsdp1.ckpt"  # a folder: sharded state, the rest in meta.pt
+    first.trainer_ref.save_checkpoint(path)  # type: ignore[attr-defined]
+    checkpoint = torch.load(f"{path}/meta.pt", weights_only=False)
+    resumed = _fit(rank, fsdp_plugin(), STEPS, FSDP1LitNet(), clip=None, ckpt_path=path)
+    out["trainer-fsdp1-resume"] = {
+        "in_checkpoint": checkpoint.get("FSDPPrecision"),
+        "loaded": resumed.loaded_scaler,
+        "rows": resumed.rows,
+    }
+    # Lightning's own FSDPPrecision takes no scaler (and on the CPU no autocast either).
+    from lightning.pytorch.plugins.precision import FSDPPrecision as LightningFSDP
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "CUDA is not available ... Disabling"
+        lightning_fsdp = LightningFSDP("16-mixed")
+    out["trainer-fsdp1-lightning"] = {
+        "scaler": type(lightning_fsdp.scaler).__name__,
+        "scaler_enabled": lightning_fsdp.scaler.is_enabled(),
+        "rows": _fit(rank, lightning_fsdp, STEPS, FSDP1LitNet(), clip=None).rows,
     }
 
     masters = dscale_lightning.MasterWeightsPrecision({"init_scale": INIT_SCALE})

@@ -5,9 +5,10 @@ identical, the scale halves once, the LR schedule holds, and the scaler state su
 save/resume. The same runs with Lightning's own plugin and torch's scaler show what goes wrong.
 
 What runs here (CPU): Fabric DDP, Fabric ModelParallelStrategy (FSDP2), Fabric's FSDPPrecision
-around torch's FSDP1 (Lightning's FSDP strategy itself refuses CPU), "16-true" master weights in
-Fabric and the Trainer, and the Trainer under DDP and ModelParallelStrategy (FSDP2). Not here:
-Lightning's FSDP strategies (GPU only).
+around torch's FSDP1 (Fabric's FSDP strategy refuses CPU), "16-true" master weights in Fabric and
+the Trainer, and the Trainer under DDP, ModelParallelStrategy (FSDP2) and FSDPStrategy (FSDP1:
+Lightning's strategy through a subclass that passes its CPU check, the model wrapped in
+configure_model since Lightning's own wrapping names no CPU device).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ DSCALE_RUNS = [
     "fabric-masters",
     "trainer-dscale",
     "trainer-fsdp2",
+    "trainer-fsdp1",
     "trainer-masters",
 ]
 
@@ -107,7 +109,9 @@ def test_fabric_master_weights_checkpoint_holds_fp32_masters_and_the_scaler(runs
     assert runs[0]["trainer-masters"]["dtype"] == torch.float16
 
 
-@pytest.mark.parametrize(("resume_run", "full_run"), [("ddp", "dscale"), ("fsdp2", "fsdp2")])
+@pytest.mark.parametrize(
+    ("resume_run", "full_run"), [("ddp", "dscale"), ("fsdp2", "fsdp2"), ("fsdp1", "fsdp1")]
+)
 def test_trainer_checkpoint_resume_restores_the_scaler_and_continues_exactly(
     runs, resume_run: str, full_run: str
 ) -> None:
@@ -119,6 +123,14 @@ def test_trainer_checkpoint_resume_restores_the_scaler_and_continues_exactly(
         assert resume["loaded"] == saved
         full = runs[rank][f"trainer-{full_run}"][INF_STEP + 1 :]
         assert resume["rows"] == full
+
+
+def test_lightning_fsdp_precision_has_no_scaler_and_the_inf_reaches_the_weights(runs) -> None:
+    lightning = runs[0]["trainer-fsdp1-lightning"]
+    # It refuses any scaler it is given and builds torch's ShardedGradScaler, off on the CPU.
+    assert (lightning["scaler"], lightning["scaler_enabled"]) == ("ShardedGradScaler", False)
+    assert [r["finite"] for r in lightning["rows"]] == [step < INF_STEP for step in range(STEPS)]
+    assert all(r["finite"] for r in _rows(runs, "trainer-fsdp1", 0))
 
 
 # ----------------------------------------------------------------- single-process checks
