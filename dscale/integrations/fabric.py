@@ -1,4 +1,4 @@
-"""dscale in Lightning Fabric: precision plugins and a ModelParallelStrategy whose load() restores.
+"""dscale in Lightning Fabric: precision plugins, and FSDP strategies whose load() restores.
 
 Example::
 
@@ -17,8 +17,8 @@ Example::
 
 Lightning 2.6 limits worked around here: ``FSDPPrecision(scaler=...)`` raises for any scaler and
 its autocast is hard-coded to "cuda"; ``ModelParallelStrategy`` refuses ``precision="16-mixed"``
-as a string (a plugin instance is accepted) and its sharded ``load`` hands back the scaler's state
-as a dict instead of loading it. Not worked around: Fabric refuses the FSDP strategy on CPU, and
+as a string (a plugin instance is accepted), and its sharded ``load`` (ModelParallelStrategy,
+FSDPStrategy) hands back the scaler's state as a dict instead of loading it. Not worked around:
 ``clip_gradients`` raises on an overflow step unless ``error_if_nonfinite=False``.
 """
 
@@ -48,9 +48,16 @@ import torch  # noqa: E402
 from lightning.fabric.plugins.precision import FSDPPrecision as _FSDPPrecision  # noqa: E402
 from lightning.fabric.plugins.precision import HalfPrecision as _HalfPrecision  # noqa: E402
 from lightning.fabric.plugins.precision import MixedPrecision as _MixedPrecision  # noqa: E402
+from lightning.fabric.strategies import FSDPStrategy as _FSDPStrategy  # noqa: E402
 from lightning.fabric.strategies import ModelParallelStrategy as _ModelParallel  # noqa: E402
 
-__all__ = ["FSDPPrecision", "MasterWeightsPrecision", "MixedPrecision", "ModelParallelStrategy"]
+__all__ = [
+    "FSDPPrecision",
+    "FSDPStrategy",
+    "MasterWeightsPrecision",
+    "MixedPrecision",
+    "ModelParallelStrategy",
+]
 
 
 class MixedPrecision(_MixedPrecision):  # type: ignore[misc]
@@ -144,12 +151,12 @@ class MasterWeightsPrecision(_HalfPrecision):  # type: ignore[misc]
         self._masters.load_state_dict(state_dict)
 
 
-class ModelParallelStrategy(_ModelParallel):  # type: ignore[misc]
-    """Fabric's ModelParallelStrategy (FSDP2 / TP) whose ``load`` restores stateful objects.
+class _RestoresStatefulOnLoad:
+    """A Fabric strategy whose sharded ``load`` restores stateful objects in place.
 
-    Lightning 2.6's sharded-checkpoint load puts the saved dict where the object was (the scaler,
-    a precision plugin) instead of calling its ``load_state_dict``; this loads it and puts the
-    object back. Pass it as ``Fabric(strategy=ModelParallelStrategy(parallelize_fn), ...)``.
+    Lightning 2.6's sharded-checkpoint load (ModelParallelStrategy, FSDPStrategy) puts the saved
+    dict where the object was (the scaler, a precision plugin) instead of calling its
+    ``load_state_dict``; this loads it and puts the object back.
     """
 
     def load_checkpoint(
@@ -168,7 +175,7 @@ class ModelParallelStrategy(_ModelParallel):  # type: ignore[misc]
                 and callable(getattr(obj, "load_state_dict", None))
                 and callable(getattr(obj, "state_dict", None))
             }
-        remainder: dict[str, Any] = super().load_checkpoint(
+        remainder: dict[str, Any] = super().load_checkpoint(  # type: ignore[misc]
             path, state, strict=strict, weights_only=weights_only
         )
         for key, obj in stateful.items():
@@ -177,3 +184,17 @@ class ModelParallelStrategy(_ModelParallel):  # type: ignore[misc]
                 obj.load_state_dict(loaded)
                 state[key] = obj
         return remainder
+
+
+class ModelParallelStrategy(_RestoresStatefulOnLoad, _ModelParallel):  # type: ignore[misc]
+    """Fabric's ModelParallelStrategy (FSDP2 / TP) whose ``load`` restores stateful objects.
+
+    Pass it as ``Fabric(strategy=ModelParallelStrategy(parallelize_fn), ...)``.
+    """
+
+
+class FSDPStrategy(_RestoresStatefulOnLoad, _FSDPStrategy):  # type: ignore[misc]
+    """Fabric's FSDPStrategy (FSDP1) whose sharded ``load`` restores stateful objects.
+
+    Pass it as ``Fabric(strategy=FSDPStrategy(...), plugins=[FSDPPrecision(scaler)])``.
+    """

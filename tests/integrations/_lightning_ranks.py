@@ -103,30 +103,63 @@ def _fabric_run(rank: int, tmp: str, arm: str) -> dict[str, Any]:
     }
 
 
-def _fabric_fsdp1_run(rank: int) -> dict[str, Any]:
-    """Fabric's FSDP strategy refuses CPU; drive the FSDP plugin around torch's FSDP1 directly."""
+def _fabric_fsdp1_run(rank: int, tmp: str, strategy_from: str) -> dict[str, Any]:
+    """Fabric's FSDPStrategy (FSDP1) with dscale's FSDPPrecision; a sharded save and load.
+
+    ``strategy_from`` "dscale" is dscale_fabric.FSDPStrategy; "lightning" is Lightning's own,
+    through a subclass that changes nothing but passes Fabric's CPU check (``type(strategy) is
+    FSDPStrategy`` needs CUDA). The module is wrapped before setup_module, since Fabric's own
+    wrapping names no device, which torch's FSDP1 refuses on the CPU.
+    """
+    from lightning.fabric.strategies import FSDPStrategy as LightningFSDP
     from torch.distributed.fsdp import FullyShardedDataParallel
 
     import dscale
     from dscale.integrations import fabric as dscale_fabric
 
+    class CPUFSDPStrategy(LightningFSDP):  # type: ignore[misc]
+        pass
+
+    kind = dscale_fabric.FSDPStrategy if strategy_from == "dscale" else CPUFSDPStrategy
     scaler = dscale.GradScaler("cpu", init_scale=INIT_SCALE)
-    plugin = dscale_fabric.FSDPPrecision(scaler)
-    model = FullyShardedDataParallel(TinyNet(), device_id=torch.device("cpu"))
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    fabric = _fabric(kind(state_dict_type="sharded"), dscale_fabric.FSDPPrecision(scaler))
+    wrapped = FullyShardedDataParallel(TinyNet(), device_id=torch.device("cpu"))
+    model = fabric.setup_module(wrapped)
+    opt = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 0.9**i)
     rows = []
     for step in range(STEPS):
-        with plugin.forward_context():
+        with fabric.autocast():
             loss = model(batch(rank, step)).float().square().mean()
-        plugin.backward(loss, model)
+        fabric.backward(loss)
         if rank == 1 and step == INF_STEP:
             poison(model)
-        plugin.optimizer_step(opt)
+        fabric.clip_gradients(model, opt, max_norm=10.0)
+        opt.step()
         opt.zero_grad()
-        with FullyShardedDataParallel.summon_full_params(model):
-            params = flat_params(model)
-        rows.append({"scale": scaler.get_scale(), "params": params, "hidden": _hidden_dtype(model)})
-    return {"rows": rows, "state": plugin.state_dict()}
+        if scaler.step_applied():
+            sched.step()
+        with FullyShardedDataParallel.summon_full_params(wrapped):
+            params = flat_params(wrapped)
+        rows.append(
+            {
+                "scale": scaler.get_scale(),
+                "sched": sched.last_epoch,
+                "params": params,
+                "hidden": wrapped.module.hidden_dtype,
+            }
+        )
+    path = f"{tmp}/fabric-fsdp1-{strategy_from}"
+    fabric.save(path, {"model": model, "optimizer": opt, "scaler": scaler})
+    fresh = dscale.GradScaler("cpu")
+    state = {"model": model, "optimizer": opt, "scaler": fresh}
+    fabric.load(path, state)
+    return {
+        "rows": rows,
+        "saved": scaler.state_dict(),
+        "loaded": fresh.state_dict(),
+        "scaler_in_state": type(state["scaler"]).__name__,
+    }
 
 
 def _fabric_master_weights_run(rank: int, tmp: str) -> dict[str, Any]:
@@ -172,7 +205,8 @@ def lightning_checks(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for arm in ("ddp-dscale", "ddp-torch", "fsdp2-dscale", "fsdp2-torch"):
         out[f"fabric-{arm}"] = _fabric_run(rank, tmp, arm)
-    out["fabric-fsdp1-dscale"] = _fabric_fsdp1_run(rank)
+    out["fabric-fsdp1-dscale"] = _fabric_fsdp1_run(rank, tmp, "dscale")
+    out["fabric-fsdp1-lightning"] = _fabric_fsdp1_run(rank, tmp, "lightning")
     out["fabric-masters"] = _fabric_master_weights_run(rank, tmp)
     from tests.integrations._lightning_trainer import trainer_checks
 

@@ -4,11 +4,10 @@ An inf lands in rank 1's grads only, at one step. With dscale every rank skips, 
 identical, the scale halves once, the LR schedule holds, and the scaler state survives a
 save/resume. The same runs with Lightning's own plugin and torch's scaler show what goes wrong.
 
-What runs here (CPU): Fabric DDP, Fabric ModelParallelStrategy (FSDP2), Fabric's FSDPPrecision
-around torch's FSDP1 (Fabric's FSDP strategy refuses CPU), "16-true" master weights in Fabric and
-the Trainer, and the Trainer under DDP, ModelParallelStrategy (FSDP2) and FSDPStrategy (FSDP1:
-Lightning's strategy through a subclass that passes its CPU check, the model wrapped in
-configure_model since Lightning's own wrapping names no CPU device).
+What runs here (CPU): Fabric and the Trainer under DDP, ModelParallelStrategy (FSDP2) and
+FSDPStrategy (FSDP1), and "16-true" master weights. Lightning refuses its FSDP strategy on the
+CPU; a subclass that changes nothing passes that check, and the model is wrapped in FSDP1 before
+Lightning sees it, since Lightning's own wrapping names no CPU device.
 """
 
 from __future__ import annotations
@@ -82,7 +81,7 @@ def test_torch_scaler_in_lightning_ddp_lets_ranks_diverge(runs, run: str) -> Non
     assert [r["sched"] for r in _rows(runs, run, 1)] == ADVANCED
 
 
-@pytest.mark.parametrize("arm", ["ddp-dscale", "fsdp2-dscale"])
+@pytest.mark.parametrize("arm", ["ddp-dscale", "fsdp2-dscale", "fsdp1-dscale"])
 def test_fabric_save_and_load_restore_the_scaler(runs, arm: str) -> None:
     for rank in (0, 1):
         out = runs[rank][f"fabric-{arm}"]
@@ -91,10 +90,11 @@ def test_fabric_save_and_load_restore_the_scaler(runs, arm: str) -> None:
         assert out["saved"]["num_skipped_steps"] == 1
 
 
-def test_lightning_model_parallel_load_hands_back_a_dict_instead(runs) -> None:
-    # Lightning's own ModelParallelStrategy (sharded checkpoint): the scaler is replaced by its
-    # saved dict in `state` and the object itself keeps its fresh scale.
-    out = runs[0]["fabric-fsdp2-torch"]
+@pytest.mark.parametrize("arm", ["fsdp2-torch", "fsdp1-lightning"])
+def test_lightning_sharded_load_hands_back_a_dict_instead(runs, arm: str) -> None:
+    # Lightning's own ModelParallelStrategy and FSDPStrategy (sharded checkpoints): the scaler is
+    # replaced by its saved dict in `state` and the object itself keeps its fresh scale.
+    out = runs[0][f"fabric-{arm}"]
     assert out["scaler_in_state"] == "dict"
     assert out["loaded"]["scale"] == 2.0**16 != out["saved"]["scale"]
 
