@@ -6,6 +6,7 @@ sees the same data as the uninterrupted run.
 
 from __future__ import annotations
 
+import copy
 import warnings
 from typing import Any
 
@@ -39,7 +40,7 @@ class LitNet(L.LightningModule):
 
     def on_train_start(self) -> None:
         precision = self.trainer.precision_plugin
-        self.loaded_scaler = precision.state_dict()
+        self.loaded_scaler = copy.deepcopy(precision.state_dict())  # masters: live tensors
         if self.poison_inside_reduce:  # FP16Optimizer checks the grads inside backward()
             poison_after_reduce(self.trainer.strategy.model, self._poison_now)
 
@@ -227,10 +228,25 @@ def trainer_checks(rank: int, tmp: str) -> dict[str, Any]:
         "rows": _fit(rank, lightning_fsdp, STEPS, FSDP1LitNet(), clip=None).rows,
     }
 
-    masters = dscale_lightning.MasterWeightsPrecision({"init_scale": INIT_SCALE})
-    module = _fit(rank, masters, STEPS, LitNet(fused=False, poison_inside_reduce=True), clip=None)
+    def masters() -> Any:
+        return dscale_lightning.MasterWeightsPrecision({"init_scale": INIT_SCALE})
+
+    def masters_net() -> LitNet:
+        return LitNet(fused=False, poison_inside_reduce=True)
+
+    module = _fit(rank, masters(), STEPS, masters_net(), clip=None)
     out["trainer-masters"] = {
         "rows": module.rows,
         "dtype": next(module.net.parameters()).dtype,
+    }
+    first = _fit(rank, masters(), INF_STEP + 1, masters_net(), clip=None)
+    path = f"{tmp}/trainer-masters.ckpt"
+    first.trainer_ref.save_checkpoint(path)  # type: ignore[attr-defined]
+    checkpoint = torch.load(path, weights_only=False)
+    resumed = _fit(rank, masters(), STEPS, masters_net(), clip=None, ckpt_path=path)
+    out["trainer-masters-resume"] = {
+        "in_checkpoint": checkpoint.get("MasterWeightsPrecision"),
+        "loaded": resumed.loaded_scaler,  # the plugin's state as training restarts
+        "rows": resumed.rows,
     }
     return out

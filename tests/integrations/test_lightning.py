@@ -20,7 +20,7 @@ import torch
 
 import dscale
 from dscale.integrations import _support
-from tests.integrations._frameworks import INF_STEP, INIT_SCALE, STEPS
+from tests.integrations._frameworks import INF_STEP, INIT_SCALE, STEPS, same_state
 from tests.integrations._lightning_ranks import lightning_checks
 from tests.multirank import run_ranks
 
@@ -131,6 +131,17 @@ def test_lightning_fsdp_precision_has_no_scaler_and_the_inf_reaches_the_weights(
     assert (lightning["scaler"], lightning["scaler_enabled"]) == ("ShardedGradScaler", False)
     assert [r["finite"] for r in lightning["rows"]] == [step < INF_STEP for step in range(STEPS)]
     assert all(r["finite"] for r in _rows(runs, "trainer-fsdp1", 0))
+
+
+def test_trainer_master_weights_resume_restores_masters_and_scaler_exactly(runs) -> None:
+    for rank in (0, 1):
+        resume = runs[rank]["trainer-masters-resume"]
+        saved = resume["in_checkpoint"]["fp16_optimizers"][0]
+        assert saved["fp32_from_fp16"][0][0].dtype == torch.float32
+        assert saved["scaler"]["scale"] == INIT_SCALE / 2
+        full = runs[rank]["trainer-masters"]["rows"][INF_STEP + 1 :]
+        assert resume["rows"] == full
+        assert same_state(resume["loaded"], resume["in_checkpoint"])
 
 
 # ----------------------------------------------------------------- single-process checks
