@@ -102,7 +102,11 @@ def _train(rank: int, acc: Any, model: Any, opt: Any, sched: Any, steps: range) 
     return rows
 
 
-def _trainer_run(rank: int, tmp: str, scaler_kind: str) -> list[dict]:
+def _trainer_run(rank: int, tmp: str, scaler_kind: str, resume: bool = False) -> dict[str, Any]:
+    """The HF Trainer, fp16, fused AdamW; saves a checkpoint after the skipped step.
+
+    With ``resume``, a second Trainer resumes from that checkpoint and runs to the end.
+    """
     from accelerate.state import AcceleratorState, GradientState
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
@@ -127,7 +131,12 @@ def _trainer_run(rank: int, tmp: str, scaler_kind: str) -> list[dict]:
                 poison(model)  # after backward (DDP reduced), before clipping and step
             return loss
 
+    started: dict[str, Any] = {}
+
     class Record(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            started["scaler"] = trainer.accelerator.scaler.state_dict()
+
         def on_step_end(self, args, state, control, model=None, **kwargs):
             rows.append(
                 {
@@ -147,7 +156,9 @@ def _trainer_run(rank: int, tmp: str, scaler_kind: str) -> list[dict]:
         fp16=True,
         use_cpu=True,
         report_to="none",
-        save_strategy="no",
+        save_strategy="steps",
+        save_steps=INF_STEP + 1,
+        save_only_model=False,
         logging_strategy="no",
         disable_tqdm=True,
         ddp_find_unused_parameters=False,
@@ -159,8 +170,9 @@ def _trainer_run(rank: int, tmp: str, scaler_kind: str) -> list[dict]:
     else:
         trainer.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE)
         trainer.accelerator.native_amp = True
-    trainer.train()
-    return rows
+    checkpoint = f"{tmp}/trainer-{scaler_kind}/checkpoint-{INF_STEP + 1}"
+    trainer.train(resume_from_checkpoint=checkpoint if resume else None)
+    return {"rows": rows, "started": started, "checkpoint": checkpoint}
 
 
 def _accelerate_checks(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
@@ -191,6 +203,9 @@ def _accelerate_checks(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
 
     out["trainer-dscale"] = _trainer_run(rank, tmp, "dscale")
     out["trainer-torch"] = _trainer_run(rank, tmp, "torch")
+    resumed = _trainer_run(rank, tmp, "dscale", resume=True)
+    saved = torch.load(f"{resumed['checkpoint']}/scaler.pt", weights_only=True)
+    out["trainer-resume"] = {**resumed, "saved": saved}
     out.update(_fsdp2_checks(rank, tmp))  # last: accelerate leaves ACCELERATE_USE_FSDP set
 
     # Bad input, on the way through: said once and passed through, or a clear error.
@@ -345,17 +360,27 @@ def test_fsdp2_optimizer_loads_before_the_first_backward(runs) -> None:
 
 def test_hf_trainer_holds_its_lr_schedule_on_the_skipped_step_with_fused_adamw(runs) -> None:
     for rank in (0, 1):
-        rows = runs[rank]["trainer-dscale"]
+        rows = runs[rank]["trainer-dscale"]["rows"]
         assert [r["sched"] for r in rows] == _applied_so_far(SKIPS)
-    for a, b in zip(runs[0]["trainer-dscale"], runs[1]["trainer-dscale"], strict=True):
+    pairs = zip(runs[0]["trainer-dscale"]["rows"], runs[1]["trainer-dscale"]["rows"], strict=True)
+    for a, b in pairs:
         assert a["params"] == b["params"]
         assert a["lr"] == b["lr"]
 
 
 def test_hf_trainer_with_torch_scaler_advances_the_schedule_and_ranks_diverge(runs) -> None:
-    rows = {rank: runs[rank]["trainer-torch"] for rank in (0, 1)}
+    rows = {rank: runs[rank]["trainer-torch"]["rows"] for rank in (0, 1)}
     assert [r["sched"] for r in rows[1]] == list(range(1, STEPS + 1))
     assert rows[0][-1]["params"] != rows[1][-1]["params"]
+
+
+def test_hf_trainer_resume_restores_the_scaler_and_continues_exactly(runs) -> None:
+    for rank in (0, 1):
+        resume = runs[rank]["trainer-resume"]
+        assert resume["saved"]["scale"] == INIT_SCALE / 2
+        assert resume["saved"]["num_skipped_steps"] == 1
+        assert resume["started"]["scaler"] == resume["saved"]
+        assert resume["rows"] == runs[rank]["trainer-dscale"]["rows"][INF_STEP + 1 :]
 
 
 def test_bf16_accelerator_is_said_once_and_left_alone(runs) -> None:
