@@ -470,3 +470,31 @@ def test_only_a_step_with_no_backward_since_the_last_bypasses_the_scaler() -> No
     opt_b.step()
     assert torch.equal(second.weight, weight - 0.1)
     assert scaler.state_dict()["num_steps"] == counted
+
+
+@pytest.mark.parametrize("kind", ["dscale", "torch"])
+def test_limit_two_optimizers_behind_one_backward_unscale_with_the_backed_off_scale(kind) -> None:
+    # accelerate updates the scaler after each prepared optimizer's step (the README's limit):
+    # the first optimizer's inf halves the scale before the second unscales its grads.
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    acc = Accelerator(mixed_precision="fp16", cpu=True)
+    if kind == "dscale":
+        use_dscale(acc, dscale.GradScaler("cpu", init_scale=INIT_SCALE))
+    else:
+        acc.scaler = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE)
+        acc.native_amp = True
+    first, second = torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)
+    opt_a, opt_b = acc.prepare(
+        torch.optim.SGD(first.parameters(), lr=1.0), torch.optim.SGD(second.parameters(), lr=1.0)
+    )
+    acc.backward(second(first(torch.ones(2, 4))).float().sum())
+    true_grad = second.weight.grad / INIT_SCALE
+    first.weight.grad[0, 0] = float("inf")
+    weight = second.weight.detach().clone()
+    opt_a.step()
+    opt_b.step()
+    assert torch.allclose(weight - second.weight, 2 * true_grad)
