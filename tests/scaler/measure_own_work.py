@@ -1,0 +1,77 @@
+"""Measure dscale's own per-step work against ShardedGradScaler's, with the collective held equal.
+
+One gloo rank, so both scalers make the same one-float all-reduce at the cost of a local one and
+what is left is each scaler's Python and kernels. Precomputed grads, SGD, step + update minus a
+plain step, arms interleaved in rotating order; a second ShardedGradScaler is the A/A arm. Issue
+14's note quotes these figures.
+
+Run: .venv/bin/python tests/scaler/measure_own_work.py COUNT NUMEL foreach|fused [REPS]
+(e.g. 2000 1000 foreach; record `cat /proc/loadavg`)
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+import dscale
+
+ARMS = ("plain", "dscale", "sharded", "sharded_aa")
+
+
+def main(count: int, numel: int, impl: str, reps: int) -> None:
+    torch.set_num_threads(1)
+    params = [torch.nn.Parameter(torch.randn(numel)) for _ in range(count)]
+    grads = [torch.randn(numel) for _ in range(count)]
+    optimizer = torch.optim.SGD(params, lr=1e-6, **{impl: True})  # type: ignore[arg-type]
+    scalers = {
+        "dscale": dscale.GradScaler("cpu", init_scale=1.0),
+        "sharded": ShardedGradScaler("cpu", init_scale=1.0),
+        "sharded_aa": ShardedGradScaler("cpu", init_scale=1.0),
+    }
+    for scaler in scalers.values():
+        scaler.scale(torch.ones(1))
+
+    def run(arm: str) -> float:
+        for param, grad in zip(params, grads, strict=True):
+            param.grad = grad.mul(1.0)  # fresh grads each step, as after a backward
+        start = time.perf_counter()
+        if arm == "plain":
+            optimizer.step()
+        else:
+            scaler = scalers[arm]
+            if impl == "fused" and arm != "dscale":
+                scaler.unscale_(optimizer)  # the fused path makes no all-reduce otherwise
+            scaler.step(optimizer)
+            scaler.update()
+        return time.perf_counter() - start
+
+    times: dict[str, list[float]] = {arm: [] for arm in ARMS}
+    for rep in range(reps):
+        for arm in ARMS[rep % len(ARMS) :] + ARMS[: rep % len(ARMS)]:
+            times[arm].append(run(arm))
+    plain = statistics.median(times["plain"])
+    overhead = {arm: statistics.median(times[arm]) - plain for arm in ARMS[1:]}
+    for arm, value in overhead.items():
+        print(f"{arm:10s} overhead median {value * 1e6:8.1f} us")
+    print(
+        f"dscale / sharded {overhead['dscale'] / overhead['sharded']:.2f}, A/A (sharded_aa / "
+        f"sharded) {overhead['sharded_aa'] / overhead['sharded']:.2f}"
+    )
+
+
+if __name__ == "__main__":
+    count, numel, impl = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    reps = int(sys.argv[4]) if len(sys.argv) > 4 else 80
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group(
+            "gloo", store=dist.FileStore(f"{tmp}/store", 1), rank=0, world_size=1
+        )
+        main(count, numel, impl, reps)
+        dist.destroy_process_group()
