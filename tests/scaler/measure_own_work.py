@@ -1,9 +1,10 @@
 """Measure dscale's own per-step work against ShardedGradScaler's, with the collective held equal.
 
 One gloo rank, so both scalers make the same one-float all-reduce at the cost of a local one and
-what is left is each scaler's Python and kernels. Precomputed grads, SGD, step + update minus a
-plain step, arms interleaved in rotating order; a second ShardedGradScaler is the A/A arm. Issue
-14's note quotes these figures.
+what is left is each scaler's Python and kernels. Precomputed grads, SGD, step + update minus the
+plain step of the same repetition, arms interleaved in rotating order; a second
+ShardedGradScaler is the A/A arm; ratios with dscale.bench's bootstrap intervals. The README's
+speed section quotes these figures.
 
 Run: .venv/bin/python tests/scaler/measure_own_work.py COUNT NUMEL foreach|fused [REPS]
 (e.g. 2000 1000 foreach; record `cat /proc/loadavg`)
@@ -21,6 +22,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 import dscale
+from dscale.bench._stats import METHOD, noise, ratio_interval
 
 ARMS = ("plain", "dscale", "sharded", "sharded_aa")
 
@@ -56,14 +58,24 @@ def main(count: int, numel: int, impl: str, reps: int) -> None:
     for rep in range(reps):
         for arm in ARMS[rep % len(ARMS) :] + ARMS[: rep % len(ARMS)]:
             times[arm].append(run(arm))
-    plain = statistics.median(times["plain"])
-    overhead = {arm: statistics.median(times[arm]) - plain for arm in ARMS[1:]}
-    for arm, value in overhead.items():
-        print(f"{arm:10s} overhead median {value * 1e6:8.1f} us")
-    print(
-        f"dscale / sharded {overhead['dscale'] / overhead['sharded']:.2f}, A/A (sharded_aa / "
-        f"sharded) {overhead['sharded_aa'] / overhead['sharded']:.2f}"
-    )
+    # Paired overheads (the plain step of the same repetition subtracted), as dscale.bench does.
+    paired = {
+        arm: [(t - p) * 1e6 for t, p in zip(times[arm], times["plain"], strict=True)]
+        for arm in ARMS[1:]
+    }
+    print(f"{count} x {numel}, SGD {impl}, {reps} repetitions ({METHOD})")
+    for arm in ARMS[1:]:
+        print(f"  {arm:10s} overhead median {statistics.median(paired[arm]):8.1f} us")
+    aa = ratio_interval(paired["sharded_aa"], paired["sharded"])
+    for name, ratio in (
+        ("dscale / sharded", ratio_interval(paired["dscale"], paired["sharded"])),
+        ("A/A sharded_aa / sharded", aa),
+    ):
+        print(
+            f"  {name:25s} {ratio['estimate']:.2f} [{ratio['low']:.2f}, {ratio['high']:.2f}] "
+            f"{ratio['verdict']}"
+        )
+    print(f"  noise: {noise(aa)}")
 
 
 if __name__ == "__main__":
