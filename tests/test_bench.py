@@ -9,12 +9,15 @@ import argparse
 import itertools
 import json
 import math
+import multiprocessing
+import os
 from collections import Counter
 
 import pytest
 import torch
 
 from dscale.bench import _cli
+from dscale.bench._ranks import pin_to_own_core
 from dscale.bench._report import render
 from dscale.bench._syncs import count_host_syncs
 from dscale.bench._timing import balanced_orders
@@ -73,6 +76,7 @@ def test_unscale_pass_and_sweep_are_reported(result) -> None:
 def test_two_rank_no_wrapper_ddp_and_fsdp2_arms_are_reported_with_an_aa_arm(result) -> None:
     dist_result = result["distributed"]
     assert dist_result["world_size"] == 2
+    assert dist_result["pinned_to_own_cores"] is (len(os.sched_getaffinity(0)) >= 2)
     no_wrapper = dist_result["no_wrapper_steps"]
     assert [(s["count"], s["impl"]) for s in no_wrapper] == [(4, "foreach"), (4, "fused")]
     for scenario in no_wrapper:
@@ -165,3 +169,17 @@ def test_a_malformed_scenario_is_refused_with_the_format(bad) -> None:
         _cli.main(["--scenario", bad])
     with pytest.raises(argparse.ArgumentTypeError, match="COUNT"):
         _cli.parse_scenario(bad)
+
+
+def _pin_and_report(rank: int, world_size: int) -> tuple[int | None, set[int]]:
+    return pin_to_own_core(rank, world_size), os.sched_getaffinity(0)
+
+
+def test_each_rank_is_pinned_to_a_core_of_its_own_only_when_there_are_enough() -> None:
+    cores = sorted(os.sched_getaffinity(0))
+    # A fresh process for each call: never pin the test process, nor reuse a pinned worker.
+    with multiprocessing.get_context("spawn").Pool(1, maxtasksperchild=1) as pool:
+        if len(cores) >= 2:
+            assert pool.apply(_pin_and_report, (1, 2)) == (cores[1], {cores[1]})
+        # More ranks than cores: nothing is pinned, the process keeps every core it had.
+        assert pool.apply(_pin_and_report, (0, len(cores) + 1)) == (None, set(cores))

@@ -122,6 +122,8 @@ def render(result: dict[str, Any]) -> str:
     dist_result = result.get("distributed")
     if dist_result:
         ranks = f"{dist_result['world_size']} ranks gloo"
+        if dist_result.get("pinned_to_own_cores"):
+            ranks += " (each pinned to a core of its own)"
         for impl in ("foreach", "fused"):
             rows = [(_label(s), s) for s in dist_result["no_wrapper_steps"] if s["impl"] == impl]
             if rows:

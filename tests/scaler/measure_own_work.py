@@ -33,7 +33,9 @@ def main(count: int, numel: int, impl: str, reps: int) -> None:
     grads = [torch.randn(numel) for _ in range(count)]
     optimizer = torch.optim.SGD(params, lr=1e-6, **{impl: True})  # type: ignore[arg-type]
     scalers = {
-        "dscale": dscale.GradScaler("cpu", init_scale=1.0),
+        "dscale": dscale.GradScaler(
+            "cpu", init_scale=1.0, process_group=dist.group.WORLD
+        ),  # given, so it all-reduces over one rank as ShardedGradScaler does
         "sharded": ShardedGradScaler("cpu", init_scale=1.0),
         "sharded_aa": ShardedGradScaler("cpu", init_scale=1.0),
     }
