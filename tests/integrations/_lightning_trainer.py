@@ -200,7 +200,7 @@ def trainer_checks(rank: int, tmp: str) -> dict[str, Any]:
         "rows": resumed.rows,
     }
 
-    # Lightning's FSDP strategy (FSDP1) with dscale's FSDPPrecision; a full-state checkpoint.
+    # Lightning's FSDP strategy (FSDP1) with dscale's FSDPPrecision; a sharded checkpoint.
     # No gradient_clip_val: Lightning's FSDPPrecision, and so dscale's, refuses norm clipping.
     def fsdp_plugin() -> Any:
         return dscale_lightning.FSDPPrecision(dscale.GradScaler("cpu", init_scale=INIT_SCALE))
