@@ -17,12 +17,14 @@ import pytest
 import torch
 
 from dscale.bench import _cli
+from dscale.bench._arms import FLOOR, INIT_SCALE, make_optimizer, make_scaler
 from dscale.bench._ranks import pin_to_own_core
 from dscale.bench._report import render
 from dscale.bench._syncs import count_host_syncs
 from dscale.bench._timing import balanced_orders
+from tests.multirank import run_ranks
 
-STEP_ARMS = {"plain", "dscale", "torch", "torch_aa", "sharded"}
+STEP_ARMS = {"plain", "dscale", "torch", "torch_aa", "sharded", "floor"}
 INTERVAL_KEYS = {"estimate", "low", "high", "verdict"}
 
 
@@ -47,7 +49,12 @@ def test_every_single_process_scenario_has_every_arm(result) -> None:
         for arm in scenario["arms"].values():
             _finite_arm(arm)
             assert arm["reps"] == len(arm["paired_overheads_us"]) == 2
-        assert set(scenario["ratios"]) == {"dscale/torch", "dscale/sharded", "torch_aa/torch"}
+        assert set(scenario["ratios"]) == {
+            "dscale/torch",
+            "dscale/sharded",
+            "torch_aa/torch",
+            "floor/torch",
+        }
         for interval in scenario["ratios"].values():
             assert set(interval) == INTERVAL_KEYS
 
@@ -81,11 +88,12 @@ def test_two_rank_no_wrapper_ddp_and_fsdp2_arms_are_reported_with_an_aa_arm(resu
     assert [(s["count"], s["impl"]) for s in no_wrapper] == [(4, "foreach"), (4, "fused")]
     for scenario in no_wrapper:
         fused = scenario["impl"] == "fused"
-        arms = {"plain", "dscale", "torch", "sharded", "sharded_aa"}
-        ratios = {"dscale/sharded", "dscale/torch", "sharded_aa/sharded"}
+        arms = {"plain", "dscale", "torch", "sharded", "sharded_aa", "floor"}
+        ratios = {"dscale/sharded", "dscale/torch", "sharded_aa/sharded", "floor/sharded"}
         # Fused: ShardedGradScaler's ranks do not agree; the agreeing peer calls unscale_() first.
         assert set(scenario["arms"]) == arms | ({"sharded_unscaled"} if fused else set())
-        assert set(scenario["ratios"]) == ratios | ({"dscale/sharded_unscaled"} if fused else set())
+        unscaled = {"dscale/sharded_unscaled", "floor/sharded_unscaled"}
+        assert set(scenario["ratios"]) == ratios | (unscaled if fused else set())
     peers = {"plain", "dscale", "sharded", "sharded_aa", "dscale+hook"}
     assert set(dist_result["ddp"]["arms"]) == peers | {"torch"}
     assert set(dist_result["fsdp2"]["arms"]) == peers
@@ -183,3 +191,63 @@ def test_each_rank_is_pinned_to_a_core_of_its_own_only_when_there_are_enough() -
             assert pool.apply(_pin_and_report, (1, 2)) == (cores[1], {cores[1]})
         # More ranks than cores: nothing is pinned, the process keeps every core it had.
         assert pool.apply(_pin_and_report, (0, len(cores) + 1)) == (None, set(cores))
+
+
+def _floor_against(peer, floor, optimizer: str, impl: str, inf_on_rank: int | None, rank: int):
+    """Params of ``peer`` and of the floor arm after three steps, the third with an inf."""
+    outcomes = []
+    for scaler in (peer, floor):
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(n)) for n in (3, 300, 7)]
+        opt = make_optimizer(params, optimizer, impl)
+        history = []
+        for step in range(3):
+            for param in params:
+                param.grad = torch.randn(param.shape) * INIT_SCALE
+            if step == 2 and rank == inf_on_rank:
+                params[1].grad[5] = float("inf")
+            scaler.step(opt)
+            scaler.update()
+            history.append([p.detach().clone() for p in params])
+        outcomes.append(history)
+    return outcomes
+
+
+@pytest.mark.parametrize("impl", ["foreach", "fused"])
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_the_floor_arm_does_torchs_work_and_skips_as_torch_does(optimizer, impl) -> None:
+    """The floor is only a floor if it computes what torch's scaler computes, skip included."""
+    cpu = torch.device("cpu")
+    peer, floor = _floor_against(
+        make_scaler("torch", cpu), make_scaler(FLOOR, cpu), optimizer, impl, 0, 0
+    )
+    for step, (want, got) in enumerate(zip(peer, floor, strict=True)):
+        for a, b in zip(want, got, strict=True):
+            assert torch.equal(a, b), (step, optimizer, impl)
+    assert all(torch.equal(a, b) for a, b in zip(floor[1], floor[2], strict=True))  # skipped
+
+
+def _floor_on_ranks(rank: int, world_size: int) -> list[bool]:
+    cpu = torch.device("cpu")
+    same = []
+    for impl in ("foreach", "fused"):
+        # ShardedGradScaler agrees through unscale_(); the floor's all-reduce must match it.
+        sharded = make_scaler("sharded", cpu)
+        unscale_then_step = sharded.step
+
+        def step(opt, _sharded=sharded, _step=unscale_then_step):
+            _sharded.unscale_(opt)
+            return _step(opt)
+
+        sharded.step = step
+        peer, floor = _floor_against(sharded, make_scaler(FLOOR, cpu), "sgd", impl, 1, rank)
+        same.append(
+            all(torch.equal(a, b) for w, g in zip(peer, floor) for a, b in zip(w, g))
+            and all(torch.equal(a, b) for a, b in zip(floor[1], floor[2]))
+        )
+    return same
+
+
+def test_the_floor_arm_agrees_across_ranks_as_sharded_grad_scaler_does() -> None:
+    """An inf on rank 1 only: the floor skips on both ranks, as ShardedGradScaler after unscale_."""
+    assert run_ranks(_floor_on_ranks, world_size=2) == {0: [True, True], 1: [True, True]}

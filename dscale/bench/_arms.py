@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 import dscale
 
@@ -24,6 +25,8 @@ AA_SUFFIX = "_aa"
 # optimizer this is what makes the ranks agree: its fused path skips the all-reduce (torch 2.13),
 # so one rank's inf is skipped on that rank only. With it, it makes dscale's one collective.
 UNSCALE_SUFFIX = "_unscaled"
+# Not a scaler anyone ships: the least work any scaler that keeps torch's numbers must do.
+FLOOR = "floor"
 
 
 def make_optimizer(
@@ -43,6 +46,8 @@ def make_optimizer(
 def make_scaler(name: str, device: torch.device) -> Any:
     """A scaler by arm name with its scale already initialised (as the first scale() call does)."""
     name = name.removesuffix(AA_SUFFIX).removesuffix(UNSCALE_SUFFIX)
+    if name == FLOOR:
+        return FloorScaler(device)
     if name == "dscale":
         scaler: Any = dscale.GradScaler(device.type, init_scale=INIT_SCALE)
     elif name == "torch":
@@ -69,3 +74,50 @@ def scaler_step(
         scaler.update()
 
     return run
+
+
+class FloorScaler:
+    """The floor of a scaler's overhead: the work no scaler can drop and keep torch's numbers.
+
+    One ``_amp_foreach_non_finite_check_and_unscale_`` over the grads (the pass torch's scalers
+    make: it unscales as it checks), a one-float all-reduce of the flag when there are several
+    ranks, and the decision; nothing else: no grouping, no checks of the input, no scale update,
+    no state. A fused optimizer gets the flag and decides on the device, as with torch.
+    ``floor / peer`` is the lowest ratio against that peer any such scaler could reach.
+    """
+
+    def __init__(
+        self, device: torch.device, init_scale: float = INIT_SCALE, agree: bool | None = None
+    ) -> None:
+        self._init_scale = init_scale
+        self._inv_scale = torch.full((), 1.0 / init_scale, device=device)
+        self._found = torch.zeros((), device=device)
+        # All-reduce the flag: by default when there are several ranks.
+        self._agree = (
+            dist.is_initialized() and dist.get_world_size() > 1 if agree is None else agree
+        )
+
+    def scale(self, outputs: torch.Tensor) -> torch.Tensor:
+        return outputs * self._init_scale
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        grads = [
+            p.grad
+            for group in optimizer.param_groups
+            for p in group["params"]
+            if p.grad is not None
+        ]
+        self._found.zero_()
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, self._found, self._inv_scale)
+        if self._agree:
+            dist.all_reduce(self._found)
+        if getattr(optimizer, "_step_supports_amp_scaling", False):
+            optimizer.found_inf = self._found  # type: ignore[attr-defined]
+            optimizer.grad_scale = None  # type: ignore[attr-defined]
+            optimizer.step()
+            del optimizer.found_inf, optimizer.grad_scale  # type: ignore[attr-defined]
+        elif not self._found.item():
+            optimizer.step()
+
+    def update(self) -> None:
+        """The scale stays: a growth every 2000 steps costs nothing that counts."""

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.multiprocessing.spawn import start_processes
 
-from dscale.bench._arms import make_scaler
+from dscale.bench._arms import FLOOR, make_scaler
 from dscale.bench._single import Grads, step_arms
 from dscale.bench._stats import compare
 from dscale.bench._timing import Arm, run_interleaved, summarize
@@ -37,12 +37,17 @@ from dscale.bench._timing import Arm, run_interleaved, summarize
 TIMEOUT = timedelta(seconds=120)
 WARMUP = 2
 PEER_PAIRS = (("dscale", "sharded"), ("dscale+hook", "sharded"), ("sharded_aa", "sharded"))
-NO_WRAPPER_ARMS = ("dscale", "torch", "sharded", "sharded_aa")
-NO_WRAPPER_PAIRS = (("dscale", "sharded"), ("dscale", "torch"), ("sharded_aa", "sharded"))
+NO_WRAPPER_ARMS = ("dscale", "torch", "sharded", "sharded_aa", FLOOR)
+NO_WRAPPER_PAIRS = (
+    ("dscale", "sharded"),
+    ("dscale", "torch"),
+    ("sharded_aa", "sharded"),
+    (FLOOR, "sharded"),
+)
 # Fused optimizers: ShardedGradScaler makes no collective there (its ranks do not agree), so the
 # peer that makes the same collective as dscale is it with unscale_() first.
 FUSED_ARMS = (*NO_WRAPPER_ARMS, "sharded_unscaled")
-FUSED_PAIRS = (("dscale", "sharded_unscaled"), *NO_WRAPPER_PAIRS)
+FUSED_PAIRS = (("dscale", "sharded_unscaled"), *NO_WRAPPER_PAIRS, (FLOOR, "sharded_unscaled"))
 
 
 def _mlp(width: int, depth: int) -> nn.Sequential:

@@ -14,6 +14,7 @@ import torch
 
 from dscale._unscale import check_and_unscale_, group_by_device_and_dtype
 from dscale.bench._arms import (
+    FLOOR,
     INIT_SCALE,
     UNSCALE_SUFFIX,
     make_optimizer,
@@ -25,8 +26,9 @@ from dscale.bench._syncs import count_host_syncs
 from dscale.bench._timing import Arm, run_interleaved, summarize
 
 # Single process: dscale against both peers, and torch's scaler against itself (the A/A arm).
-ARMS = ("dscale", "torch", "torch_aa", "sharded")
-PAIRS = (("dscale", "torch"), ("dscale", "sharded"), ("torch_aa", "torch"))
+# The floor arm says how far below torch any scaler keeping torch's numbers could go.
+ARMS = ("dscale", "torch", "torch_aa", "sharded", FLOOR)
+PAIRS = (("dscale", "torch"), ("dscale", "sharded"), ("torch_aa", "torch"), (FLOOR, "torch"))
 
 
 class Grads:

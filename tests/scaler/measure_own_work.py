@@ -22,9 +22,10 @@ import torch.distributed as dist
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 import dscale
+from dscale.bench._arms import FloorScaler
 from dscale.bench._stats import METHOD, noise, ratio_interval
 
-ARMS = ("plain", "dscale", "sharded", "sharded_aa")
+ARMS = ("plain", "dscale", "sharded", "sharded_aa", "floor")
 
 
 def main(count: int, numel: int, impl: str, reps: int) -> None:
@@ -38,6 +39,7 @@ def main(count: int, numel: int, impl: str, reps: int) -> None:
         ),  # given, so it all-reduces over one rank as ShardedGradScaler does
         "sharded": ShardedGradScaler("cpu", init_scale=1.0),
         "sharded_aa": ShardedGradScaler("cpu", init_scale=1.0),
+        "floor": FloorScaler(torch.device("cpu"), init_scale=1.0, agree=True),
     }
     for scaler in scalers.values():
         scaler.scale(torch.ones(1))
@@ -50,7 +52,7 @@ def main(count: int, numel: int, impl: str, reps: int) -> None:
             optimizer.step()
         else:
             scaler = scalers[arm]
-            if impl == "fused" and arm != "dscale":
+            if impl == "fused" and arm.startswith("sharded"):
                 scaler.unscale_(optimizer)  # the fused path makes no all-reduce otherwise
             scaler.step(optimizer)
             scaler.update()
@@ -71,6 +73,8 @@ def main(count: int, numel: int, impl: str, reps: int) -> None:
     aa = ratio_interval(paired["sharded_aa"], paired["sharded"])
     for name, ratio in (
         ("dscale / sharded", ratio_interval(paired["dscale"], paired["sharded"])),
+        ("dscale / floor", ratio_interval(paired["dscale"], paired["floor"])),
+        ("floor / sharded", ratio_interval(paired["floor"], paired["sharded"])),
         ("A/A sharded_aa / sharded", aa),
     ):
         print(

@@ -71,7 +71,7 @@ OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], list[dict[str, Any]], t
     "Muon": (torch.optim.Muon, [{"lr": 0.01}, {"lr": 0.01, "nesterov": False}], ("for-loop",)),
 }
 # Not in the matrix, with the reason: LBFGS needs a closure (refused by every GradScaler while
-# enabled); SparseAdam takes sparse grads only, covered in test_api.
+# enabled); SparseAdam takes sparse grads only: test_sparse_grads_skip_and_unscale_as_torch_does.
 NOT_COVERED = {"LBFGS", "SparseAdam", "Optimizer"}
 
 
@@ -212,3 +212,58 @@ def test_sync_free_refuses_a_python_int_step_at_the_first_step() -> None:
     scaler = decide_on_device(dscale.GradScaler("cpu", sync_free=True))
     with pytest.raises(ValueError, match=r"_IntStepSGD: its state 'step' is a Python int"):
         _run(scaler, lambda p: _IntStepSGD(p, int_step=True), ())
+
+
+class _TorchAllowingFp16(torch.amp.GradScaler):
+    """torch's scaler with its fp16-grad path on (ShardedGradScaler's): the fp16 oracle."""
+
+    def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
+        return super()._unscale_grads_(optimizer, inv_scale, found_inf, True)
+
+
+def _sparse_run(scaler: Any, make_opt, dtype: torch.dtype) -> list[Any]:
+    """A sparse embedding's grads set by hand, so one step can carry duplicate indices."""
+    weight = nn.Parameter(torch.linspace(-1.0, 1.0, 40).reshape(10, 4).to(dtype))
+    opt = make_opt([weight])
+    scale = 2.0**8
+    history = []
+    for step in range(5):
+        rows = [[1, 3, 3, 7]]  # row 3 twice: coalescing adds the two
+        values = torch.full((4, 4), 0.25 * (step + 1))
+        if step == 2:  # fp16: 200 * 256 each, finite; summed on coalescing, past fp16's max
+            values[1:3] = 200.0
+        if step == 3:
+            values[0, 0] = float("inf")
+        scaler.scale(torch.ones(()))  # the scale exists from the first backward on
+        weight.grad = torch.sparse_coo_tensor(rows, (values * scale).to(dtype), (10, 4))
+        scaler.step(opt)
+        scaler.update()
+        scale = scaler.get_scale()
+        history.append((weight.detach().clone(), scale))
+    return history
+
+
+@pytest.mark.parametrize(
+    ("make_opt", "dtype"),
+    [
+        (lambda p: torch.optim.SparseAdam(p, lr=0.01), torch.float32),
+        (lambda p: torch.optim.Adagrad(p, lr=0.1), torch.float32),
+        (lambda p: torch.optim.SGD(p, lr=0.1), torch.float32),
+        (lambda p: torch.optim.SGD(p, lr=0.1), torch.float16),  # the others refuse fp16 params
+    ],
+    ids=["SparseAdam", "Adagrad", "SGD", "SGD-fp16"],
+)
+def test_sparse_grads_skip_and_unscale_as_torch_does(make_opt, dtype) -> None:
+    """Sparse grads are checked by their values, fp16 ones once coalesced (duplicates add up)."""
+    if (
+        dtype is torch.float16
+        and make_opt([nn.Parameter(torch.zeros(1))]).__class__ is not torch.optim.SGD
+    ):
+        pytest.skip("SparseAdam and Adagrad refuse fp16 parameters on the CPU")
+    want = _sparse_run(_TorchAllowingFp16("cpu", init_scale=2.0**8), make_opt, dtype)
+    got = _sparse_run(dscale.GradScaler("cpu", init_scale=2.0**8), make_opt, dtype)
+    for step, ((w_want, s_want), (w_got, s_got)) in enumerate(zip(want, got, strict=True)):
+        assert s_got == s_want, step
+        assert torch.equal(w_got, w_want), step
+    skipped = [step for step in range(1, 5) if want[step][1] < want[step - 1][1]]
+    assert skipped == ([2, 3] if dtype is torch.float16 else [3])
