@@ -48,7 +48,7 @@ def masked_step(
 ) -> Any:
     """Run ``run_step()`` and undo its effect on the device where ``found_inf > 0``."""
     params = _params(optimizer)
-    fresh = params_without_state(optimizer)
+    had_state = ids_with_state(optimizer)
     with torch.no_grad():
         old_params = [p.clone() for p in params]
         old_state: dict[torch.Tensor, dict[Any, tuple[Any, Any]]] = {
@@ -60,6 +60,7 @@ def masked_step(
             if p in optimizer.state
         }
     result = run_step()
+    fresh = state_created_since(optimizer, had_state)
     skip = _SkipMask(found_inf)
     new_keys: list[tuple[torch.Tensor, Any]] = []
     with torch.no_grad():
@@ -116,11 +117,27 @@ def _refuse(
     )
 
 
-def params_without_state(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """Parameters whose optimizer state the next step will create (none once all have state)."""
+def ids_with_state(optimizer: torch.optim.Optimizer) -> set[int] | None:
+    """ids of the parameters that have optimizer state, or None when all have (none can come).
+
+    Taken before a step, for :func:`state_created_since` after it.
+    """
     if len(optimizer.state) >= sum(len(g["params"]) for g in optimizer.param_groups):
-        return []  # the common case after the first step: no Python loop over the parameters
-    return [p for p in _params(optimizer) if p not in optimizer.state]
+        return None  # the common case after the first step: no Python loop over the parameters
+    return set(map(id, optimizer.state))
+
+
+def state_created_since(
+    optimizer: torch.optim.Optimizer, before: set[int] | None
+) -> list[torch.Tensor]:
+    """Parameters that got optimizer state since ``before`` was taken.
+
+    Empty, at the cost of two len() calls, when the step created none: an optimizer that keeps
+    no state (SGD without momentum) never gets here, so it never needs the flag on the host.
+    """
+    if before is None or len(optimizer.state) <= len(before):
+        return []
+    return [p for p in optimizer.state if id(p) not in before]
 
 
 def remove_state_created_by_skipped_step(

@@ -15,9 +15,10 @@ import torch
 
 from dscale import _agreement, _dist, _policy, _predictive, _predictive_state, _state
 from dscale._masked_step import (
+    ids_with_state,
     masked_step,
-    params_without_state,
     remove_state_created_by_skipped_step,
+    state_created_since,
 )
 from dscale._policy import COUNTER_NAMES
 from dscale._reduction_hooks import AttachRefusal, ReductionHooks
@@ -429,12 +430,13 @@ class GradScaler(TorchGradScalerSurface):
             scale = self._require_scale("step")
             optimizer.grad_scale = None if was_unscaled else scale  # type: ignore[attr-defined]
             optimizer.found_inf = flag  # type: ignore[attr-defined]
-            fresh = params_without_state(optimizer)
+            before = ids_with_state(optimizer)
             try:
                 retval = optimizer.step(*args, **kwargs)
             finally:
                 del optimizer.grad_scale  # type: ignore[attr-defined]
                 del optimizer.found_inf  # type: ignore[attr-defined]
+            fresh = state_created_since(optimizer, before)
             if fresh:
                 remove_state_created_by_skipped_step(optimizer, fresh, flag)
             self._outcomes[id(optimizer)] = self._decide_on_host(state) if on_host else flag

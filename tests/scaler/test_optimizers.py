@@ -128,6 +128,20 @@ def test_fused_and_sync_free_steps_read_nothing_back_from_the_device(monkeypatch
             assert reads == ["item"], policy
 
 
+def test_an_optimizer_that_keeps_no_state_costs_no_host_read_on_any_step(monkeypatch) -> None:
+    # SGD without momentum never creates state, so no step is "the one that creates it": with
+    # the device-side decision it reads nothing back, the first step included.
+    stateless = {
+        "fused": lambda p: torch.optim.SGD(p, lr=0.1, fused=True),
+        "foreach": lambda p: torch.optim.SGD(p, lr=0.1, foreach=True),
+    }
+    for sync_free, factory in ((False, "fused"), (True, "foreach"), (True, "fused")):
+        for warm_up in (False, True):
+            scaler = decide_on_device(dscale.GradScaler("cpu", sync_free=sync_free))
+            reads = _count_host_reads(monkeypatch, scaler, stateless[factory], warm_up=warm_up)
+            assert reads == [], (sync_free, factory, warm_up)
+
+
 @pytest.mark.parametrize("policy", ["dynamic", "predictive"])
 def test_on_the_cpu_fused_and_sync_free_steps_decide_on_the_host(monkeypatch, policy) -> None:
     # The flag is in host memory there: one read of the agreed vector, no masked step, and an
