@@ -24,10 +24,8 @@ def phases(
 ) -> dict[str, Any]:
     """Median and min microseconds of each phase, per scaler (SGD foreach)."""
     grads = Grads(count, numel, device)
-    arms = [
-        (name, make_scaler(name, device), make_optimizer(grads.params, "sgd", "foreach"))
-        for name in SCALERS
-    ]
+    opt = make_optimizer(grads.params, "sgd", "foreach")  # one, as in the step tables
+    arms = [(name, make_scaler(name, device), opt) for name in SCALERS]
     times: dict[str, dict[str, list[float]]] = {n: {p: [] for p in PHASES} for n in SCALERS}
     for rep in range(warmup + reps):
         shift = rep % len(arms)
