@@ -3,8 +3,9 @@
 One gloo rank, so both scalers make the same one-float all-reduce at the cost of a local one and
 what is left is each scaler's Python and kernels. Precomputed grads, SGD, step + update minus the
 plain step of the same repetition, arms interleaved in rotating order; a second
-ShardedGradScaler is the A/A arm; ratios with dscale.bench's bootstrap intervals. The README's
-speed section quotes these figures.
+ShardedGradScaler is the A/A arm, and dscale.bench's floor arm (torch's kernel, the all-reduce,
+the decision, nothing else) bounds what any scaler could win; ratios with dscale.bench's
+bootstrap intervals. The README's speed section quotes these figures.
 
 Run: .venv/bin/python tests/scaler/measure_own_work.py COUNT NUMEL foreach|fused [REPS]
 (e.g. 2000 1000 foreach; record `cat /proc/loadavg`)
