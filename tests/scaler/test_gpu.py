@@ -42,6 +42,9 @@ def _iteration(model, opt, scaler, poison: bool) -> None:
         ("adamw-fused", lambda p: torch.optim.AdamW(p, lr=1e-3, fused=True), False),
         ("adam-capturable", lambda p: torch.optim.Adam(p, lr=1e-3, capturable=True), True),
         ("sgd-foreach", lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), True),
+        # No momentum: no state, so no step creates any and none may read the flag.
+        ("sgd-fused-stateless", lambda p: torch.optim.SGD(p, lr=0.1, fused=True), False),
+        ("sgd-foreach-stateless", lambda p: torch.optim.SGD(p, lr=0.1), True),
     ],
 )
 def test_fused_and_sync_free_steps_never_sync(name, make_opt, sync_free) -> None:
