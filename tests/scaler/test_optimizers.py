@@ -142,6 +142,20 @@ def test_an_optimizer_that_keeps_no_state_costs_no_host_read_on_any_step(monkeyp
             assert reads == [], (sync_free, factory, warm_up)
 
 
+def test_a_frozen_parameter_in_the_optimizer_costs_no_host_read_after_the_first_step(
+    monkeypatch,
+) -> None:
+    # Fine-tuning: a frozen parameter (no grad, so never any state) handed to the optimizer
+    # with the rest. Only the first step, which creates the others' state, reads the flag.
+    frozen = nn.Parameter(torch.zeros(3), requires_grad=False)
+    for sync_free, make in (
+        (False, lambda p: torch.optim.Adam([*p, frozen], lr=1e-2, fused=True)),
+        (True, lambda p: torch.optim.SGD([*p, frozen], lr=0.1, momentum=0.9)),
+    ):
+        scaler = decide_on_device(dscale.GradScaler("cpu", sync_free=sync_free))
+        assert _count_host_reads(monkeypatch, scaler, make, warm_up=True) == [], sync_free
+
+
 @pytest.mark.parametrize("policy", ["dynamic", "predictive"])
 def test_on_the_cpu_fused_and_sync_free_steps_decide_on_the_host(monkeypatch, policy) -> None:
     # The flag is in host memory there: one read of the agreed vector, no masked step, and an
