@@ -35,6 +35,10 @@ def _iteration(model, opt, scaler, poison: bool) -> None:
         torch.cuda.set_sync_debug_mode("default")
 
 
+def _frozen() -> nn.Parameter:
+    return nn.Parameter(torch.zeros(3, device="cuda"), requires_grad=False)
+
+
 @pytest.mark.parametrize(
     ("name", "make_opt", "sync_free"),
     [
@@ -45,6 +49,8 @@ def _iteration(model, opt, scaler, poison: bool) -> None:
         # No momentum: no state, so no step creates any and none may read the flag.
         ("sgd-fused-stateless", lambda p: torch.optim.SGD(p, lr=0.1, fused=True), False),
         ("sgd-foreach-stateless", lambda p: torch.optim.SGD(p, lr=0.1), True),
+        # A frozen parameter among the rest never gets state either (fine-tuning).
+        ("adam-fused-frozen", lambda p: torch.optim.Adam([*p, _frozen()], fused=True), False),
     ],
 )
 def test_fused_and_sync_free_steps_never_sync(name, make_opt, sync_free) -> None:
