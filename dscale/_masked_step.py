@@ -18,11 +18,14 @@ optimizer is refused at its first step with an error that names it.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
+from itertools import chain
 from typing import Any
 
 import torch
 
+from dscale._flat_snapshot import FlatSnapshot
 from dscale._unscale import copy_to
 
 
@@ -43,11 +46,64 @@ class _SkipMask:
         return self.on[device]
 
 
+# The flat snapshot of each optimizer stepped sync-free, made again when its tensors change.
+_SNAPSHOTS: weakref.WeakKeyDictionary[torch.optim.Optimizer, FlatSnapshot] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _steady_tensors(
+    optimizer: torch.optim.Optimizer, params: list[torch.Tensor]
+) -> list[torch.Tensor] | None:
+    """Every parameter and state value, when each parameter has state and every value is a
+    tensor (the steady state of a torch optimizer); None otherwise. C-speed iteration only.
+    """
+    if len(optimizer.state) < len(params):
+        return None
+    values = list(chain.from_iterable(map(dict.values, map(optimizer.state.__getitem__, params))))
+    if not set(map(type, values)) <= {torch.Tensor}:
+        return None
+    return [*params, *values]
+
+
+def _same_layout(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return [(t.shape, t.dtype, t.device) for t in a] == [(t.shape, t.dtype, t.device) for t in b]
+
+
 def masked_step(
     optimizer: torch.optim.Optimizer, found_inf: torch.Tensor, run_step: Callable[[], Any]
 ) -> Any:
-    """Run ``run_step()`` and undo its effect on the device where ``found_inf > 0``."""
+    """Run ``run_step()`` and undo its effect on the device where ``found_inf > 0``.
+
+    In the steady state (every parameter has state, all of it tensors, none rebound by the
+    step) the undo is a flat snapshot per (device, dtype): a handful of ops whatever the number
+    of parameters. Otherwise each tensor is saved and restored on its own (the first step, which
+    creates the state, and optimizers that keep Python numbers or rebind their state).
+    """
     params = _params(optimizer)
+    steady = _steady_tensors(optimizer, params)
+    if steady is not None and FlatSnapshot.fits(steady):
+        snapshot = _SNAPSHOTS.get(optimizer)
+        if snapshot is None or snapshot.ids != list(map(id, steady)):
+            snapshot = _SNAPSHOTS[optimizer] = FlatSnapshot(steady)
+        with torch.no_grad():
+            snapshot.save()
+        result = run_step()
+        after = _steady_tensors(optimizer, params)
+        rebound = after is None or list(map(id, after)) != snapshot.ids
+        if rebound and (after is None or not _same_layout(after, steady)):
+            raise RuntimeError(
+                f"sync_free=True: {type(optimizer).__name__}.step() changed the set or shapes "
+                "of its state tensors in a step that was not its first, so a skipped step "
+                "cannot be undone on the device; use GradScaler(sync_free=False) for it"
+            )
+        skip = _SkipMask(found_inf)
+        with torch.no_grad():
+            mask_on = {device: skip(device) for device in snapshot.devices}
+            snapshot.restore_where(mask_on, into=after if rebound else None)
+        if rebound:
+            _SNAPSHOTS.pop(optimizer, None)  # made again around the new tensors next step
+        return result
     had_state = ids_with_state(optimizer)
     with torch.no_grad():
         old_params = [p.clone() for p in params]

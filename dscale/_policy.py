@@ -48,27 +48,24 @@ def update_(
     scale: torch.Tensor,
     growth_tracker: torch.Tensor,
     hysteresis_tracker: torch.Tensor,
-    counters: torch.Tensor,
     found_inf: torch.Tensor,
 ) -> None:
-    """Apply one iteration's outcome to the scale and every tracker, in place.
+    """Apply one iteration's outcome to the scale and both trackers, in place on the device.
 
     ``found_inf`` is the agreed flag of the iteration (> 0: an optimizer overflowed on some rank).
+    The event counters are not touched: ``_device_state`` derives them from its log of updates.
+    torch's own rule (:func:`is_torch_rule`) runs as torch's ``_amp_update_scale_`` instead.
     """
-    if _is_torch_rule(policy):
-        _torch_rule_update_(policy, scale, growth_tracker, hysteresis_tracker, counters, found_inf)
-        return
-    found = found_inf.to(scale.device) > 0
+    found = found_inf > 0
     clean = ~found
 
-    tracker = torch.where(found, torch.zeros_like(growth_tracker), growth_tracker + 1)
+    tracker = torch.where(found, 0, growth_tracker + 1)
     # >= rather than torch's ==: a growth_interval lowered mid-run must still let the scale grow.
-    due = clean & (tracker >= policy.growth_interval)
+    due = tracker >= policy.growth_interval  # never on an overflow: the tracker is 0 there
     grown = _times(scale, policy.growth_factor)
     if policy.max_scale is not None:
         grown = grown.clamp(max=policy.max_scale)
     grows = due & torch.isfinite(grown) & (grown > scale)
-    tracker = torch.where(due, torch.zeros_like(tracker), tracker)
 
     hyst = torch.where(found, (hysteresis_tracker - 1).clamp(min=0), hysteresis_tracker)
     backs_off = found & (hyst <= 0)
@@ -76,73 +73,14 @@ def update_(
     if policy.min_scale is not None:
         shrunk = shrunk.clamp(min=policy.min_scale)
     refill = clean if policy.hysteresis_refill == "on_clean_step" else due
-    hyst = torch.where(refill, torch.full_like(hyst, policy.hysteresis), hyst)
-
-    new_scale = torch.where(backs_off, shrunk, torch.where(grows, grown, scale))
-    backs_off = backs_off & (new_scale < scale)
-
-    in_a_row = torch.where(found, counters[SKIPPED_IN_A_ROW] + 1, torch.zeros_like(counters[0]))
-    increments = torch.stack(
-        [
-            torch.ones_like(in_a_row),
-            found.long(),
-            torch.zeros_like(in_a_row),
-            grows.long(),
-            backs_off.long(),
-        ]
-    )
-    counters.add_(increments)
-    counters[SKIPPED_IN_A_ROW] = in_a_row
-
-    scale.copy_(new_scale)
-    growth_tracker.copy_(tracker)
-    hysteresis_tracker.copy_(hyst)
+    hysteresis_tracker.copy_(torch.where(refill, policy.hysteresis, hyst))
+    growth_tracker.copy_(torch.where(due, 0, tracker))
+    scale.copy_(torch.where(backs_off, shrunk, torch.where(grows, grown, scale)))
 
 
-def _is_torch_rule(policy: ScalePolicy) -> bool:
+def is_torch_rule(policy: ScalePolicy) -> bool:
     """torch's own rule: no clamp, back off on every overflow (then torch's kernel applies)."""
     return policy.min_scale is None and policy.max_scale is None and policy.hysteresis == 1
-
-
-def _torch_rule_update_(
-    policy: ScalePolicy,
-    scale: torch.Tensor,
-    growth_tracker: torch.Tensor,
-    hysteresis_tracker: torch.Tensor,
-    counters: torch.Tensor,
-    found_inf: torch.Tensor,
-) -> None:
-    """:func:`update_` for torch's rule in about 15 ops instead of 45 (a GPU launches each one).
-
-    The scale and growth tracker go through torch's own ``_amp_update_scale_`` kernel (the same
-    fp64 products rounded once to fp32); the counters and the hysteresis tracker follow from
-    the flag and whether the scale moved, so the state equals the general rule's exactly.
-    """
-    found_inf = found_inf.to(scale.device).float().reshape(())
-    found = found_inf > 0
-    before = scale.clone()
-    # torch grows at ==, dscale at >= (a growth_interval lowered mid-run): the same once clamped.
-    growth_tracker.clamp_(max=policy.growth_interval - 1)
-    torch._amp_update_scale_(
-        scale,
-        growth_tracker,
-        found_inf,
-        policy.growth_factor,
-        policy.backoff_factor,
-        policy.growth_interval,
-    )
-    hit = found.long()
-    one = torch.ones_like(hit)
-    # steps + 1, skipped + hit, in_a_row -> (in_a_row + 1) * hit, growths, backoffs.
-    keep = torch.stack([one, one, hit, one, one])
-    step = torch.stack([one, hit, hit, (scale > before).long(), (scale < before).long()])
-    counters.mul_(keep).add_(step)
-    # Hysteresis 1: emptied by an overflow, refilled by a clean step or (on_growth) a growth,
-    # which after a clean step is exactly when the growth tracker went back to 0.
-    refill = (
-        ~found if policy.hysteresis_refill == "on_clean_step" else ~found & (growth_tracker == 0)
-    )
-    hysteresis_tracker.copy_(torch.where(found, 0, torch.where(refill, 1, hysteresis_tracker)))
 
 
 _F32 = struct.Struct("f")

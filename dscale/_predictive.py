@@ -175,25 +175,24 @@ def update_(
     policy: ScalePolicy,
     p: torch.Tensor,
     before_scale: torch.Tensor,
-    before_counters: torch.Tensor,
     scale: torch.Tensor,
     growth_tracker: torch.Tensor,
-    counters: torch.Tensor,
     found_inf: torch.Tensor,
     grad_max_abs: torch.Tensor,
     underflow: torch.Tensor,
 ) -> None:
-    """:func:`next_host_state` as device tensor ops, in place on ``p``, ``scale``, ``counters``.
+    """:func:`next_host_state` as device tensor ops, in place on ``p`` and ``scale``.
 
-    ``scale``, ``growth_tracker`` and ``counters`` hold the dynamic rule's result; ``p`` is the
-    float32 vector of :meth:`PredictiveHost.as_list`. No host sync.
+    ``scale`` and ``growth_tracker`` hold the dynamic rule's result; ``p`` is the float32 vector
+    of :meth:`PredictiveHost.as_list`. No host sync. The growth and back-off counters need no
+    op here: the device state counts every rise and fall of the scale from its update log.
     """
     found = found_inf.to(scale.device).reshape(()) > 0
     clean = ~found
     m = grad_max_abs.to(scale.device).float().reshape(())
     u = underflow.to(scale.device).float().reshape(())
     p[UNDERFLOW] = torch.where(u >= 0, u, p[UNDERFLOW])
-    backed_off = counters[BACKOFFS] > before_counters[BACKOFFS]
+    backed_off = scale < before_scale
     margin = p[MARGIN]
     margin_up = (margin + backed_off.float()).clamp(max=MAX_MARGIN_LOG2)
     margin_down = torch.where(growth_tracker == 0, (margin - 1).clamp(min=MIN_MARGIN_LOG2), margin)
@@ -220,12 +219,7 @@ def update_(
     new = torch.where(settle, target, torch.where(doubles, torch.minimum(target, up), old))
     rise = torch.where(doubles, torch.zeros_like(rise), rise)
 
-    new_scale = torch.where(clean, new, scale)
-    grown = (new_scale > old) & clean
-    shrunk = (new_scale < old) & clean
-    counters[GROWTHS] = torch.where(clean, before_counters[GROWTHS] + grown, counters[GROWTHS])
-    counters[BACKOFFS] = torch.where(clean, before_counters[BACKOFFS] + shrunk, counters[BACKOFFS])
-    scale.copy_(new_scale)
+    scale.copy_(torch.where(clean, new, scale))
     p[MARGIN] = margin
     p[RISE] = torch.where(clean, rise, torch.zeros_like(rise))
     p[MEASURED] = torch.where(clean & has_value, torch.ones_like(p[MEASURED]), p[MEASURED])

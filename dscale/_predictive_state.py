@@ -124,31 +124,27 @@ class PredictiveScaling:
         self._end()
         return new
 
-    def before_(self, scale: torch.Tensor, counters: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Copies the device form needs of the state before the dynamic rule runs."""
-        return scale.clone(), counters.clone()
+    def before_(self, scale: torch.Tensor) -> torch.Tensor:
+        """The scale before the dynamic rule runs (a copy), which the device form needs."""
+        return scale.clone()
 
     def update_(
         self,
         policy: ScalePolicy,
-        before: tuple[torch.Tensor, ...],
+        before_scale: torch.Tensor,
         scale: torch.Tensor,
         growth_tracker: torch.Tensor,
-        counters: torch.Tensor,
         found_inf: torch.Tensor,
     ) -> None:
         """The device form of the rule (fused and sync-free steps: no host sync)."""
         assert self._device_values is not None  # noqa: S101 - begin() ran
         vector = self._on(scale.device)
-        before_scale, before_counters = before
         _predictive.update_(
             policy,
             vector,
             before_scale,
-            before_counters,
             scale,
             growth_tracker,
-            counters,
             found_inf,
             *self._device_values,
         )

@@ -3,8 +3,9 @@
 A plain optimizer step reads the agreed overflow flag on the host anyway (to skip or not), so the
 update after it is a few lines of arithmetic (``_policy.next_host_state``); the device only hears
 about it when the scale itself changes, because ``scale()`` multiplies by the device tensor. Fused
-optimizers and ``sync_free`` decide on the device, so there the update runs as tensor ops
-(``_policy.update_``) and the host copy is dropped for good; reading it back then waits for the GPU.
+optimizers and ``sync_free`` decide on the device, so there the update runs as a few tensor ops
+on one buffer (``_device_state``: torch's ``_amp_update_scale_`` and a log row) and the host copy
+is dropped for good; reading it back then waits for the GPU.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dscale import _policy
+from dscale import _device_state, _policy
 from dscale._policy import COUNTER_NAMES, HostState
 
 if TYPE_CHECKING:
@@ -32,53 +33,65 @@ class ScaleState:
     def __init__(self, host: HostState) -> None:
         self.host: HostState | None = host  # the authority while not None
         self._flushed: HostState | None = None  # the host state last written to the device
-        self.scale: torch.Tensor | None = None  # fp32, always current: scale() reads it
+        # The device state (dscale/_device_state.py) and views of it; scale() reads `scale`.
+        self.words: torch.Tensor | None = None
+        self.scale: torch.Tensor | None = None  # fp32, always current
         self.growth_tracker: torch.Tensor | None = None
         self.hysteresis_tracker: torch.Tensor | None = None
-        self.counters: torch.Tensor | None = None
+        self._rows = 0  # updates logged on the device since the last fold
+        self._policy: _policy.ScalePolicy | None = None  # the rule the logged rows ran under
+        self._clamped_interval: int | None = None  # see _clamp_tracker
         # After device-side updates: the newest state that has reached the host, and a copy of a
-        # newer one that may still be in flight (pinned buffer, event). Read by scrape threads.
+        # newer one that may still be in flight (buffer, event, rows, policy). Read by scrapes.
         self._published: HostState = host
-        self._in_flight: tuple[torch.Tensor, Any | None] | None = None
+        self._in_flight: tuple[torch.Tensor, Any | None, int, Any] | None = None
 
     @property
     def placed(self) -> bool:
         return self.scale is not None
 
+    @property
+    def counters(self) -> torch.Tensor | None:
+        """The int64 counters as of the last fold (a view); current after :meth:`tensors`."""
+        return None if self.words is None else _device_state.counters_view(self.words)
+
     def place(self, device: torch.device) -> None:
-        """Create the device tensors (the first scale() call decides the device, as torch)."""
+        """Create the device state (the first scale() call decides the device, as torch)."""
         host = self.host
         assert host is not None  # noqa: S101 - the host holds the state until it is placed
-        self.scale = torch.full((), host.scale, dtype=torch.float32, device=device)
-        self.growth_tracker = torch.full((), host.growth_tracker, dtype=torch.int32, device=device)
-        self.hysteresis_tracker = torch.full(
-            (), host.hysteresis_tracker, dtype=torch.int32, device=device
-        )
-        self.counters = torch.tensor(host.counters, dtype=torch.int64, device=device)
+        words = torch.zeros(_device_state.WORDS, dtype=torch.float32, device=device)
+        self.words = words
+        self.scale = words[_device_state.SCALE]
+        self.growth_tracker = _device_state.int32_at(words, _device_state.GROWTH)
+        self.hysteresis_tracker = _device_state.int32_at(words, _device_state.HYSTERESIS)
+        self._write_header(host)
+
+    def _write_header(self, host: HostState) -> None:
+        """Make the device state equal ``host`` with an empty log: one host-to-device copy."""
+        assert self.words is not None  # noqa: S101
+        header = _device_state.header_words(host)
+        self.words[: _device_state.LOG].copy_(header.to(self.words.device, non_blocking=True))
+        self._rows = 0
+        self._clamped_interval = None
         self._flushed = host
 
     def _flush(self) -> None:
-        """Bring the device trackers and counters up to the host state (kernel launches only)."""
+        """Bring the device state up to the host state (kernel launches only)."""
         host = self.host
         if host is None or host is self._flushed or not self.placed:
             return
-        assert self.scale is not None and self.counters is not None  # noqa: S101
-        assert self.growth_tracker is not None and self.hysteresis_tracker is not None  # noqa: S101
-        old = self._flushed
-        if old is None or old.scale != host.scale:
-            self.scale.fill_(host.scale)
-        if old is None or old.growth_tracker != host.growth_tracker:
-            self.growth_tracker.fill_(host.growth_tracker)
-        if old is None or old.hysteresis_tracker != host.hysteresis_tracker:
-            self.hysteresis_tracker.fill_(host.hysteresis_tracker)
-        for i, value in enumerate(host.counters):
-            if old is None or old.counters[i] != value:
-                self.counters[i].fill_(value)
-        self._flushed = host
+        self._write_header(host)
+
+    def fold(self) -> None:
+        """Fold the logged updates into the device counters (a few ops; no host sync)."""
+        if self._rows and self.words is not None and self._policy is not None:
+            _device_state.fold_on_device(self.words, self._rows, self._policy)
+            self._rows = 0
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The live device tensors, brought up to date first (no host sync)."""
         self._flush()
+        self.fold()
         c = self.counters
         assert c is not None and self.scale is not None  # noqa: S101
         assert self.growth_tracker is not None and self.hysteresis_tracker is not None  # noqa: S101
@@ -94,10 +107,8 @@ class ScaleState:
         host = self.host
         if host is not None:
             return host
-        assert self.scale is not None and self.counters is not None  # noqa: S101
-        assert self.growth_tracker is not None and self.hysteresis_tracker is not None  # noqa: S101
-        packed = _pack(self.scale, self.growth_tracker, self.hysteresis_tracker, self.counters)
-        return _unpack(packed.tolist())
+        assert self.words is not None  # noqa: S101
+        return _device_state.fold_on_host(self.words.cpu(), self._rows, self._policy)
 
     def latest(self) -> HostState:
         """The newest state the host holds, without writing or waiting on any device tensor.
@@ -110,26 +121,38 @@ class ScaleState:
             return host
         in_flight = self._in_flight
         if in_flight is not None and (in_flight[1] is None or in_flight[1].query()):
-            return _unpack(in_flight[0].tolist())
+            return _device_state.fold_on_host(in_flight[0], in_flight[2], in_flight[3])
         return self._published
 
     def _publish(self) -> None:
         """Start copying the device state to the host (non-blocking); :meth:`latest` reads it."""
-        assert self.scale is not None and self.counters is not None  # noqa: S101
-        assert self.growth_tracker is not None and self.hysteresis_tracker is not None  # noqa: S101
-        packed = _pack(self.scale, self.growth_tracker, self.hysteresis_tracker, self.counters)
-        if packed.device.type != "cuda":
-            self._in_flight = (packed, None)  # on the host already; a reader unpacks it
+        words = self.words
+        assert words is not None  # noqa: S101
+        if words.device.type != "cuda":
+            # On the host already; a copy, since the live buffer changes at the next update.
+            self._in_flight = (words.clone(), None, self._rows, self._policy)
             return
         previous = self._in_flight
         if previous is not None and (previous[1] is None or previous[1].query()):
-            self._published = _unpack(previous[0].tolist())
-        buffer = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
-        buffer.copy_(packed, non_blocking=True)
+            self._published = _device_state.fold_on_host(previous[0], previous[2], previous[3])
+        buffer = torch.empty(words.shape, dtype=words.dtype, pin_memory=True)
+        buffer.copy_(words, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
         # Read only once `event` has completed (latest() queries it, never waits on it).
-        self._in_flight = (buffer, event)
+        self._in_flight = (buffer, event, self._rows, self._policy)
+
+    def _clamp_tracker(self, policy: _policy.ScalePolicy) -> None:
+        """Keep the tracker below the interval, once per interval (torch's kernel grows at ==).
+
+        dscale grows at >= so that a growth_interval lowered mid-run still lets the scale grow; a
+        tracker clamped to interval - 1 grows at the next clean step under either test, and stays
+        below the interval after that, so the clamp runs only when the interval or state changed.
+        """
+        if self._clamped_interval != policy.growth_interval:
+            assert self.growth_tracker is not None  # noqa: S101
+            self.growth_tracker.clamp_(max=policy.growth_interval - 1)
+            self._clamped_interval = policy.growth_interval
 
     def update(
         self,
@@ -140,7 +163,8 @@ class ScaleState:
     ) -> None:
         """Apply one iteration: on the host when ``found`` is known there, else on the device.
 
-        ``found_inf`` (the agreed flag as a tensor) is needed for the device path only.
+        ``found_inf`` (the agreed flag as a tensor) is needed for the device path only. The
+        device path is the scale rule, one row written to the log, and one copy to publish.
 
         ``predictive`` (policy="predictive", ``dscale._predictive``) adjusts the dynamic rule's
         result in the same place, before anyone can read it.
@@ -157,36 +181,55 @@ class ScaleState:
             return
         self._flush()
         assert found_inf is not None  # noqa: S101 - GradScaler passes it for this path
-        assert self.scale is not None and self.counters is not None  # noqa: S101
+        assert self.words is not None and self.scale is not None  # noqa: S101
         assert self.growth_tracker is not None and self.hysteresis_tracker is not None  # noqa: S101
-        before = None if predictive is None else predictive.before_(self.scale, self.counters)
-        _policy.update_(
-            policy,
-            self.scale,
-            self.growth_tracker,
-            self.hysteresis_tracker,
-            self.counters,
-            found_inf,
-        )
-        if predictive is not None and before is not None:
-            predictive.update_(
-                policy, before, self.scale, self.growth_tracker, self.counters, found_inf
+        if policy != self._policy or self._rows == _device_state.LOG_ROWS:
+            self.fold()  # rows are folded under the rule they ran under
+            self._policy = policy
+        flag = found_inf.to(self.scale.device).float().reshape(())
+        before = None if predictive is None else predictive.before_(self.scale)
+        if _policy.is_torch_rule(policy):
+            self._clamp_tracker(policy)
+            torch._amp_update_scale_(
+                self.scale,
+                self.growth_tracker,
+                flag,
+                policy.growth_factor,
+                policy.backoff_factor,
+                policy.growth_interval,
             )
+        else:
+            _policy.update_(policy, self.scale, self.growth_tracker, self.hysteresis_tracker, flag)
+        if predictive is not None and before is not None:
+            predictive.update_(policy, before, self.scale, self.growth_tracker, flag)
+        row = _device_state.row_view(self.words, self._rows)
+        torch.cat([flag.reshape(1), self.words[: _device_state.HYSTERESIS]], out=row)
+        self._rows += 1
         self.host = None
         self._publish()
 
     def set_scale(self, new_scale: float | torch.Tensor) -> None:
-        """``update(new_scale=...)``: a float keeps the host copy, a tensor moves to the device."""
-        assert self.scale is not None  # noqa: S101
+        """``update(new_scale=...)``: a float keeps the host copy, a tensor moves to the device.
+
+        Not a growth or a back-off: the log is folded first and the jump starts a new fold.
+        """
+        assert self.scale is not None and self.words is not None  # noqa: S101
         if isinstance(new_scale, torch.Tensor):
             self._flush()
+            self.fold()
             self.scale.copy_(new_scale.detach().reshape(()))
+            self.words[_device_state.FOLD_SCALE].copy_(self.scale)
             self.host = None
             self._publish()
             return
         if self.host is not None:
             self.host = dataclasses.replace(self.host, scale=_policy.f32(new_scale))
+            self.scale.fill_(new_scale)
+            return
+        self.fold()
         self.scale.fill_(new_scale)
+        self.words[_device_state.FOLD_SCALE].fill_(new_scale)
+        self._publish()
 
     def load(self, host: HostState) -> None:
         """Replace the whole state (load_state_dict)."""
@@ -198,29 +241,20 @@ class ScaleState:
 
     def __getstate__(self) -> dict[str, Any]:
         # Tensors are not pickled (torch's scaler does the same): the copy starts on the host.
+        state = self.read()
         return {
-            "host": self.read(),
+            "host": state,
             "_flushed": None,
+            "words": None,
             "scale": None,
             "growth_tracker": None,
             "hysteresis_tracker": None,
-            "counters": None,
-            "_published": self.read(),
+            "_rows": 0,
+            "_policy": None,
+            "_clamped_interval": None,
+            "_published": state,
             "_in_flight": None,
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-
-
-def _pack(
-    scale: torch.Tensor, growth: torch.Tensor, hysteresis: torch.Tensor, counters: torch.Tensor
-) -> torch.Tensor:
-    # fp64 holds the fp32 scale and every int counter below 2**53 exactly.
-    parts = [scale.double().reshape(1), growth.double().reshape(1), hysteresis.double().reshape(1)]
-    return torch.cat([*parts, counters.double()])
-
-
-def _unpack(values: list[float]) -> HostState:
-    scale, growth, hyst, *counts = values
-    return HostState(scale, int(growth), int(hyst), tuple(int(c) for c in counts))

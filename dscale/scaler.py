@@ -296,10 +296,14 @@ class GradScaler(TorchGradScalerSurface):
         grads = optimizer_grads(optimizer, set(report.covered))
         groups = group_by_device_and_dtype(grads)
         if unscale is None:  # a fused optimizer, which can unscale in its own kernel
-            # The check writes every grad anyway, so unscaling there is free, and spares the
-            # fused kernel its own division (an extra pass on the CPU). fp16/bf16 grads stay
-            # scaled: unscaled in their own storage, small values would flush to zero.
-            unscale = all(d in _FULL_PRECISION for per_dtype in groups.values() for d in per_dtype)
+            # Where the host decides (the CPU), the check writes every grad anyway, so unscaling
+            # there is free and spares the fused kernel its own division (an extra pass on the
+            # CPU). On a GPU the kernel's division costs nothing, while 1/scale would cost three
+            # launches: the kernel unscales, as with torch. fp16/bf16 grads stay scaled:
+            # unscaled in their own storage, small values would flush to zero.
+            unscale = self._decides_on_host(scale) and all(
+                d in _FULL_PRECISION for per_dtype in groups.values() for d in per_dtype
+            )
         unscale = unscale or report.unscaled  # the pass must match what the hooks did
         for observer in self._observers:
             observer.on_grads(optimizer, grads, scale)
@@ -325,6 +329,15 @@ class GradScaler(TorchGradScalerSurface):
         state.over_group = group is not None
         state.work = None if group is None else _agreement.all_reduce_flag(state.agreed, group)
         return unscale
+
+    def _decides_on_host(self, agreed: torch.Tensor) -> bool:
+        """Whether fused and sync-free steps read the agreed flag on the host (``agreed``'s device).
+
+        On the CPU the flag is already in host memory: reading it costs nothing, and deciding on
+        the host makes update() plain arithmetic instead of tensor ops. Tests and the op-count
+        benchmark turn ``_read_host_flags`` off to run the device-side path, as on CUDA.
+        """
+        return agreed.device.type == "cpu" and self._read_host_flags
 
     def _carries_range(self) -> bool:
         """Whether this iteration's vector carries the scale fields (see ``_agreement``)."""
@@ -421,9 +434,7 @@ class GradScaler(TorchGradScalerSurface):
         if state.stage is _Stage.READY:
             was_unscaled = self._check(optimizer, state, unscale=None if fused else True)
         agreed = self._agreed(state)
-        # On the CPU the agreed flag is already in host memory: reading it costs nothing, and
-        # deciding on the host makes update() plain arithmetic instead of ~50 tiny tensor ops.
-        on_host = agreed.device.type == "cpu" and self._read_host_flags
+        on_host = self._decides_on_host(agreed)
 
         if fused:
             flag = agreed[_agreement.OVERFLOW]

@@ -16,6 +16,8 @@ import dscale
 from dscale import _policy, _predictive
 from dscale._policy import HostState, ScalePolicy
 from dscale._predictive import PredictiveHost
+from dscale._predictive_state import PredictiveScaling
+from dscale._scale_state import ScaleState
 from tests.scaler._setup import decide_on_device
 
 
@@ -85,30 +87,22 @@ def test_host_and_device_rules_agree_bit_for_bit() -> None:
                 policy, before, after, p, found, m, underflow
             )
 
-            t_scale = torch.tensor(before.scale, dtype=torch.float32)
-            t_growth = torch.tensor(before.growth_tracker, dtype=torch.int32)
-            t_hyst = torch.tensor(before.hysteresis_tracker, dtype=torch.int32)
-            t_counters = torch.tensor(before.counters, dtype=torch.int64)
-            found_inf = torch.tensor(float(found))
-            b_scale, b_counters = t_scale.clone(), t_counters.clone()
-            _policy.update_(policy, t_scale, t_growth, t_hyst, t_counters, found_inf)
-            vector = torch.tensor(p.as_list(), dtype=torch.float32)
-            _predictive.update_(
-                policy,
-                vector,
-                b_scale,
-                b_counters,
-                t_scale,
-                t_growth,
-                t_counters,
-                found_inf,
-                torch.tensor(m),
-                torch.tensor(underflow),
-            )
+            # The device form, through the scaler's own device path (state buffer and log).
+            book = ScaleState(before)
+            book.place(torch.device("cpu"))
+            scaling = PredictiveScaling()
+            scaling.load(p)
+            scaling._device_values = (torch.tensor(m), torch.tensor(underflow))
+            book.update(policy, torch.tensor(float(found)), None, scaling)
+            device = book.read()
+            vector = scaling.vector
+            assert vector is not None
             device_p = PredictiveHost.from_list(vector.tolist())
             case = (policy, before, p, found, m)
-            assert t_scale.item() == host.scale, case
-            assert tuple(t_counters.tolist()) == host.counters, case
+            assert device.scale == host.scale, case
+            assert device.counters == host.counters, case
+            assert device.growth_tracker == host.growth_tracker, case
+            assert device.hysteresis_tracker == host.hysteresis_tracker, case
             assert (device_p.margin_log2, device_p.rise_tracker, device_p.measured) == (
                 host_p.margin_log2,
                 host_p.rise_tracker,

@@ -1,0 +1,132 @@
+"""Count what one training iteration dispatches: kernel-launching ops, host reads, collectives.
+
+On a GPU every dispatched op that computes something is a kernel launch (5-10 us of host time),
+and a host read of a device value (``.item()``, ``.tolist()``, a device-to-host copy) stalls the
+host until the GPU catches up. Both are properties of the code, not of the machine, so they are
+counted deterministically with a ``TorchDispatchMode`` (every aten op that reaches a kernel) and a
+``TorchFunctionMode`` (``tolist``, which reads without dispatching), and CI can hold them on the
+CPU. Views, allocations without a fill, and shape queries launch nothing and are not counted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+# aten ops that launch no kernel: allocation without a fill, metadata, and the host read (counted
+# as a read). Views are recognised by their schema (OpOverload.is_view).
+_NO_KERNEL = frozenset(
+    {
+        "empty",
+        "empty_like",
+        "empty_strided",
+        "new_empty",
+        "new_empty_strided",
+        "lift_fresh",
+        "sym_size",
+        "sym_stride",
+        "sym_numel",
+        "sym_storage_offset",
+        "is_same_size",
+        "_has_compatible_shallow_copy_type",
+        "record_stream",
+    }
+)
+_HOST_READ = "_local_scalar_dense"
+_COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "c10d_functional"})
+# Tensor methods that read device memory on the host without dispatching an aten op.
+_HOST_READ_METHODS = frozenset({torch.Tensor.tolist, torch.Tensor.numpy})
+
+
+@dataclasses.dataclass
+class OpCounts:
+    """What a counted region dispatched."""
+
+    kernels: Counter[str] = dataclasses.field(default_factory=Counter)
+    host_reads: int = 0
+    collectives: int = 0
+
+    @property
+    def num_kernels(self) -> int:
+        return sum(self.kernels.values())
+
+    def __add__(self, other: OpCounts) -> OpCounts:
+        return OpCounts(
+            self.kernels + other.kernels,
+            self.host_reads + other.host_reads,
+            self.collectives + other.collectives,
+        )
+
+    def scaled(self, factor: float) -> dict[str, Any]:
+        """Per-iteration figures as plain numbers (``factor`` = 1 / iterations)."""
+        return {
+            "kernels": self.num_kernels * factor,
+            "host_reads": self.host_reads * factor,
+            "collectives": self.collectives * factor,
+            "by_op": {k: v * factor for k, v in sorted(self.kernels.items())},
+        }
+
+
+class _DispatchCounter(TorchDispatchMode):
+    def __init__(self, counts: OpCounts) -> None:
+        super().__init__()
+        self.counts = counts
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        name = func.overloadpacket.__name__
+        if func.namespace in _COLLECTIVE_NAMESPACES:
+            self.counts.collectives += 1
+        elif name == _HOST_READ:
+            self.counts.host_reads += 1
+        elif not (func.is_view or name in _NO_KERNEL):
+            self.counts.kernels[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+class _ReadCounter(TorchFunctionMode):
+    def __init__(self, counts: OpCounts) -> None:
+        super().__init__()
+        self.counts = counts
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func in _HOST_READ_METHODS:
+            self.counts.host_reads += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_ops(fn: Callable[[], object]) -> OpCounts:
+    """Run ``fn()`` once and count what it dispatched on this thread (autograd's included)."""
+    counts = OpCounts()
+    with _ReadCounter(counts), _DispatchCounter(counts):
+        fn()
+    return counts
+
+
+def count_cuda_kernels(fn: Callable[[], object]) -> int:
+    """Run ``fn()`` under torch's profiler and count what ran on the GPU: kernels, memcpy, memset.
+
+    The device's own count, to hold the dispatch count against: a foreach op over many tensors
+    launches one kernel per chunk, and some ops launch none on the device they dispatch for.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(
+        1
+        for event in prof.events()
+        if event.device_type == torch.autograd.DeviceType.CUDA and not _is_annotation(event)
+    )
+
+
+def _is_annotation(event: Any) -> bool:
+    # The profiler can report user annotations on the device timeline too; they launch nothing.
+    return str(getattr(event, "name", "")).startswith(("ProfilerStep", "## "))

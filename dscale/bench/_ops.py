@@ -1,0 +1,157 @@
+"""``python -m dscale.bench ops``: what each scaler adds to an iteration, counted per row.
+
+An iteration is ``scale(loss)``, ``step(optimizer)`` and ``update()`` on gradients that are already
+there (under DDP: the backward too); the plain optimizer step (and plain backward) is counted
+alone on the same state and subtracted, so a row shows the scaler's own ops. Counts are taken in
+steady state: after a few warm-up iterations (state created), averaged over 32 iterations, which
+covers the agreement vector's period (``dscale._agreement.RANGE_EVERY``).
+
+dscale's arms run its device-side decision, the path a CUDA run takes: on the CPU the scaler would
+read the agreed flag on the host for free and decide there, so the benchmark turns that off
+through the scaler's seam for it, ``GradScaler._read_host_flags = False`` (see
+:func:`force_device_decision`). torch's scalers have one path; they run as they are.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+import dscale
+from dscale.bench._arms import FLOOR, INIT_SCALE, make_scaler
+from dscale.bench._op_count import OpCounts, count_cuda_kernels, count_ops
+
+NUMEL = 64
+WARMUP = 4
+ITERS = 32
+OPTIMIZERS = ("sgd", "adamw")
+IMPLS = ("foreach", "fused")
+PARAM_COUNTS = (8, 200)
+DSCALE_ARMS = ("dscale", "dscale_sync_free", "dscale_predictive")
+PEER_ARMS = ("torch", "sharded", FLOOR)
+ARMS = (*DSCALE_ARMS, *PEER_ARMS)
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One scenario: an optimizer, its implementation and the number of parameters."""
+
+    optimizer: str
+    impl: str
+    params: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.optimizer} {self.impl} x{self.params}"
+
+
+def rows() -> Iterator[Row]:
+    for optimizer in OPTIMIZERS:
+        for impl in IMPLS:
+            for params in PARAM_COUNTS:
+                yield Row(optimizer, impl, params)
+
+
+def force_device_decision(scaler: dscale.GradScaler) -> None:
+    """Make ``scaler`` decide fused and ``sync_free`` steps on the device, as on CUDA.
+
+    The seam: on the CPU the agreed flag is in host memory, so the scaler reads it and decides on
+    the host (free there); a CUDA run cannot, and runs the device-side update instead. Tests and
+    this benchmark turn the host read off to count and check that path without a GPU.
+    """
+    scaler._read_host_flags = False
+
+
+def make_optimizer(params: list[nn.Parameter], row: Row) -> torch.optim.Optimizer:
+    flags: dict[str, Any] = {"foreach": True} if row.impl == "foreach" else {"fused": True}
+    if row.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=1e-6, momentum=0.9, **flags)
+    return torch.optim.AdamW(params, lr=1e-6, **flags)
+
+
+def make_arm(arm: str, device: torch.device, group: Any = None) -> Any:
+    """A scaler by arm name, its scale placed on ``device``."""
+    if arm not in DSCALE_ARMS:
+        return make_scaler(arm, device)
+    scaler = dscale.GradScaler(
+        device.type,
+        init_scale=INIT_SCALE,
+        sync_free=arm == "dscale_sync_free",
+        policy="predictive" if arm == "dscale_predictive" else "dynamic",
+        process_group=group,
+    )
+    force_device_decision(scaler)
+    scaler.scale(torch.ones((), device=device))
+    return scaler
+
+
+class _Setup:
+    """Parameters with saved grads of a moderate size, put back before every iteration."""
+
+    def __init__(self, row: Row, device: torch.device) -> None:
+        gen = torch.Generator().manual_seed(0)
+        self.params = [
+            nn.Parameter(torch.randn(NUMEL, generator=gen).to(device)) for _ in range(row.params)
+        ]
+        self.saved = [torch.randn(NUMEL, generator=gen).to(device) * 64 for _ in self.params]
+        self.loss = torch.ones((), device=device)
+
+    def load_grads(self) -> None:
+        for param, grad in zip(self.params, self.saved, strict=True):
+            param.grad = grad.clone()
+
+
+def _steady_state(
+    setup: _Setup,
+    iteration: Callable[[], object],
+    plain: Callable[[], object],
+    counter: Callable[[Callable[[], object]], Any],
+) -> tuple[list[Any], Any]:
+    """``counter`` of ITERS iterations after WARMUP ones, and of the plain step alone."""
+    for _ in range(WARMUP):
+        setup.load_grads()
+        iteration()
+    counted = []
+    for _ in range(ITERS):
+        setup.load_grads()
+        counted.append(counter(iteration))
+    setup.load_grads()
+    return counted, counter(plain)
+
+
+def own_per_iteration(counted: list[OpCounts], plain: OpCounts) -> dict[str, Any]:
+    """The mean of ``counted`` minus ``plain``, per iteration, with the ops that make it up."""
+    total = OpCounts()
+    for counts in counted:
+        total = total + counts
+    mine, theirs = total.scaled(1 / len(counted)), plain.scaled(1.0)
+    out: dict[str, Any] = {
+        key: round(mine[key] - theirs[key], 3) for key in ("kernels", "host_reads", "collectives")
+    }
+    names = sorted(set(mine["by_op"]) | set(theirs["by_op"]))
+    by_op = {n: round(mine["by_op"].get(n, 0) - theirs["by_op"].get(n, 0), 3) for n in names}
+    out["by_op"] = {name: value for name, value in by_op.items() if value}
+    return out
+
+
+def measure(arm: str, row: Row, device: torch.device, *, profile: bool = False) -> dict[str, Any]:
+    """The scaler's own ops per iteration for ``arm`` on ``row`` (and CUDA kernels if asked)."""
+    setup = _Setup(row, device)
+    optimizer = make_optimizer(setup.params, row)
+    scaler = make_arm(arm, device)
+
+    def iteration() -> None:
+        scaler.scale(setup.loss)
+        scaler.step(optimizer)
+        scaler.update()
+
+    counted, plain = _steady_state(setup, iteration, optimizer.step, count_ops)
+    result = own_per_iteration(counted, plain)
+    if profile:
+        kernels, plain_kernels = _steady_state(setup, iteration, optimizer.step, count_cuda_kernels)
+        result["cuda_kernels"] = round(sum(kernels) / len(kernels) - plain_kernels, 3)
+    return result
