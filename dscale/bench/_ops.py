@@ -123,12 +123,16 @@ def _steady_state(
     return counted, counter(plain)
 
 
-def own_per_iteration(counted: list[OpCounts], plain: OpCounts) -> dict[str, Any]:
-    """The mean of ``counted`` minus ``plain``, per iteration, with the ops that make it up."""
+def _mean(counted: list[OpCounts]) -> dict[str, Any]:
     total = OpCounts()
     for counts in counted:
         total = total + counts
-    mine, theirs = total.scaled(1 / len(counted)), plain.scaled(1.0)
+    return total.scaled(1 / len(counted))
+
+
+def own_per_iteration(counted: list[OpCounts], plain: list[OpCounts]) -> dict[str, Any]:
+    """The mean of ``counted`` minus that of ``plain``, per iteration, with the ops by name."""
+    mine, theirs = _mean(counted), _mean(plain)
     out: dict[str, Any] = {
         key: round(mine[key] - theirs[key], 3) for key in ("kernels", "host_reads", "collectives")
     }
@@ -150,8 +154,58 @@ def measure(arm: str, row: Row, device: torch.device, *, profile: bool = False) 
         scaler.update()
 
     counted, plain = _steady_state(setup, iteration, optimizer.step, count_ops)
-    result = own_per_iteration(counted, plain)
+    result = own_per_iteration(counted, [plain])
     if profile:
         kernels, plain_kernels = _steady_state(setup, iteration, optimizer.step, count_cuda_kernels)
         result["cuda_kernels"] = round(sum(kernels) / len(kernels) - plain_kernels, 3)
     return result
+
+
+class _Summed(nn.Module):
+    """``count`` parameters of NUMEL elements whose grads are ``x`` times a fixed weight."""
+
+    def __init__(self, count: int) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(0)
+        self.weights = nn.ParameterList(
+            nn.Parameter(torch.randn(NUMEL, generator=gen)) for _ in range(count)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.stack([(w * x).sum() for w in self.weights]).sum()
+
+
+def measure_attached(arm: str, row: Row, group: Any) -> dict[str, Any]:
+    """``arm`` with ``attach()`` on a DDP model: step and update after an attached backward.
+
+    The hook's own work (unscale and check of each bucket as it is reduced, a fixed handful of
+    ops per DDP bucket, whatever the parameter count) runs in DDP's reduction, partly on gloo's
+    threads, where a thread-local count cannot follow it; what is counted here is what the
+    scaler still does in step() and update() with the hook's flag in hand, minus the plain step.
+    """
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    x = torch.full((NUMEL,), 1.0 / 64)
+    model = DDP(_Summed(row.params))
+    optimizer = make_optimizer(list(model.parameters()), row)
+    scaler = make_arm(arm, torch.device("cpu"), group)
+    scaler.attach(model)
+
+    def backward() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        scaler.scale(model(x)).backward()
+
+    def step() -> None:
+        scaler.step(optimizer)
+        scaler.update()
+
+    counted: list[OpCounts] = []
+    for i in range(WARMUP + ITERS):
+        backward()
+        if i < WARMUP:
+            step()
+        else:
+            counted.append(count_ops(step))
+    backward()
+    plain = count_ops(optimizer.step)
+    return own_per_iteration(counted, [plain])
