@@ -67,7 +67,7 @@ class GradMeasure:
     def take(self, device: torch.device) -> torch.Tensor:
         """``[grad_max_abs, underflow share or NOT_SAMPLED]`` on ``device``; starts afresh."""
         out = torch.zeros(2, dtype=torch.float32, device=device)
-        out[1] = NOT_SAMPLED
+        out[1].fill_(NOT_SAMPLED)  # a fill: `out[1] = x` copies a CPU scalar (a sync on CUDA)
         for acc in self._acc.values():
             _used_on_current_stream(acc)  # the hooks may have made it on a reduce stream
             acc = copy_to(acc, device)

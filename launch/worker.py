@@ -64,11 +64,30 @@ def setup_logging(run_dir: Path, rank: int, attempt: int) -> None:
         root.addHandler(console)
 
 
-def pick_device(name: str, local_rank: int) -> torch.device:
-    """``auto``: this rank's GPU when CUDA is there, else the CPU."""
-    if name == "cuda" or (name == "auto" and torch.cuda.is_available()):
+def pick_device(name: str, local_rank: int, local_ranks: int = 1) -> torch.device:
+    """``auto``: this rank's own GPU when every local rank has one, else the CPU.
+
+    NCCL refuses two ranks on one GPU ("Duplicate GPU detected"), so ``auto`` with more local
+    ranks than GPUs runs on the CPU (gloo) and says why; ``cuda`` there is an error naming the fix.
+    """
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if name == "cuda" and gpus < local_ranks:
+        raise RuntimeError(
+            f"trainer.device=cuda with {local_ranks} ranks on this node but {gpus} GPU(s): NCCL "
+            "needs a GPU per rank. Set launcher.nproc_per_node to at most the GPU count, or "
+            "trainer.device=cpu (or auto) to run on the CPU with gloo"
+        )
+    if name == "cuda" or (name == "auto" and gpus >= local_ranks):
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
+    if name == "auto" and gpus and local_rank == 0:
+        logger.warning(
+            "trainer.device=auto: %d ranks on this node but %d GPU(s), and NCCL needs a GPU per "
+            "rank: running on the CPU with gloo. Set launcher.nproc_per_node=%d to use the GPUs",
+            local_ranks,
+            gpus,
+            gpus,
+        )
     return torch.device("cpu")
 
 
@@ -81,7 +100,8 @@ def start_rank(cfg: dict[str, Any], run_dir: Path) -> RunContext:
     # What this rank actually received, for humans and for the tests.
     (run_dir / "logs" / f"rank{rank}.config.json").write_text(json.dumps(cfg, indent=2))
     trainer = cfg["trainer"]
-    device = pick_device(trainer["device"], local_rank)
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    device = pick_device(trainer["device"], local_rank, local_ranks)
     if not dist.is_initialized():
         dist.init_process_group(
             "nccl" if device.type == "cuda" else "gloo",

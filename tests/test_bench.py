@@ -68,11 +68,25 @@ def test_every_phase_of_every_scaler_is_reported(result) -> None:
             assert all(math.isfinite(v["median_us"]) for v in per_phase.values())
 
 
+def test_the_device_path_rows_compare_every_dscale_path_with_torch(result) -> None:
+    rows = result["device_path"]
+    assert {(s["count"], s["impl"]) for s in rows} == {
+        (8, "fused"),
+        (8, "foreach"),
+        (200, "fused"),
+        (200, "foreach"),
+    }
+    for s in rows:
+        assert set(s["arms"]) >= {"dscale_device", "dscale_sync_free", "dscale_predictive"}
+        assert "dscale_sync_free/torch" in s["ratios"] and "torch_aa/torch" in s["ratios"]
+
+
 def test_unscale_pass_and_sweep_are_reported(result) -> None:
     for scenario in result["unscale_pass"]:
-        assert set(scenario["arms"]) == {"foreach_mul", "dscale_unscale"}
+        assert set(scenario["arms"]) == {"foreach_mul", "dscale_unscale", "copy"}
         for arm in scenario["arms"].values():
             _finite_arm(arm)
+        assert all(rate > 0 for rate in scenario["gb_per_s"].values())
     sweep = result["sweep"]
     assert [p["count"] for p in sweep["by_count"]] == _cli.CONFIGS["tiny"]["counts"]
     assert [p["numel"] for p in sweep["by_bytes"]] == _cli.CONFIGS["tiny"]["numels"]
@@ -110,8 +124,8 @@ def test_two_rank_no_wrapper_ddp_and_fsdp2_arms_are_reported_with_an_aa_arm(resu
 
 def test_the_report_prints_every_table_with_its_noise_verdict(result) -> None:
     text = render(result)
-    # single, no wrapper foreach and fused, ddp x2, fsdp2 x2 (the sweep has no A/A)
-    assert text.count("noise (") == 7
+    # single, device path, no wrapper foreach and fused, ddp x2, fsdp2 x2 (the sweep: no A/A)
+    assert text.count("noise (") == 8
     assert "load average:" in text and "percentile bootstrap" in text
 
 

@@ -27,6 +27,9 @@ AA_SUFFIX = "_aa"
 UNSCALE_SUFFIX = "_unscaled"
 # Not a scaler anyone ships: the least work any scaler that keeps torch's numbers must do.
 FLOOR = "floor"
+# dscale on the device-side decision path (as on CUDA, forced on the CPU): plain, sync_free and
+# predictive. On CUDA the first is what "dscale" runs anyway for a fused optimizer.
+DEVICE_PATH_ARMS = ("dscale_device", "dscale_sync_free", "dscale_predictive")
 
 
 def make_optimizer(
@@ -50,6 +53,15 @@ def make_scaler(name: str, device: torch.device) -> Any:
         return FloorScaler(device)
     if name == "dscale":
         scaler: Any = dscale.GradScaler(device.type, init_scale=INIT_SCALE)
+    elif name in DEVICE_PATH_ARMS:
+        # The device-side decision a CUDA run takes, forced on the CPU (dscale.bench._ops).
+        scaler = dscale.GradScaler(
+            device.type,
+            init_scale=INIT_SCALE,
+            sync_free=name == "dscale_sync_free",
+            policy="predictive" if name == "dscale_predictive" else "dynamic",
+        )
+        scaler._read_host_flags = False
     elif name == "torch":
         scaler = torch.amp.GradScaler(device.type, init_scale=INIT_SCALE)
     elif name == "sharded":

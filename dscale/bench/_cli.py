@@ -107,7 +107,13 @@ def run_single(cfg: dict[str, Any], device: torch.device) -> dict[str, Any]:
         cfg["counts"], cfg["numel_for_count"], cfg["numels"], cfg["count_for_numel"], reps, device
     )
     split = [_phases.phases(c, n, reps, device) for c, n in (cfg["small"], cfg["large"])]
-    return {"single": single, "phases": split, "unscale_pass": unscale, "sweep": sweep}
+    return {
+        "single": single,
+        "device_path": _single.device_path(reps, device),
+        "phases": split,
+        "unscale_pass": unscale,
+        "sweep": sweep,
+    }
 
 
 Scenario = tuple[int, int, str, str]  # count, numel, optimizer, impl

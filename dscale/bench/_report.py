@@ -89,6 +89,17 @@ def render(result: dict[str, Any]) -> str:
         if syncs:
             out += ["", "host syncs per step (CUDA sync debug mode)"]
             out += [f"{label:<30} {counts}" for label, counts in syncs]
+    if "device_path" in result:
+        out += [
+            "",
+            "device-side decision (forced on the CPU; CUDA's own path on a GPU): overhead over "
+            "the plain step (us, median of paired differences)",
+            step_table([(_label(s), s) for s in result["device_path"]]),
+        ]
+        syncs = [(_label(s), s["host_syncs"]) for s in result["device_path"] if s["host_syncs"]]
+        if syncs:
+            out += ["", "host syncs per step on the device path (CUDA sync debug mode)"]
+            out += [f"{label:<30} {counts}" for label, counts in syncs]
     if "phases" in result:
         out += ["", "where the time goes (SGD foreach; us, median / min)"]
         for split in result["phases"]:
@@ -107,6 +118,12 @@ def render(result: dict[str, Any]) -> str:
                 f"  dscale {_us(a['dscale_unscale']['median_us'])} us  "
                 + _interval(s["ratios"]["dscale_unscale/foreach_mul"])
             )
+            if "gb_per_s" in s:
+                rates = s["gb_per_s"]
+                out.append(
+                    f"{'':<24} GB/s (read + write): mul {rates['foreach_mul']:.0f}, dscale "
+                    f"{rates['dscale_unscale']:.0f}, plain copy {rates['copy']:.0f}"
+                )
     if "sweep" in result:
         sw = result["sweep"]
         rows = [(f"n={p['count']} x {p['numel']}", p) for p in sw["by_count"]]

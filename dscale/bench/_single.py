@@ -17,6 +17,7 @@ import torch
 
 from dscale._unscale import check_and_unscale_, group_by_device_and_dtype
 from dscale.bench._arms import (
+    DEVICE_PATH_ARMS,
     FLOOR,
     INIT_SCALE,
     UNSCALE_SUFFIX,
@@ -107,10 +108,33 @@ def step_overhead(
     }
 
 
+# Device path: few small tensors, where each launch (dispatch) is the cost, at two counts.
+DEVICE_PATH_ROWS = ((8, 4096, "adamw"), (200, 4096, "adamw"))
+DEVICE_PATH_SCALERS = (*DEVICE_PATH_ARMS, "torch", "torch_aa")
+DEVICE_PATH_PAIRS = (*((name, "torch") for name in DEVICE_PATH_ARMS), ("torch_aa", "torch"))
+
+
+def device_path(reps: int, device: torch.device) -> list[dict[str, Any]]:
+    """dscale's device-side decision (plain, sync_free, predictive) against torch's scaler."""
+    return [
+        step_overhead(
+            count, numel, "adam", impl, reps, device, DEVICE_PATH_SCALERS, DEVICE_PATH_PAIRS
+        )
+        for count, numel, _ in DEVICE_PATH_ROWS
+        for impl in ("fused", "foreach")
+    ]
+
+
 def unscale_pass(count: int, numel: int, reps: int, device: torch.device) -> dict[str, Any]:
-    """dscale's check-and-unscale pass against a plain ``_foreach_mul_`` (the bandwidth floor)."""
+    """dscale's check-and-unscale pass against a plain ``_foreach_mul_`` (the bandwidth floor).
+
+    Each pass reads and writes every grad once; ``gb_per_s`` is those bytes over the median time,
+    and a plain device copy of the same bytes (``copy``) says what the memory can do.
+    """
     grads = Grads(count, numel, device)
     inv = torch.full((), 1.0 / INIT_SCALE, device=device)
+    flat = torch.empty(sum(g.numel() for g in grads.grads), device=device)
+    source = torch.ones_like(flat)
 
     def dscale_pass() -> None:
         found = torch.zeros((), device=device)
@@ -119,17 +143,23 @@ def unscale_pass(count: int, numel: int, reps: int, device: torch.device) -> dic
     arms = [
         Arm("foreach_mul", lambda: torch._foreach_mul_(grads.grads, inv), grads.restore),
         Arm("dscale_unscale", dscale_pass, grads.restore),
+        Arm("copy", lambda: flat.copy_(source), grads.restore),
     ]
     result = summarize(run_interleaved(arms, reps, device), "foreach_mul")
     time_ratio = ratio_interval(
         result["dscale_unscale"]["times_us"], result["foreach_mul"]["times_us"]
     )
+    moved = 2 * grads.nbytes  # read and written
     return {
         "count": count,
         "numel": numel,
         "bytes": grads.nbytes,
         "arms": result,
         "ratios": {"dscale_unscale/foreach_mul": time_ratio},
+        "gb_per_s": {
+            name: moved / (result[name]["median_us"] * 1e-6) / 1e9
+            for name in ("foreach_mul", "dscale_unscale", "copy")
+        },
     }
 
 
