@@ -11,7 +11,7 @@ TIMM_SPEC ?= timm==1.0.31
 # apt-get runs through sudo unless we are root.
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install system-tools test test-fast lint fmt run bench
+.PHONY: install system-tools test test-fast lint fmt run bench gpu-site gpu-check
 
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -56,3 +56,15 @@ run: install
 
 bench: install
 	$(PY) -m dscale.bench --quick
+
+# What a session with a lent GPU runs there (.ci/gpu-check; results under $$OUT). The GPU image
+# has its own torch but no Hydra: gpu-site copies the pure-Python packages it lacks from this venv.
+GPU_SITE_PACKAGES := hydra omegaconf antlr4 yamllint trustme hydra_core-*.dist-info \
+  omegaconf-*.dist-info antlr4_python3_runtime-*.dist-info yamllint-*.dist-info trustme-*.dist-info
+gpu-site: install
+	rm -rf .gpu-site && mkdir -p .gpu-site
+	cd $(VENV)/lib/python3*/site-packages && cp -r $(GPU_SITE_PACKAGES) $(CURDIR)/.gpu-site/
+	find .gpu-site -name __pycache__ -prune -exec rm -rf {} +
+
+gpu-check:
+	bash .ci/gpu-check

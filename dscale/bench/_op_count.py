@@ -73,37 +73,53 @@ class OpCounts:
         }
 
 
+def _reads_device(args: tuple[Any, ...], host_only: bool) -> bool:
+    """Whether a read of ``args[0]`` waits for a device: always, when every tensor is on the host
+    (the CPU stands in for the device there); else only for a tensor that is not on the CPU."""
+    tensor = args[0] if args else None
+    return host_only or (isinstance(tensor, torch.Tensor) and tensor.device.type != "cpu")
+
+
 class _DispatchCounter(TorchDispatchMode):
-    def __init__(self, counts: OpCounts) -> None:
+    def __init__(self, counts: OpCounts, host_only: bool) -> None:
         super().__init__()
         self.counts = counts
+        self.host_only = host_only
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         name = func.overloadpacket.__name__
         if func.namespace in _COLLECTIVE_NAMESPACES:
             self.counts.collectives += 1
         elif name == _HOST_READ:
-            self.counts.host_reads += 1
+            self.counts.host_reads += _reads_device(args, self.host_only)
         elif not (func.is_view or name in _NO_KERNEL):
             self.counts.kernels[name] += 1
         return func(*args, **(kwargs or {}))
 
 
 class _ReadCounter(TorchFunctionMode):
-    def __init__(self, counts: OpCounts) -> None:
+    def __init__(self, counts: OpCounts, host_only: bool) -> None:
         super().__init__()
         self.counts = counts
+        self.host_only = host_only
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         if func in _HOST_READ_METHODS:
-            self.counts.host_reads += 1
+            self.counts.host_reads += _reads_device(args, self.host_only)
         return func(*args, **(kwargs or {}))
 
 
-def count_ops(fn: Callable[[], object]) -> OpCounts:
-    """Run ``fn()`` once and count what it dispatched on this thread (autograd's included)."""
+def count_ops(fn: Callable[[], object], *, host_only: bool | None = None) -> OpCounts:
+    """Run ``fn()`` once and count what it dispatched on this thread (autograd's included).
+
+    ``host_only`` (default: no CUDA here): every tensor is on the CPU, standing in for a device,
+    so every host read counts; with CUDA only reads of device memory count (a read of a pinned
+    buffer whose copy has landed waits for nothing).
+    """
     counts = OpCounts()
-    with _ReadCounter(counts), _DispatchCounter(counts):
+    if host_only is None:
+        host_only = not torch.cuda.is_available()
+    with _ReadCounter(counts, host_only), _DispatchCounter(counts, host_only):
         fn()
     return counts
 

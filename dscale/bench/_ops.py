@@ -15,6 +15,7 @@ through the scaler's seam for it, ``GradScaler._read_host_flags = False`` (see
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -153,7 +154,8 @@ def measure(arm: str, row: Row, device: torch.device, *, profile: bool = False) 
         scaler.step(optimizer)
         scaler.update()
 
-    counted, plain = _steady_state(setup, iteration, optimizer.step, count_ops)
+    counter = functools.partial(count_ops, host_only=device.type == "cpu")
+    counted, plain = _steady_state(setup, iteration, optimizer.step, counter)
     result = own_per_iteration(counted, [plain])
     if profile:
         kernels, plain_kernels = _steady_state(setup, iteration, optimizer.step, count_cuda_kernels)
@@ -205,7 +207,7 @@ def measure_attached(arm: str, row: Row, group: Any) -> dict[str, Any]:
         if i < WARMUP:
             step()
         else:
-            counted.append(count_ops(step))
+            counted.append(count_ops(step, host_only=True))
     backward()
-    plain = count_ops(optimizer.step)
+    plain = count_ops(optimizer.step, host_only=True)
     return own_per_iteration(counted, [plain])
