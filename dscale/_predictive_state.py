@@ -165,7 +165,8 @@ class PredictiveScaling:
         host = self.host
         if host is not None or self.vector is None:
             values = (host or PredictiveHost()).as_list()
-            self.vector = torch.tensor(values, dtype=torch.float32).to(device)
+            # non_blocking: a blocking host-to-device copy waits for the GPU (a sync on CUDA).
+            self.vector = torch.tensor(values, dtype=torch.float32).to(device, non_blocking=True)
         elif self.vector.device != device:
             self.vector = self.vector.to(device)
         return self.vector

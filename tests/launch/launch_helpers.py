@@ -46,7 +46,9 @@ class Launched:
                 stdout=out,
                 stderr=err,
                 text=True,
-                env={**os.environ, **(env or {})},
+                # These are CPU jobs on gloo on any host: on a GPU host `auto` would pick one
+                # rank per GPU and NCCL instead (a test may still ask for CUDA through env).
+                env={**os.environ, "CUDA_VISIBLE_DEVICES": "", **(env or {})},
                 start_new_session=True,
             )
 
