@@ -130,6 +130,7 @@ def start_metrics(
                 local_rank=local_rank,
                 job_name=run_id,
                 linger_s=cfg["linger_s"],
+                check_agreement_every=cfg["check_agreement_every"],
             )
             # Published only once the port is bound (exporter.port is None when it was not),
             # and removed after the exporter has stopped lingering.
