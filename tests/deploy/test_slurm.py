@@ -22,7 +22,7 @@ from tests.deploy.slurm_cluster import SlurmCluster, missing_tools, wait_for
 from tests.ports import free_port
 
 SBATCH = DEPLOY / "slurm" / "dscale.sbatch"
-MAX_STEPS = 200
+MAX_STEPS = 120
 JOB = [
     "launcher.nproc_per_node=2",
     "model=mlp",
@@ -35,6 +35,8 @@ JOB = [
 # What a one-node, CPU-only cluster needs instead of the script's 2 nodes x 8 GPUs.
 SBATCH_ARGS = ["--nodes=1", "--cpus-per-task=2", "--gpus-per-node=0"]
 JOB_TIMEOUT_S = 180
+
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
@@ -155,6 +157,10 @@ def test_sigterm_mid_run_checkpoints_exits_75_requeues_and_resumes_like_an_unint
     slurm.run("scancel", "--signal=TERM", str(job.id))  # the job's steps, as --signal=TERM@ does
     job.wait_done()
     _assert_resumed_like_uninterrupted(job, uninterrupted, after_step=20)
+    step = job.summary()["resumed_from"]
+    # Both attempts' output, and a requeue message that names the step it resumes from.
+    assert f"requeueing job {job.id}; it resumes from step {step}" in job.output(), job.report()
+    assert job.output().count("dscale: 1 nodes, rendezvous on") == 2, job.report()
 
 
 def test_partition_preemption_checkpoints_requeues_and_resumes_like_an_uninterrupted_run(
