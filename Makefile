@@ -23,16 +23,21 @@ $(VENV)/.installed: pyproject.toml Makefile
 
 install: $(VENV)/.installed
 
-# The one tool the tests run that PyPI lacks: Prometheus (server and promtool), from Debian.
+# The tools the tests run that PyPI lacks, from Debian: Prometheus (server and promtool),
+# Alertmanager, and a one-node Slurm (slurmctld, slurmd, munge, the client commands). Nothing
+# starts on install; the tests start their own daemons under a temp folder.
+SYSTEM_TOOLS := prometheus promtool prometheus-alertmanager munged slurmctld slurmd sbatch scontrol
+SYSTEM_PACKAGES := prometheus prometheus-alertmanager slurm-wlm slurmctld slurmd munge
 system-tools:
-	@if command -v prometheus >/dev/null 2>&1 && command -v promtool >/dev/null 2>&1; then :; \
+	@missing=""; for t in $(SYSTEM_TOOLS); do command -v $$t >/dev/null 2>&1 || missing="$$missing $$t"; done; \
+	if [ -z "$$missing" ]; then :; \
 	elif command -v apt-get >/dev/null 2>&1; then \
-	  echo "installing Debian's prometheus (prometheus, promtool) for the tests"; \
+	  echo "installing Debian's $(SYSTEM_PACKAGES) for the tests (missing:$$missing)"; \
 	  $(SUDO) apt-get update -qq && \
 	  $(SUDO) env DEBIAN_FRONTEND=noninteractive \
-	    apt-get install -y -qq --no-install-recommends prometheus; \
+	    apt-get install -y -qq --no-install-recommends $(SYSTEM_PACKAGES); \
 	else \
-	  echo "make test needs prometheus and promtool (Prometheus 2.x) on PATH; install them" >&2; \
+	  echo "make test needs$$missing on PATH (Debian: apt-get install $(SYSTEM_PACKAGES))" >&2; \
 	  exit 1; \
 	fi
 

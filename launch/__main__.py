@@ -1,6 +1,16 @@
-"""``python -m launch``: the same as the ``dscale-launch`` console script."""
+"""``python -m launch`` and the ``dscale-launch`` console script.
 
-from launch.app import main
+The SIGTERM handler goes in before anything else is imported (torch and Hydra take seconds to
+load): see ``launch/startup.py``.
+"""
+
+from launch import startup
+
+startup.install()
+
+from launch.app import main  # noqa: E402 - after the handler, on purpose
+
+__all__ = ["main"]
 
 if __name__ == "__main__":
     main()

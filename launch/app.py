@@ -24,7 +24,7 @@ from launch.failures import explain_failure
 from launch.preemption import PREEMPTED_EXIT_CODE, failures_were_preemption
 from launch.schema import JobConfig, register
 from launch.summary import build_summary, format_summary, write_summary
-from launch.targets import published_targets, scrape_host
+from launch.targets import remove_targets, scrape_host
 from launch.validate import ConfigError, check_known_keys, validate
 
 logger = logging.getLogger("launch")
@@ -49,16 +49,19 @@ def _run(job: JobConfig, plain: dict[str, Any], nproc: int, run_dir: Path) -> di
         run_dir,
     )
     m = job.metrics
-    with published_targets(
-        m.targets_dir if m.enabled else None,
-        run_id=config.run_id,
-        node_rank=job.launcher.node_rank,
-        host=scrape_host(m.addr),
-        ports=[m.port + r for r in range(nproc)],
-    ):
+    # Each rank publishes its own file_sd target once its port is bound (launch/targets.py);
+    # here only what a killed rank left behind is removed.
+    try:
         if job.script:
             return run_script(config, job.script, job.script_args)
         return run_workers(config, plain, run_dir)
+    finally:
+        remove_targets(
+            m.targets_dir if m.enabled else None,
+            run_id=config.run_id,
+            host=scrape_host(m.addr),
+            ports=[m.port + r for r in range(nproc)],
+        )
 
 
 def run_job(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from dscale.checkpoint import CheckpointManager, PreemptionGuard
 from dscale.metrics import MetricsLog, start_exporter
 from dscale.stats import track_numerics
 from launch.preemption import Preempted
+from launch.targets import published_target, scrape_host
 
 logger = logging.getLogger(__name__)
 
@@ -116,17 +118,32 @@ def start_metrics(
     stats = track_numerics(scaler, model)
     log = MetricsLog(run_dir, stats=stats, rank=rank, every=log_every)
     scaler.add_observer(log)
-    exporter = start_exporter(
-        scaler,
-        stats,
-        addr=cfg["addr"],
-        port=cfg["port"],
-        rank=rank,
-        local_rank=local_rank,
-        linger_s=cfg["linger_s"],
-    )
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID") or "dscale"
     try:
-        with exporter:
+        with contextlib.ExitStack() as stack:
+            exporter = start_exporter(
+                scaler,
+                stats,
+                addr=cfg["addr"],
+                port=cfg["port"],
+                rank=rank,
+                local_rank=local_rank,
+                job_name=run_id,
+                linger_s=cfg["linger_s"],
+                check_agreement_every=cfg["check_agreement_every"],
+            )
+            # Published only once the port is bound (exporter.port is None when it was not),
+            # and removed after the exporter has stopped lingering.
+            stack.enter_context(
+                published_target(
+                    cfg.get("targets_dir"),
+                    run_id=run_id,
+                    host=scrape_host(cfg["addr"]),
+                    port=exporter.port,
+                    rank=rank,
+                )
+            )
+            stack.enter_context(exporter)
             yield exporter
     finally:
         log.close()

@@ -176,6 +176,7 @@ class MetricsConfig:
     addr: str = "127.0.0.1"
     port: int = 19400  # dscale.metrics.DEFAULT_PORT
     linger_s: float = 0.0  # keep serving after the last step so a scraper sees final values
+    check_agreement_every: int = 100  # compare the scale across ranks every N steps; 0: never
     targets_dir: str | None = None  # write Prometheus file_sd targets here while the job runs
 
 

@@ -1,7 +1,13 @@
-"""Prometheus file_sd targets for one run: written when the workers start, removed at the end.
+"""Prometheus file_sd targets: one file per port a rank actually serves, while it serves it.
 
-``deploy/prometheus/prometheus-file-sd.yml`` reads ``targets/*.json``. Removing the file after a
-normal finish keeps ``DScaleExporterDown`` from firing for a job that simply ended.
+``deploy/prometheus/prometheus-file-sd.yml`` reads ``targets/*.json``. Each rank publishes its
+own target *after* its exporter has bound the port, and removes it when the exporter stops, so
+a target never names a port that another job holds: with two jobs on one node and the same
+``metrics.port``, the second job's ranks cannot bind it and publish nothing (their log says
+"cannot serve on"), instead of sending Prometheus to the first job's ranks under the second
+job's ``run_id``. The launcher removes its node's leftovers (a rank killed by SIGKILL) at the
+end. Removing the files after a normal finish keeps ``DScaleExporterDown`` from firing for a
+job that simply ended.
 """
 
 from __future__ import annotations
@@ -10,7 +16,7 @@ import contextlib
 import json
 import os
 import socket
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 
@@ -19,25 +25,43 @@ def scrape_host(addr: str) -> str:
     return socket.getfqdn() if addr in ("0.0.0.0", "::", "") else addr
 
 
+def target_file(targets_dir: str | Path, *, run_id: str, host: str, port: int) -> Path:
+    """``<targets_dir>/<run_id>-<host>-<port>.json``: one per served port, unique on a cluster."""
+    return Path(targets_dir) / f"{run_id}-{host}-{port}.json"
+
+
 @contextlib.contextmanager
-def published_targets(
-    targets_dir: str | None, *, run_id: str, node_rank: int, host: str, ports: list[int]
+def published_target(
+    targets_dir: str | None, *, run_id: str, host: str, port: int | None, rank: int
 ) -> Iterator[Path | None]:
-    """Write ``<targets_dir>/<run_id>-node<N>.json`` (atomically) for the block's duration."""
-    if not targets_dir:
+    """Write this rank's target (atomically) for the block's duration; nothing if ``port`` is None.
+
+    Call it once the port is bound. The target's labels (``job_name``, ``run_id``, ``rank``,
+    ``node``) are the exporter's own, so that ``up`` and ``DScaleExporterDown`` carry them too.
+    """
+    if not targets_dir or port is None:
         yield None
         return
-    folder = Path(targets_dir)
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"{run_id}-node{node_rank}.json"
+    path = target_file(targets_dir, run_id=run_id, host=host, port=port)
+    path.parent.mkdir(parents=True, exist_ok=True)
     group = {
-        "targets": [f"{host}:{port}" for port in ports],
-        "labels": {"run_id": run_id, "node": host},
+        "targets": [f"{host}:{port}"],
+        "labels": {"job_name": run_id, "run_id": run_id, "rank": str(rank), "node": host},
     }
-    tmp = path.with_suffix(".json.tmp")
+    tmp = path.with_name(f".{path.name}.tmp")  # not *.json: Prometheus never reads it
     tmp.write_text(json.dumps([group], indent=2) + "\n")
-    os.replace(tmp, path)  # Prometheus never reads a half-written file
+    os.replace(tmp, path)
     try:
         yield path
     finally:
         path.unlink(missing_ok=True)
+
+
+def remove_targets(
+    targets_dir: str | None, *, run_id: str, host: str, ports: Iterable[int]
+) -> None:
+    """Remove the targets this node's ranks may have left (a rank killed before its cleanup)."""
+    if not targets_dir:
+        return
+    for port in ports:
+        target_file(targets_dir, run_id=run_id, host=host, port=port).unlink(missing_ok=True)

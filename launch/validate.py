@@ -177,6 +177,11 @@ def _metrics(job: JobConfig, nproc: int) -> None:
         "pick a base port between 1024 and 65000",
     )
     _need(m.linger_s >= 0, f"metrics.linger_s={m.linger_s} must be >= 0")
+    _need(
+        m.check_agreement_every >= 0,
+        f"metrics.check_agreement_every={m.check_agreement_every} must be >= 0 (steps between "
+        "cross-rank scale checks; 0 turns them off)",
+    )
     busy = [p for p in range(m.port, last + 1) if not _port_free(m.addr, p)]
     _need(
         not busy,

