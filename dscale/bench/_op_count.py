@@ -80,6 +80,23 @@ def _reads_device(args: tuple[Any, ...], host_only: bool) -> bool:
     return host_only or (isinstance(tensor, torch.Tensor) and tensor.device.type != "cpu")
 
 
+def _blocking_copy_to_host(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """A device-to-host copy that waits for the device (a non_blocking one into pinned memory
+    does not). Only a real device has one; on the CPU stand-in the flag is read with item()."""
+    if name == "_to_copy":
+        source, target = args[0], kwargs.get("device")
+        non_blocking = kwargs.get("non_blocking", False)
+    else:
+        target_tensor, source = args[0], args[1]
+        target = target_tensor.device if isinstance(target_tensor, torch.Tensor) else None
+        non_blocking = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
+    if not isinstance(source, torch.Tensor) or target is None:
+        return False
+    return (
+        source.device.type != "cpu" and torch.device(target).type == "cpu" and not non_blocking
+    )
+
+
 class _DispatchCounter(TorchDispatchMode):
     def __init__(self, counts: OpCounts, host_only: bool) -> None:
         super().__init__()
@@ -92,6 +109,8 @@ class _DispatchCounter(TorchDispatchMode):
             self.counts.collectives += 1
         elif name == _HOST_READ:
             self.counts.host_reads += _reads_device(args, self.host_only)
+        elif name in ("_to_copy", "copy_") and _blocking_copy_to_host(name, args, kwargs or {}):
+            self.counts.host_reads += 1
         elif not (func.is_view or name in _NO_KERNEL):
             self.counts.kernels[name] += 1
         return func(*args, **(kwargs or {}))
