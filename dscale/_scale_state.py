@@ -257,4 +257,9 @@ class ScaleState:
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        # Pickled before the state buffer existed: its tensors were not pickled either.
+        state.pop("counters", None)  # now a view of the buffer
+        for name, default in (("words", None), ("_rows", 0), ("_policy", None)):
+            state.setdefault(name, default)
+        state.setdefault("_clamped_interval", None)
         self.__dict__.update(state)
