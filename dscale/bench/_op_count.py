@@ -92,9 +92,7 @@ def _blocking_copy_to_host(name: str, args: tuple[Any, ...], kwargs: dict[str, A
         non_blocking = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
     if not isinstance(source, torch.Tensor) or target is None:
         return False
-    return (
-        source.device.type != "cpu" and torch.device(target).type == "cpu" and not non_blocking
-    )
+    return source.device.type != "cpu" and torch.device(target).type == "cpu" and not non_blocking
 
 
 class _DispatchCounter(TorchDispatchMode):
