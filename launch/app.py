@@ -22,6 +22,7 @@ from torch.distributed.run import parse_min_max_nnodes
 from launch.elastic import launch_config, run_script, run_workers, worker_env
 from launch.failures import explain_failure
 from launch.preemption import PREEMPTED_EXIT_CODE, failures_were_preemption
+from launch.rerun import resume_advice
 from launch.schema import JobConfig, register
 from launch.summary import build_summary, format_summary, write_summary
 from launch.targets import published_targets, scrape_host
@@ -109,7 +110,7 @@ def main(cfg: DictConfig) -> None:
         print(
             f"dscale-launch: stopped by {exc.sigval.name}; the workers saved a checkpoint if "
             f"they had time (checkpoint.save_on_signals). Exiting with {PREEMPTED_EXIT_CODE} "
-            "so that the job is restarted; it resumes from the newest checkpoint.",
+            f"so that the job is restarted;\n{resume_advice(cfg.checkpoint)}",
             file=sys.stderr,
         )
         sys.exit(PREEMPTED_EXIT_CODE)
@@ -117,13 +118,15 @@ def main(cfg: DictConfig) -> None:
         if failures_were_preemption([f.exitcode for f in exc.failures.values()]):
             print(
                 f"dscale-launch: the workers were preempted and saved a checkpoint; exiting "
-                f"with {PREEMPTED_EXIT_CODE} so that the job is restarted",
+                f"with {PREEMPTED_EXIT_CODE} so that the job is restarted;\n"
+                f"{resume_advice(cfg.checkpoint)}",
                 file=sys.stderr,
             )
             sys.exit(PREEMPTED_EXIT_CODE)
         print(
             f"dscale-launch: {explain_failure(exc)}\n"
-            f"  logs: {run_dir}/logs/rank<R>.log and {run_dir}/torchelastic\n\n"
+            f"  logs: {run_dir}/logs/rank<R>.log and {run_dir}/torchelastic\n"
+            f"after fixing the cause, {resume_advice(cfg.checkpoint)}\n\n"
             f"{exc.format_msg()}",  # type: ignore[no-untyped-call]
             file=sys.stderr,
         )
