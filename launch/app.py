@@ -22,7 +22,7 @@ from torch.distributed.run import parse_min_max_nnodes
 from launch.elastic import launch_config, run_script, run_workers, worker_env
 from launch.failures import explain_failure
 from launch.preemption import PREEMPTED_EXIT_CODE, failures_were_preemption
-from launch.rerun import resume_advice
+from launch.rerun import check_same_job, resume_advice
 from launch.schema import JobConfig, register
 from launch.summary import build_summary, format_summary, write_summary
 from launch.targets import published_targets, scrape_host
@@ -72,6 +72,7 @@ def run_job(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
         dict[str, Any],
         OmegaConf.to_container(OmegaConf.structured(job), resolve=True, enum_to_str=True),
     )
+    check_same_job(run_dir, plain)  # before this run's config replaces the earlier one's
     (run_dir / "config.resolved.yaml").write_text(OmegaConf.to_yaml(plain))
     results = _run(job, plain, nproc, run_dir)
     if 0 not in results:

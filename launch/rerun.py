@@ -3,7 +3,8 @@
 The default run folder is keyed by the job's name (``outputs/<hydra.job.name>``), not by the
 time, so running the same command again finds its checkpoints and ``checkpoint.resume=auto``
 continues from the newest one. A fresh start is explicit: a new name (``hydra.job.name=...``),
-which is a new folder, checkpoints included.
+which is a new folder, checkpoints included. A command with other training settings in a folder
+that holds checkpoints is refused, rather than silently continuing the earlier run.
 """
 
 from __future__ import annotations
@@ -15,9 +16,25 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from dscale.checkpoint import CheckpointManager
+from omegaconf import OmegaConf
 
-__all__ = ["rerun_command", "resume_advice"]
+from dscale.checkpoint import CheckpointManager
+from launch.validate import ConfigError
+
+__all__ = ["check_same_job", "rerun_command", "resume_advice"]
+
+# What may change between the runs of one job: how long it runs, how it is launched, watched,
+# checkpointed and faulted, and the wrapper (checkpoints reshard). The rest is the training.
+_MAY_CHANGE = (
+    "launcher.",
+    "metrics.",
+    "checkpoint.",
+    "fault.",
+    "parallel.",
+    "trainer.max_steps",
+    "trainer.log_every",
+    "trainer.device",
+)
 
 FRESH_START = "hydra.job.name=<a new name> (a new run folder, with its own checkpoints)"
 
@@ -54,3 +71,43 @@ def resume_advice(checkpoint: Mapping[str, Any]) -> str:
         f"to resume from {where}, run the same command again:\n  {command}\n"
         f"to start fresh instead, add {FRESH_START}"
     )
+
+
+def _flat(node: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(node, Mapping):
+        return {prefix[:-1]: node}
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        out.update(_flat(value, f"{prefix}{key}."))
+    return out
+
+
+def check_same_job(run_dir: Path, config: Mapping[str, Any]) -> None:
+    """Refuse to continue the run in ``run_dir`` with other training settings.
+
+    ``config`` is this command's resolved config; the earlier run's is the
+    ``config.resolved.yaml`` it left. Only when ``checkpoint.resume=auto`` would load one of
+    its checkpoints. Keys in ``_MAY_CHANGE``, and keys only one of the two has, may differ.
+    """
+    previous_file = run_dir / "config.resolved.yaml"
+    c = config["checkpoint"]
+    if not (c["enabled"] and c["resume"] == "auto" and previous_file.is_file()):
+        return
+    latest = CheckpointManager(Path(c["dir"])).latest()
+    if latest is None:
+        return
+    before = _flat(OmegaConf.to_container(OmegaConf.load(previous_file), resolve=True))
+    now = _flat(config)
+    changed = [
+        f"{key}: {before[key]!r} -> {now[key]!r}"
+        for key in sorted(before.keys() & now.keys())
+        if not key.startswith(_MAY_CHANGE) and before[key] != now[key]
+    ]
+    if changed:
+        raise ConfigError(
+            f"{run_dir} holds an earlier run of this job (its newest checkpoint is {latest}) "
+            f"with other settings: {'; '.join(changed[:5])}. checkpoint.resume=auto would "
+            "continue that run with these. To start a new run with them, add "
+            "hydra.job.name=NEW_NAME (a new folder); to continue that run, run it with its "
+            "own settings"
+        )

@@ -70,6 +70,14 @@ def test_rerunning_the_same_command_after_a_preemption_resumes_and_the_message_s
     assert summary["resumed_from"] == step
     assert summary["steps"] == 40
 
+    # Other training settings in that folder are refused before any worker starts, rather
+    # than silently continuing the earlier run with them.
+    changed = _run(tmp_path, *command, "trainer.lr=0.01")
+    assert changed.returncode == 2, output(changed)
+    assert "holds an earlier run of this job" in changed.stderr, output(changed)
+    assert "trainer.lr: 0.003 -> 0.01" in changed.stderr, output(changed)
+    assert "hydra.job.name=NEW_NAME" in changed.stderr
+
     # The exit message named that command, and where it resumes from.
     rerun = f"cd {shlex.quote(str(tmp_path))} && " + shlex.join(
         [sys.executable, "-m", "launch", *command]
