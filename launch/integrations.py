@@ -71,6 +71,8 @@ class Checkpoints:
     def resume(self) -> int | None:
         """Load what ``checkpoint.resume`` names; return its step, or None for a fresh start."""
         if self._manager is not None:
+            if not self._manager.every:  # resume() checks only then; the loop saves at the end
+                self._manager.check_room(**self._states)
             self.resumed_from = self._manager.resume(self._resume, **self._states)
         return self.resumed_from
 

@@ -231,7 +231,11 @@ class CheckpointManager:
         The coordinator creates the folder, writes and removes a small file there, and compares
         the free space (where the filesystem reports it) with the tensor bytes of these states
         on all ranks. resume() calls it; call it yourself before training if you do not resume.
+        A torch optimizer's state counts once it exists (after the first step).
         """
+        if isinstance(optimizer, torch.optim.Optimizer) and not optimizer.state:
+            # DCP would make its state by a zero-lr step(), changing a fresh run (Adam's step).
+            optimizer = None
         built = build_states(
             step=0,
             model=model,

@@ -103,4 +103,6 @@ def failures_before_and_after_training(rank: int, world: int, root: str) -> dict
     out["fine"] = _error(
         lambda: CheckpointManager(f"{root}/fine", every=5).resume("auto", **fresh_states)
     )
+    # The check made no optimizer state (DCP makes it by a zero-lr step, which shifts Adam).
+    out["fresh_optimizer_state"] = len(fresh_states["optimizer"].state)
     return out

@@ -7,7 +7,6 @@ asynchronously and exits 75 right away, without wait(), as the recipe did.
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
 from datetime import timedelta
@@ -36,7 +35,7 @@ def main(rank: int, port: int, root: str) -> None:
         for step in range(start, 50):
             train(model, opt, scaler, 1, seed=step)
             if step == 5 and rank == 1:
-                os.kill(os.getpid(), signal.SIGTERM)  # the scheduler's notice, to one rank
+                signal.raise_signal(signal.SIGTERM)  # the notice, to one rank; handled here
             if preemption.should_stop():
                 ckpt.save(step + 1, model=model, optimizer=opt, scaler=scaler)
                 print(f"rank {rank}: exiting after saving step {step + 1}", flush=True)

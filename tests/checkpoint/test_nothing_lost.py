@@ -100,6 +100,7 @@ def test_a_folder_without_room_for_one_checkpoint_fails_on_every_rank_before_tra
         assert "has 1.0 kB free, but one checkpoint needs about" in message, message
         assert "Free space there" in message
         assert results[rank]["fine"] is None
+        assert results[rank]["fresh_optimizer_state"] == 0
 
 
 def test_the_launchers_preemption_save_is_published_before_the_worker_exits_with_async_save(
