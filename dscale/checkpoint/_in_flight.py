@@ -7,8 +7,10 @@ which it does once every rank's data is written; then only the coordinator renam
   int per step, only while a save is in flight), so they publish, or fail to, at the same step
   and a failure raises the same CheckpointSaveError on every rank.
 * A process that exits with a save in flight (``sys.exit(75)`` after a preemption save) still
-  publishes it: Python joins DCP's writer thread before running ``atexit`` hooks, so every
-  rank's part is done by then, and the coordinator renames without a collective.
+  publishes it: when it leaves a PreemptionGuard after a preemption (before any
+  ``destroy_process_group()`` outside it), and else at interpreter exit, where Python has
+  joined DCP's writer thread before running ``atexit`` hooks. Each rank waits for its own part
+  and the coordinator renames, without a collective.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from dscale import _dist
 from dscale.checkpoint import _publish
 from dscale.checkpoint._errors import ERROR_TYPES, CheckpointSaveError, describe_failure
 
-__all__ = ["InFlight"]
+__all__ = ["InFlight", "publish_all_in_flight"]
 
 logger = logging.getLogger(__name__)
 
@@ -82,13 +84,13 @@ class InFlight:
         _dist.gather_then_raise(problem, group, f"publishing {self.final}", ERROR_TYPES)
 
     def finish_at_exit(self) -> None:
-        """Publish at interpreter exit, without collectives; a failure is logged, not raised."""
+        """Publish on the way out, without collectives; a failure is logged, not raised."""
         _IN_FLIGHT.pop(id(self), None)
         try:
             self.future.result()
             if self.is_coordinator:
                 self._publish()
-                logger.warning("published %s at exit (the save was still in flight)", self.final)
+                logger.warning("published %s on exit (the save was still in flight)", self.final)
         except (CheckpointException, OSError) as exc:
             logger.error("the save in flight at exit was not published (%s): %s", self.tmp, exc)
 
@@ -97,7 +99,14 @@ class InFlight:
         _publish.purge(self.final.parent, self.keep)
 
 
-@atexit.register
-def _publish_at_exit() -> None:
+def publish_all_in_flight() -> None:
+    """Publish every save in flight in this process, without collectives.
+
+    Each rank waits for its own part; the coordinator renames. For exits: PreemptionGuard
+    calls it when it is left after a preemption, and it runs at interpreter exit.
+    """
     for save in list(_IN_FLIGHT.values()):
         save.finish_at_exit()
+
+
+atexit.register(publish_all_in_flight)

@@ -1,12 +1,19 @@
-"""The README's preemption recipe with ``async_save=True``, as one rank of a 2-rank gloo job.
+"""Preemption exits with an asynchronous save in flight: the save must be published.
 
-Run as ``python -m tests.checkpoint._preempted_async RANK PORT ROOT`` from the repository root,
-once per rank. Rank 1 alone gets the scheduler's SIGTERM at step 5; every rank saves step 6
-asynchronously and exits 75 right away, without wait(), as the recipe did.
+``python -m tests.checkpoint._preempted_async guard RANK PORT ROOT``: the README's recipe on one
+rank of a 2-rank gloo job, without ``wait()``. Rank 1 alone gets the scheduler's SIGTERM at
+step 5; every rank saves step 6 asynchronously and calls ``sys.exit(75)`` inside the
+PreemptionGuard. The process then ends with ``os._exit``: C++ teardown of gloo ranks sometimes
+aborts after the last Python frame (see tests/multirank.py), and this skips atexit hooks too, so
+what is published was published by the guard.
+
+``python -m tests.checkpoint._preempted_async exit ROOT``: one process, no guard, ``sys.exit(75)``
+right after an asynchronous save; what is published was published at interpreter exit.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 from datetime import timedelta
@@ -18,7 +25,7 @@ from dscale.checkpoint import PREEMPTED_EXIT_CODE, CheckpointManager, Preemption
 from tests.checkpoint._helpers import make_model, make_scaler, train
 
 
-def main(rank: int, port: int, root: str) -> None:
+def recipe(rank: int, port: int, root: str) -> None:
     dist.init_process_group(
         "gloo",
         init_method=f"tcp://127.0.0.1:{port}",
@@ -44,5 +51,20 @@ def main(rank: int, port: int, root: str) -> None:
     sys.exit(1)  # never preempted
 
 
+def exit_in_flight(root: str) -> None:
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = make_scaler()
+    train(model, opt, scaler, 3)
+    CheckpointManager(root, async_save=True).save(3, model=model, optimizer=opt, scaler=scaler)
+    sys.exit(PREEMPTED_EXIT_CODE)
+
+
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
+    if sys.argv[1] == "exit":
+        exit_in_flight(sys.argv[2])
+    try:
+        recipe(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+    except SystemExit as exc:
+        sys.stdout.flush()
+        os._exit(int(exc.code or 0))

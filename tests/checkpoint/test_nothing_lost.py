@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dscale.checkpoint import PREEMPTED_EXIT_CODE, CheckpointManager
+from dscale.checkpoint import PREEMPTED_EXIT_CODE, CheckpointManager, load_checkpoint
 from tests.checkpoint import _lost_ranks
 from tests.checkpoint._helpers import make_model, make_scaler
 from tests.multirank import run_ranks
@@ -24,19 +24,13 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_readme_recipe_with_async_save_publishes_the_preemption_save_on_every_rank(tmp_path):
-    """Before, the ranks exited 75 leaving only .step-6.tmp; a restart resumed from step 4
-    (or from scratch) and deleted the leftover."""
+    """Leaving the PreemptionGuard after a preemption publishes the save in flight. Before, the
+    ranks exited 75 leaving only .step-6.tmp; a restart resumed from step 4 and deleted it."""
     port = free_port()
+    command = [sys.executable, "-m", "tests.checkpoint._preempted_async", "guard"]
     procs = [
         subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "tests.checkpoint._preempted_async",
-                str(r),
-                str(port),
-                str(tmp_path),
-            ],
+            [*command, str(r), str(port), str(tmp_path)],
             cwd=REPO,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -56,6 +50,20 @@ def test_readme_recipe_with_async_save_publishes_the_preemption_save_on_every_ra
         "auto", model=model, optimizer=opt, scaler=make_scaler()
     )
     assert resumed == 6
+
+
+def test_an_async_save_in_flight_at_sys_exit_is_published_at_exit(tmp_path):
+    """Without a guard or wait(): published at interpreter exit. Before: only .step-3.tmp."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.checkpoint._preempted_async", "exit", str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == PREEMPTED_EXIT_CODE, proc.stderr[-3000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-3"]
+    assert load_checkpoint(tmp_path / "step-3", model=make_model(seed=9)) == 3
 
 
 @pytest.fixture(scope="module")
