@@ -22,6 +22,7 @@ from torch.distributed.run import parse_min_max_nnodes
 from launch.elastic import launch_config, run_script, run_workers, worker_env
 from launch.failures import explain_failure
 from launch.preemption import PREEMPTED_EXIT_CODE, failures_were_preemption
+from launch.rerun import check_same_job, resume_advice
 from launch.schema import JobConfig, register
 from launch.summary import build_summary, format_summary, write_summary
 from launch.targets import remove_targets, scrape_host
@@ -74,6 +75,7 @@ def run_job(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
         dict[str, Any],
         OmegaConf.to_container(OmegaConf.structured(job), resolve=True, enum_to_str=True),
     )
+    check_same_job(run_dir, plain)  # before this run's config replaces the earlier one's
     (run_dir / "config.resolved.yaml").write_text(OmegaConf.to_yaml(plain))
     results = _run(job, plain, nproc, run_dir)
     if 0 not in results:
@@ -112,7 +114,7 @@ def main(cfg: DictConfig) -> None:
         print(
             f"dscale-launch: stopped by {exc.sigval.name}; the workers saved a checkpoint if "
             f"they had time (checkpoint.save_on_signals). Exiting with {PREEMPTED_EXIT_CODE} "
-            "so that the job is restarted; it resumes from the newest checkpoint.",
+            f"so that the job is restarted;\n{resume_advice(cfg.checkpoint)}",
             file=sys.stderr,
         )
         sys.exit(PREEMPTED_EXIT_CODE)
@@ -120,13 +122,15 @@ def main(cfg: DictConfig) -> None:
         if failures_were_preemption([f.exitcode for f in exc.failures.values()]):
             print(
                 f"dscale-launch: the workers were preempted and saved a checkpoint; exiting "
-                f"with {PREEMPTED_EXIT_CODE} so that the job is restarted",
+                f"with {PREEMPTED_EXIT_CODE} so that the job is restarted;\n"
+                f"{resume_advice(cfg.checkpoint)}",
                 file=sys.stderr,
             )
             sys.exit(PREEMPTED_EXIT_CODE)
         print(
             f"dscale-launch: {explain_failure(exc)}\n"
-            f"  logs: {run_dir}/logs/rank<R>.log and {run_dir}/torchelastic\n\n"
+            f"  logs: {run_dir}/logs/rank<R>.log and {run_dir}/torchelastic\n"
+            f"after fixing the cause, {resume_advice(cfg.checkpoint)}\n\n"
             f"{exc.format_msg()}",  # type: ignore[no-untyped-call]
             file=sys.stderr,
         )

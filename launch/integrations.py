@@ -39,8 +39,9 @@ class Checkpoints:
     ``extra`` (more Statefuls) rides along; the context adds its record of skipped steps, so
     that survives restarts. With ``checkpoint.enabled=false`` every method does nothing and
     ``resume()`` returns None. On a signal in ``checkpoint.save_on_signals``, every rank saves
-    at its next ``maybe_save()`` (the ranks agree there, once per step) and raises
-    ``Preempted``, which the worker turns into the restartable exit status.
+    at its next ``maybe_save()`` (the ranks agree there, once per step), waits until that save
+    is published (``checkpoint.async_save`` included), and raises ``Preempted``, which the
+    worker turns into the restartable exit status.
     """
 
     def __init__(
@@ -57,7 +58,12 @@ class Checkpoints:
         self._resume = cfg["resume"]
         self._states = {"model": model, "optimizer": optimizer, "scaler": scaler, "extra": extra}
         self._manager = (
-            CheckpointManager(cfg["dir"], every=cfg["every"], keep=cfg["keep"])
+            CheckpointManager(
+                cfg["dir"],
+                every=cfg["every"],
+                keep=cfg["keep"],
+                async_save=bool(cfg.get("async_save", False)),
+            )
             if self.enabled
             else None
         )
@@ -67,6 +73,8 @@ class Checkpoints:
     def resume(self) -> int | None:
         """Load what ``checkpoint.resume`` names; return its step, or None for a fresh start."""
         if self._manager is not None:
+            if not self._manager.every:  # resume() checks only then; the loop saves at the end
+                self._manager.check_room(**self._states)
             self.resumed_from = self._manager.resume(self._resume, **self._states)
         return self.resumed_from
 
@@ -81,6 +89,9 @@ class Checkpoints:
             return False
         if self._guard is not None and self._guard.should_stop():
             self._manager.save(step, **self._states)
+            # Published before the worker exits: it destroys the process group on the way
+            # out, which an asynchronous save still in flight would need.
+            self._manager.wait()
             raise Preempted(step)
         return self._manager.maybe_save(step, **self._states)
 

@@ -186,7 +186,8 @@ class CheckpointConfig:
 
     ``save_on_signals``: on any of these signals (a scheduler's preemption notice) every rank
     finishes its step, saves, and the job exits with status 75 so that it is restarted; [] turns
-    this off. See ``dscale.checkpoint.PreemptionGuard``.
+    this off. See ``dscale.checkpoint.PreemptionGuard``. ``async_save``: write in the background
+    (``CheckpointManager(async_save=True)``); a preemption save is published before the exit.
     """
 
     enabled: bool = True
@@ -195,6 +196,7 @@ class CheckpointConfig:
     keep: int = 2
     resume: str = "auto"
     save_on_signals: list[str] = field(default_factory=lambda: ["SIGTERM"])
+    async_save: bool = False
 
 
 @dataclass

@@ -25,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch.distributed.run import parse_min_max_nnodes
 
 from dscale import GradScaler
-from dscale.checkpoint import CheckpointManager, PreemptionGuard
+from dscale.checkpoint import CheckpointManager, CheckpointSaveError, PreemptionGuard
 from launch.entrypoint import EntrypointError, check_spec
 from launch.schema import DEMO_ENTRYPOINT, Device, JobConfig
 
@@ -206,6 +206,21 @@ def _checkpoint(job: JobConfig) -> None:
         ) from exc
     if isinstance(target, Path):
         c.resume = str(target.expanduser().resolve())  # workers may start elsewhere
+    try:
+        CheckpointManager.check_directory(c.dir)  # creates the folder, like the first save
+    except CheckpointSaveError as exc:
+        raise ConfigError(
+            f"checkpoint.dir={c.dir}: {exc}; choose it with checkpoint.dir=PATH"
+        ) from None
+    latest = CheckpointManager(c.dir).latest()
+    _need(
+        target is not None or latest is None,
+        f"checkpoint.resume={c.resume!r} starts fresh, but checkpoint.dir={c.dir} already holds "
+        f"{latest.name if latest else ''} from an earlier run, and a fresh run there would mix "
+        "its checkpoints with those. To start fresh, use a new folder: hydra.job.name=NEW_NAME "
+        "(a new run folder) or checkpoint.dir=EMPTY_FOLDER; to continue that run, use "
+        "checkpoint.resume=auto",
+    )
 
     try:
         PreemptionGuard(c.save_on_signals)  # the library's own check; installs nothing

@@ -7,12 +7,13 @@ API (all ranks call every function at the same point)::
     ckpt = CheckpointManager(directory, every=50, keep=2, async_save=False, process_group=None)
     start = ckpt.resume("auto", model=model, optimizer=opt, scaler=scaler) or 0
     # resume: "auto" (newest complete checkpoint), a step-N folder path, or None / "" (fresh)
-    # also: ckpt.load_latest(...) -> int | None, ckpt.load(path, ...) -> int, ckpt.latest()
+    # also: ckpt.load_latest(...) -> int | None, ckpt.load(path, ...) -> int, ckpt.latest(),
+    # ckpt.check_room(model=...) (resume() runs it when every > 0), check_directory(path)
     for step in range(start, max_steps):
         train_one_iteration()
         ckpt.maybe_save(step + 1, model=model, optimizer=opt, scaler=scaler)  # step N = N done
     ckpt.save(max_steps, model=model, optimizer=opt, scaler=scaler)  # no-op if just saved
-    ckpt.wait()  # publishes a pending async save
+    ckpt.wait()  # publishes a pending async save (one still in flight at exit is published then)
 
     load_checkpoint(path, model=..., optimizer=..., scaler=..., process_group=None) -> step
     load_scaler_file(scaler, "scaler.pt")  # a torch.save(torch_scaler.state_dict(), ...) file
@@ -32,10 +33,13 @@ On disk: ``directory/step-N/`` with DCP's ``.metadata``, ``__<rank>_<n>.distcp``
 files it writes). A save writes ``.step-N.tmp`` and is renamed only after every rank has written,
 so a crash leaves the previous checkpoints intact; a failed save removes its folder.
 
-Loading never runs code from the checkpoint's bytes (exact-name metadata unpickler,
-``weights_only=True`` values), reads into empty copies, and changes nothing until every check
-(checksums, format, keys and shapes, scaler rows, the scaler's validation) has passed on every
-rank; a failure on any rank raises the same error on all of them.
+Before DCP opens a file, every entry of the folder must be a regular file (or a symlink to one
+inside it) and every size ``.metadata`` declares must fit in the bytes on disk; a folder that is
+refused raises CorruptCheckpointError. Loading never runs code from the checkpoint's bytes
+(exact-name metadata unpickler, ``weights_only=True`` values), reads into empty copies, and
+changes nothing until every check (checksums, format, keys and shapes, scaler rows, the
+scaler's validation) has passed on every rank; a failure on any rank raises the same error on
+all of them.
 
 Errors: CheckpointError (ValueError; names the folder or file), CorruptCheckpointError (a
 checksum failed; ``resume="auto"`` skips to the previous checkpoint with a warning),

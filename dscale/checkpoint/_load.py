@@ -1,7 +1,8 @@
 """Load one checkpoint: check everything, then change anything.
 
-1. Inspect (each rank, no collective): the folder's format and version, the manifest, the
-   metadata (safe unpickler), and that the model's and optimizer's keys match.
+1. Inspect (each rank, no collective): every file is a regular file of the folder (nothing
+   opened yet), the folder's format and version, the manifest, the metadata (safe unpickler),
+   its declared sizes against the bytes on disk, and that the model's and optimizer's keys match.
 2. Read (DCP) into empty copies of the states while each rank hashes its share of the files.
 3. Check what was read: checksums, the saving ranks' scaler rows, the scaler accepting it, and
    every rank ending with the same scale.
@@ -35,6 +36,7 @@ from dscale.checkpoint._errors import (
     ScaleMismatchError,
     describe_failure,
 )
+from dscale.checkpoint._files import check_declared_sizes, check_listed, check_regular_files
 from dscale.checkpoint._hashing import verify_share
 from dscale.checkpoint._layout import check_folder, read_format, read_manifest
 from dscale.checkpoint._quiet import quiet_single_process
@@ -117,7 +119,9 @@ def _stage(path: Path, states: Mapping[str, Any], metadata: Metadata) -> dict[st
 
 def _inspect(path: Path, states: Mapping[str, Any]) -> tuple[_Sums, dict[str, Any]]:
     check_folder(path)
+    sizes = check_regular_files(path)  # before anything is opened: a FIFO would block
     algorithm, entries = read_manifest(path)
+    check_listed(path, [name for _, name in entries], sizes)
     # The small files every rank reads before any data: checked here, by every rank.
     small = [(digest, name) for digest, name in entries if not name.startswith("__")]
     corrupt = verify_share(path, small, 0, 1, algorithm)
@@ -125,6 +129,7 @@ def _inspect(path: Path, states: Mapping[str, Any]) -> tuple[_Sums, dict[str, An
         raise CorruptCheckpointError(corrupt)
     read_format(path)
     metadata = read_metadata(path)
+    check_declared_sizes(path, metadata, sizes)  # before any placeholder is allocated
     data = [(digest, name) for digest, name in entries if name.startswith("__")]
     return (algorithm, data), _stage(path, states, metadata)
 

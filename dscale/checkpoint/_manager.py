@@ -3,24 +3,18 @@
 from __future__ import annotations
 
 import logging
-import shutil
 from collections.abc import Mapping
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.distributed import ProcessGroup
-from torch.distributed.checkpoint.api import CheckpointException
 
 from dscale import _dist
 from dscale.checkpoint import _publish, _save
-from dscale.checkpoint._errors import (
-    ERROR_TYPES,
-    CheckpointSaveError,
-    CorruptCheckpointError,
-    describe_failure,
-)
+from dscale.checkpoint._errors import ERROR_TYPES, CheckpointSaveError, CorruptCheckpointError
+from dscale.checkpoint._in_flight import InFlight
 from dscale.checkpoint._layout import check_folder, list_complete, step_dir, temp_dir
 from dscale.checkpoint._load import load_checkpoint
 from dscale.checkpoint._states import build_states
@@ -84,9 +78,10 @@ class CheckpointManager:
         self.process_group = process_group
         self.is_coordinator = _dist.rank(process_group) == 0
         self._async_group: ProcessGroup | None = None
-        self._pending: tuple[Future[Any], Path, Path] | None = None
+        self._agree_group: ProcessGroup | None = None
+        self._pending: InFlight | None = None  # the same on every rank
         self._last_step: int | None = None
-        self._async_since_wait = False  # the same on every rank, unlike _pending
+        self._async_since_wait = False
 
     def maybe_save(self, step: int, **states: Any) -> bool:
         """Save if ``step`` is a positive multiple of ``every``; return whether it saved.
@@ -144,7 +139,9 @@ class CheckpointManager:
         )
         if use_async:
             _save.raise_if_failed(problem, states, root=root, tmp=tmp, step=step, group=group)
-            self._pending = (future, tmp, final)  # type: ignore[assignment]
+            self._pending = InFlight(
+                cast("Future[Any]", future), tmp, final, self.keep, self.is_coordinator
+            )
             self._async_since_wait = True
             self._last_step = step
             return
@@ -207,14 +204,61 @@ class CheckpointManager:
     def resume(self, resume: str | Path | None, **states: Any) -> int | None:
         """Resume as ``checkpoint.resume`` says: "auto", a folder path, or None/"" for no resume.
 
-        Returns the step to continue from, or None when nothing was loaded.
+        Returns the step to continue from, or None when nothing was loaded. A manager that
+        saves periodically (``every > 0``) first checks that the folder can take a checkpoint
+        (see check_room), so that one that cannot fails before any training, not at the first
+        save; with ``every=0`` (a read-only folder may be loaded from) call check_room yourself.
         """
         target = self.check_resume(resume)
+        if self.every:
+            self.check_room(**states)
         if target is None:
             return None
         if target == "auto":
             return self.load_latest(**states)
         return self.load(target, **states)
+
+    def check_room(
+        self,
+        *,
+        model: torch.nn.Module | None = None,
+        optimizer: Any = None,
+        scaler: Any = None,
+        extra: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Raise CheckpointSaveError on every rank unless the folder can take one checkpoint.
+
+        The coordinator creates the folder, writes and removes a small file there, and compares
+        the free space (where the filesystem reports it) with the tensor bytes of these states
+        on all ranks. resume() calls it; call it yourself before training if you do not resume.
+        A torch optimizer's state counts once it exists (after the first step).
+        """
+        if isinstance(optimizer, torch.optim.Optimizer) and not optimizer.state:
+            # DCP would make its state by a zero-lr step(), changing a fresh run (Adam's step).
+            optimizer = None
+        built = build_states(
+            step=0,
+            model=model,
+            optimizer=optimizer,
+            scaler=scaler,
+            extra=extra,
+            group=self.process_group,
+        )
+        needed = sum(_dist.all_gather_objects(_save.local_bytes(built), self.process_group))
+        problem = _save.check_directory(self.directory, needed) if self.is_coordinator else None
+        problem = _dist.broadcast_object(problem, self.process_group)
+        if problem is not None:
+            raise CheckpointSaveError(problem)
+
+    @staticmethod
+    def check_directory(directory: str | Path) -> None:
+        """Raise CheckpointSaveError unless ``directory`` can be created and written here.
+
+        Launchers call it before starting any rank; it creates the folder.
+        """
+        problem = _save.check_directory(Path(directory))
+        if problem is not None:
+            raise CheckpointSaveError(problem)
 
     @staticmethod
     def check_resume(resume: str | Path | None) -> str | Path | None:
@@ -238,28 +282,17 @@ class CheckpointManager:
         """
         if self._async_group is None:
             self._async_group = _dist.new_gloo_group(self.process_group)
+            # The main thread's agreement on "every rank's save is done" (CPU, one int).
+            self._agree_group = _dist.cpu_group(self.process_group)
         return self._async_group
 
     def _publish_if_done(self) -> None:
-        if self._pending is not None and self._pending[0].done():
+        """Publish a finished asynchronous save once every rank's part is done (agreed)."""
+        if self._pending is not None and self._pending.done_everywhere(self._agree_group):
             self._finish_pending()
 
     def _finish_pending(self) -> None:
-        if self._pending is None:
-            return
-        future, tmp, final = self._pending
-        self._pending = None
-        try:
-            future.result()
-        except CheckpointException as exc:
-            if self.is_coordinator:
-                shutil.rmtree(tmp, ignore_errors=True)
-            raise CheckpointSaveError(
-                f"asynchronous save into {tmp} failed: {describe_failure(exc)}; the unfinished "
-                "folder was removed and the previous checkpoints are untouched"
-            ) from exc
-        # The coordinator's future completes after it has written .metadata, which it does
-        # only once every rank's data files are written.
-        if self.is_coordinator:
-            _publish.publish(tmp, final)
-            _publish.purge(self.directory, self.keep)
+        """Wait for the save in flight and publish it; collective (every rank calls it)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.finish(self.process_group)

@@ -6,7 +6,9 @@ training loop asks :meth:`PreemptionGuard.should_stop` once per step, and the ra
 one small CPU all-reduce, so all of them stop after the same step even when only some received
 the signal. Repeated signals while the job saves are logged and ignored: the save goes on, and a
 hard kill after the grace period still leaves the previous checkpoint loadable (saves are
-published by an atomic rename).
+published by an atomic rename). Leaving the guard after a preemption publishes an asynchronous
+save still in flight (each rank waits for its part; no collective), so ``sys.exit(75)`` right
+after ``ckpt.save(...)`` loses nothing.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any
 from torch.distributed import ProcessGroup
 
 from dscale import _dist
+from dscale.checkpoint._in_flight import publish_all_in_flight
 
 __all__ = ["PREEMPTED_EXIT_CODE", "PreemptionGuard"]
 
@@ -99,6 +102,10 @@ class PreemptionGuard:
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)
         self._previous.clear()
+        if self._stopping:
+            # Leaving after a preemption (sys.exit(75) inside the block): an asynchronous save
+            # started for it must be on disk before the process (or its process group) goes.
+            publish_all_in_flight()
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         # Only record here: the loop acts at the next step boundary, outside the handler.

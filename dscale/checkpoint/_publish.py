@@ -29,11 +29,20 @@ def _fsync_dir(path: Path) -> None:
 
 
 def remove_temp_dirs(root: Path) -> None:
-    """Delete unpublished folders left by a crashed save (coordinator only)."""
+    """Delete unpublished folders left by a crashed save (coordinator only).
+
+    A leftover that is a symlink (or a file) is unlinked, never followed: writing through a
+    symlinked ``.step-N.tmp`` would fill its target and publish a symlink as ``step-N``.
+    """
     if not root.is_dir():
         return
     for path in root.iterdir():
-        if path.name.startswith(".step-") and path.is_dir():
+        if not path.name.startswith(".step-"):
+            continue
+        if path.is_symlink() or not path.is_dir():
+            logger.warning("removing %s: a leftover temp name that is not a folder", path)
+            path.unlink()
+        else:
             logger.info("removing unpublished checkpoint folder %s", path)
             shutil.rmtree(path, ignore_errors=True)
 
@@ -44,6 +53,8 @@ def publish(tmp: Path, final: Path) -> None:
     An existing ``final`` (the same step saved again) is replaced; it is moved aside first, so
     a crash in between loses at most that one step and never leaves a half-written ``final``.
     """
+    if tmp.is_symlink() or not tmp.is_dir():
+        raise OSError(f"{tmp} is not a folder this save created (a symlink?); not publishing it")
     if not (tmp / MANIFEST).is_file():
         raise OSError(f"{tmp / MANIFEST} is missing: the save did not finish on every rank")
     old = final.with_name(f".{final.name}.old")

@@ -8,7 +8,9 @@ never touched. The message says how much space the checkpoint needed and how muc
 from __future__ import annotations
 
 import errno
+import os
 import shutil
+import tempfile
 from collections.abc import Mapping
 from concurrent.futures import Future
 from pathlib import Path
@@ -27,7 +29,14 @@ from dscale.checkpoint._hashing import HashingWriter
 from dscale.checkpoint._publish import remove_temp_dirs
 from dscale.checkpoint._quiet import quiet_single_process
 
-__all__ = ["format_bytes", "prepare_folder", "raise_if_failed", "write"]
+__all__ = [
+    "check_directory",
+    "format_bytes",
+    "local_bytes",
+    "prepare_folder",
+    "raise_if_failed",
+    "write",
+]
 
 _NOT_WRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM)
 
@@ -41,7 +50,7 @@ def format_bytes(n: float) -> str:
     return f"{n:.1f} GB"  # unreachable; keeps mypy content
 
 
-def _local_bytes(states: Mapping[str, Any]) -> int:
+def local_bytes(states: Mapping[str, Any]) -> int:
     """Bytes of tensor data this rank writes for ``states`` (its shards only)."""
     total = 0
     flat, _ = flatten_state_dict({k: v.state_dict() for k, v in states.items()})
@@ -60,6 +69,34 @@ def _free_bytes(root: Path) -> int | None:
     for folder in (root, *root.parents):
         if folder.exists():
             return shutil.disk_usage(folder).free
+    return None
+
+
+def check_directory(root: Path, needed: int | None = None) -> str | None:
+    """What stops a save into ``root``, in words (None if nothing): it cannot be created or
+    written (a small file is created and removed), or has less than ``needed`` bytes free.
+
+    Run before training, so a folder that cannot take a checkpoint fails before the first save
+    instead of after all the training before it.
+    """
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".dscale-write-test-", dir=root)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        return (
+            f"checkpoint folder {root} is not writable ({type(exc).__name__}: {exc}); nothing "
+            "was trained. Pass a checkpoint directory this job can create and write (on a "
+            "filesystem every node shares), or fix its permissions"
+        )
+    free = _free_bytes(root)
+    if needed is not None and free is not None and free < needed:
+        return (
+            f"checkpoint folder {root} has {format_bytes(free)} free, but one checkpoint needs "
+            f"about {format_bytes(needed)} of tensor data; nothing was trained. Free space "
+            "there or pass a checkpoint directory on a larger filesystem"
+        )
     return None
 
 
@@ -133,7 +170,7 @@ def raise_if_failed(
     reports = _dist.all_gather_objects(mine, group)
     if all(r is None for r in reports):
         return
-    needed = sum(_dist.all_gather_objects(_local_bytes(states), group))
+    needed = sum(_dist.all_gather_objects(local_bytes(states), group))
     if _dist.rank(group) == 0:
         shutil.rmtree(tmp, ignore_errors=True)
     free = _free_bytes(root)

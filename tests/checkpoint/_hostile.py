@@ -115,3 +115,90 @@ def records_by_file(folder: Path) -> dict[str, list[MetadataIndex]]:
     for index, info in metadata.storage_data.items():
         out.setdefault(info.relative_path, []).append(index)
     return out
+
+
+def declare_huge(folder: Path, fqn: str, columns: int) -> int:
+    """Make ``.metadata`` declare ``fqn`` (a [rows, n] tensor) with ``columns`` columns; reseal.
+
+    The data files stay as they are, so the folder is small while the declared tensor is not,
+    as an attacker who can rewrite ``.metadata`` and the manifest would make it. Returns the
+    declared bytes.
+    """
+    metadata = SafeReader(folder).read_metadata()
+    meta = metadata.state_dict_metadata[fqn]
+    rows = meta.size[0]
+    meta.size = torch.Size([rows, columns])
+    for chunk in meta.chunks:
+        chunk.sizes = torch.Size([chunk.sizes[0], columns])
+    metadata.storage_meta = None
+    (folder / ".metadata").write_bytes(pickle.dumps(metadata, protocol=4))
+    reseal(folder)
+    return rows * columns * meta.properties.dtype.itemsize
+
+
+def _peak_rss_bytes() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def hostile_folders_on_two_ranks(rank: int, world: int, root: str) -> dict:
+    """Every rank loads folders with a FIFO, a symlink out, a huge declared tensor; saves
+    through a symlinked leftover temp folder. Returns what each rank saw (errors as text)."""
+    import shutil
+
+    import torch.distributed as dist
+
+    from dscale.checkpoint import CheckpointError, CheckpointManager, load_checkpoint
+    from tests.checkpoint._helpers import make_model, make_scaler, params
+
+    base = Path(root)
+    model = make_model(seed=1)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    scaler = make_scaler()
+    ckpt = CheckpointManager(base / "good", keep=3)
+    ckpt.save(2, model=model, optimizer=opt, scaler=scaler)
+    ckpt.save(4, model=model, optimizer=opt, scaler=scaler)
+    huge = 0
+    if rank == 0:
+        outside = base / "outside"
+        outside.mkdir()
+        for name in ("fifo", "symlink", "huge"):
+            shutil.copytree(base / "good", base / name)
+        os.unlink(base / "fifo" / "step-4" / "__1_0.distcp")
+        os.mkfifo(base / "fifo" / "step-4" / "__1_0.distcp")
+        shutil.move(base / "symlink" / "step-4" / "__1_0.distcp", outside / "__1_0.distcp")
+        os.symlink(outside / "__1_0.distcp", base / "symlink" / "step-4" / "__1_0.distcp")
+        # Two rows of uint8 RNG state, declared as 2 x 128 Mi: 256 MiB from a folder of ~100 kB.
+        huge = declare_huge(base / "huge" / "step-4", "train.rng.torch_cpu", 128 << 20)
+        (base / "good" / ".step-6.tmp").symlink_to(outside, target_is_directory=True)
+    dist.barrier()
+    out: dict = {"huge_declared": huge}
+    for name in ("fifo", "symlink", "huge"):
+        fresh, fresh_opt, fresh_scaler = make_model(seed=7), None, make_scaler(init_scale=8.0)
+        fresh_opt = torch.optim.Adam(fresh.parameters(), lr=1e-2)
+        before, peak = params(fresh), _peak_rss_bytes()
+        try:
+            load_checkpoint(
+                base / name / "step-4", model=fresh, optimizer=fresh_opt, scaler=fresh_scaler
+            )
+            out[name] = None
+        except CheckpointError as exc:
+            out[name] = (type(exc).__name__, str(exc))
+        out[f"{name}_rss_growth"] = _peak_rss_bytes() - peak
+        out[f"{name}_unchanged"] = all(
+            torch.equal(before[k], v) for k, v in params(fresh).items()
+        ) and (fresh_scaler.get_scale() == 8.0)
+        # resume("auto") goes on to the previous checkpoint, on every rank together.
+        try:
+            out[f"{name}_auto"] = CheckpointManager(base / name).resume(
+                "auto", model=fresh, optimizer=fresh_opt, scaler=fresh_scaler
+            )
+        except CheckpointError as exc:
+            out[f"{name}_auto"] = (type(exc).__name__, str(exc))
+    ckpt.save(6, model=model, optimizer=opt, scaler=scaler)
+    step_6 = base / "good" / "step-6"
+    out["step_6_is_symlink"] = step_6.is_symlink()
+    out["outside_after_save"] = sorted(p.name for p in (base / "outside").iterdir())
+    out["step_6_loads"] = load_checkpoint(step_6, model=make_model(seed=3))
+    return out

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 import shutil
 from pathlib import Path
 
@@ -20,7 +21,15 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
 from dscale.checkpoint import CheckpointError, CheckpointManager, load_checkpoint
 from tests.checkpoint._helpers import make_model, make_scaler, params, reseal
-from tests.checkpoint._hostile import _Reduce, corpus, plant, records_by_file, torch_saved
+from tests.checkpoint._hostile import (
+    _Reduce,
+    corpus,
+    hostile_folders_on_two_ranks,
+    plant,
+    records_by_file,
+    torch_saved,
+)
+from tests.multirank import run_ranks
 
 # torch.load notes protocols above 2 in the planted values; the refusal is what is tested.
 pytestmark = pytest.mark.filterwarnings("ignore:Detected pickle protocol")
@@ -110,3 +119,61 @@ def test_hostile_values_in_every_value_file_are_refused_naming_the_file(
                 assert scaler.get_scale() == 8.0
                 checked += 1
     assert checked >= 2 * len(payloads) * 2 - len(payloads)  # both files, tensor and byte records
+
+
+@pytest.fixture(scope="module")
+def hostile_folders(tmp_path_factory):
+    """One 2-rank spawn: a FIFO, a symlink out, a huge declared tensor, a symlinked temp."""
+    root = str(tmp_path_factory.mktemp("hostile-folders"))
+    return run_ranks(
+        hostile_folders_on_two_ranks, root, world_size=2, timeout_s=120, pg_timeout_s=60
+    )
+
+
+@pytest.mark.parametrize(
+    ("folder", "said"),
+    [
+        ("fifo", r"step-4/__1_0\.distcp is a FIFO \(named pipe\), not a regular file"),
+        (
+            "symlink",
+            r"step-4/__1_0\.distcp is a symlink to .*outside/__1_0\.distcp, outside the checkpoint",
+        ),
+    ],
+)
+def test_a_fifo_or_symlink_out_in_a_checkpoint_is_refused_on_every_rank_before_dcp_opens_it(
+    hostile_folders, folder, said
+):
+    """Before, DCP opened the FIFO and every rank hung (the checksum thread had called it
+    missing); the spawn's timeout is what failed."""
+    for rank in (0, 1):
+        kind, message = hostile_folders[rank][folder]
+        assert kind == "CorruptCheckpointError", message
+        assert re.search(said, message), message
+        assert hostile_folders[rank][f"{folder}_unchanged"]
+        assert hostile_folders[rank][f"{folder}_auto"] == 2  # the previous checkpoint
+    assert hostile_folders[0][folder] == hostile_folders[1][folder]
+
+
+def test_metadata_declaring_a_huge_tensor_is_refused_before_anything_is_allocated(
+    hostile_folders,
+):
+    """A ~100 kB folder whose resealed .metadata declares 256 MiB: refused against the bytes
+    on disk. Before, every rank allocated the declared size before any data was checked."""
+    assert hostile_folders[0]["huge_declared"] == 256 << 20
+    for rank in (0, 1):
+        kind, message = hostile_folders[rank]["huge"]
+        assert kind == "CorruptCheckpointError", message
+        assert "declares 'train.rng.torch_cpu' as (2, 134217728)" in message, message
+        assert "not the bytes on disk" in message
+        growth = hostile_folders[rank]["huge_rss_growth"]
+        assert growth < 64 << 20, f"rank {rank}'s peak memory grew by {growth} bytes"
+        assert hostile_folders[rank]["huge_unchanged"]
+        assert hostile_folders[rank]["huge_auto"] == 2
+
+
+def test_a_symlinked_leftover_temp_folder_is_replaced_not_written_through(hostile_folders):
+    """Before, the save wrote into the symlink's target and published the symlink as step-6."""
+    for rank in (0, 1):
+        assert not hostile_folders[rank]["step_6_is_symlink"]
+        assert hostile_folders[rank]["outside_after_save"] == ["__1_0.distcp"]
+        assert hostile_folders[rank]["step_6_loads"] == 6

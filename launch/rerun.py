@@ -1,0 +1,113 @@
+"""What to run after a stop: the same command, from the same folder, and where it resumes.
+
+The default run folder is keyed by the job's name (``outputs/<hydra.job.name>``), not by the
+time, so running the same command again finds its checkpoints and ``checkpoint.resume=auto``
+continues from the newest one. A fresh start is explicit: a new name (``hydra.job.name=...``),
+which is a new folder, checkpoints included. A command with other training settings in a folder
+that holds checkpoints is refused, rather than silently continuing the earlier run.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from dscale.checkpoint import CheckpointManager
+from launch.validate import ConfigError
+
+__all__ = ["check_same_job", "rerun_command", "resume_advice"]
+
+# What may change between the runs of one job: how long it runs, how it is launched, watched,
+# checkpointed and faulted, and the wrapper (checkpoints reshard). The rest is the training.
+_MAY_CHANGE = (
+    "launcher.",
+    "metrics.",
+    "checkpoint.",
+    "fault.",
+    "parallel.",
+    "trainer.max_steps",
+    "trainer.log_every",
+    "trainer.device",
+)
+
+FRESH_START = "hydra.job.name=<a new name> (a new run folder, with its own checkpoints)"
+
+
+def rerun_command(argv: Sequence[str] | None = None, cwd: str | None = None) -> str:
+    """``cd CWD && COMMAND`` that runs this launcher again with the same overrides.
+
+    ``checkpoint.resume`` is set to ``auto`` if the command said otherwise.
+    """
+    argv = list(sys.argv if argv is None else argv)
+    head = [sys.executable, "-m", "launch"] if Path(argv[0]).name == "__main__.py" else argv[:1]
+    args = [a for a in argv[1:] if not a.lstrip("+~").startswith("checkpoint.resume=")]
+    if len(args) != len(argv) - 1:
+        args.append("checkpoint.resume=auto")
+    return f"cd {shlex.quote(cwd or os.getcwd())} && {shlex.join(head + args)}"
+
+
+def resume_advice(checkpoint: Mapping[str, Any]) -> str:
+    """Two lines: the command that resumes (and from which step), and how to start fresh."""
+    command = rerun_command()
+    if not checkpoint.get("enabled", False):
+        return (
+            "checkpoints are off (checkpoint.enabled=false), so running it again starts from "
+            f"step 0:\n  {command}"
+        )
+    folder = Path(str(checkpoint["dir"])).expanduser().resolve()
+    latest = CheckpointManager(folder).latest()
+    where = (
+        f"step {latest.name[len('step-') :]} ({latest})"
+        if latest is not None
+        else f"step 0 (no checkpoint in {folder} yet)"
+    )
+    return (
+        f"to resume from {where}, run the same command again:\n  {command}\n"
+        f"to start fresh instead, add {FRESH_START}"
+    )
+
+
+def _flat(node: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(node, Mapping):
+        return {prefix[:-1]: node}
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        out.update(_flat(value, f"{prefix}{key}."))
+    return out
+
+
+def check_same_job(run_dir: Path, config: Mapping[str, Any]) -> None:
+    """Refuse to continue the run in ``run_dir`` with other training settings.
+
+    ``config`` is this command's resolved config; the earlier run's is the
+    ``config.resolved.yaml`` it left. Only when ``checkpoint.resume=auto`` would load one of
+    its checkpoints. Keys in ``_MAY_CHANGE``, and keys only one of the two has, may differ.
+    """
+    previous_file = run_dir / "config.resolved.yaml"
+    c = config["checkpoint"]
+    if not (c["enabled"] and c["resume"] == "auto" and previous_file.is_file()):
+        return
+    latest = CheckpointManager(Path(c["dir"])).latest()
+    if latest is None:
+        return
+    before = _flat(OmegaConf.to_container(OmegaConf.load(previous_file), resolve=True))
+    now = _flat(config)
+    changed = [
+        f"{key}: {before[key]!r} -> {now[key]!r}"
+        for key in sorted(before.keys() & now.keys())
+        if not key.startswith(_MAY_CHANGE) and before[key] != now[key]
+    ]
+    if changed:
+        raise ConfigError(
+            f"{run_dir} holds an earlier run of this job (its newest checkpoint is {latest}) "
+            f"with other settings: {'; '.join(changed[:5])}. checkpoint.resume=auto would "
+            "continue that run with these. To start a new run with them, add "
+            "hydra.job.name=NEW_NAME (a new folder); to continue that run, run it with its "
+            "own settings"
+        )

@@ -1,0 +1,139 @@
+"""Nothing lost between runs: the same command resumes, and an unusable folder fails first.
+
+A preempted or crashed job is rerun by typing the same command again. Before, each run got a
+new timestamped folder, so ``checkpoint.resume=auto`` found nothing and training started over
+while the exit message said it would resume.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from launch_helpers import CONFIGS, ROOT, output
+from omegaconf import OmegaConf
+
+from dscale.checkpoint import PREEMPTED_EXIT_CODE, CheckpointManager
+from launch.schema import JobConfig, register
+from launch.validate import ConfigError, validate
+
+register()
+
+# Not a folder anyone can create, root included (sysfs refuses).
+UNWRITABLE = "/sys/dscale-test-unwritable/ckpt"
+
+JOB = [
+    "model=mlp",
+    "data.seq_len=32",
+    "trainer.max_steps=40",
+    "trainer.log_every=50",
+    "checkpoint.every=1000",  # only the preemption and final saves
+    "metrics.enabled=false",
+    "launcher.max_restarts=0",
+]
+
+
+def _run(cwd: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
+    """``python -m launch OVERRIDES`` from ``cwd``, with no run folder given: the default."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run(
+        [sys.executable, "-m", "launch", *overrides],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+@pytest.mark.slow
+def test_rerunning_the_same_command_after_a_preemption_resumes_and_the_message_says_so(
+    tmp_path: Path,
+) -> None:
+    command = [*JOB, "fault.preempt_step=5"]
+    first = _run(tmp_path, *command)
+    assert first.returncode == PREEMPTED_EXIT_CODE, output(first)
+    run_dir = tmp_path / "outputs" / "dscale"
+    saved = CheckpointManager(run_dir / "checkpoints").latest()
+    assert saved is not None, output(first)
+    step = int(saved.name.split("-")[1])
+
+    again = _run(tmp_path, *command)  # exactly what the user typed before
+    assert again.returncode == 0, output(again)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["resumed_from"] == step
+    assert summary["steps"] == 40
+
+    # Other training settings in that folder are refused before any worker starts, rather
+    # than silently continuing the earlier run with them.
+    changed = _run(tmp_path, *command, "trainer.lr=0.01")
+    assert changed.returncode == 2, output(changed)
+    assert "holds an earlier run of this job" in changed.stderr, output(changed)
+    assert "trainer.lr: 0.003 -> 0.01" in changed.stderr, output(changed)
+    assert "hydra.job.name=NEW_NAME" in changed.stderr
+
+    # The exit message named that command, and where it resumes from.
+    rerun = f"cd {shlex.quote(str(tmp_path))} && " + shlex.join(
+        [sys.executable, "-m", "launch", *command]
+    )
+    assert f"to resume from step {step} ({saved}), run the same command again:" in first.stderr
+    assert f"\n  {rerun}\n" in first.stderr, first.stderr
+    assert "to start fresh instead, add hydra.job.name=<a new name>" in first.stderr
+
+    # Starting fresh is explicit: a new name is a new folder; resume=none there is refused.
+    fresh = _run(tmp_path, *JOB, "trainer.max_steps=3", "hydra.job.name=fresh")
+    assert fresh.returncode == 0, output(fresh)
+    assert (
+        json.loads((tmp_path / "outputs" / "fresh" / "summary.json").read_text())["resumed_from"]
+        is None
+    )
+    refused = _run(tmp_path, *JOB, "checkpoint.resume=none")
+    assert refused.returncode == 2, output(refused)
+    assert "already holds step-40 from an earlier run" in refused.stderr
+    assert "hydra.job.name=NEW_NAME" in refused.stderr
+
+
+def _job(*overrides: str) -> JobConfig:
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+        cfg = compose("job", overrides=list(overrides))
+    job = OmegaConf.to_object(cfg)
+    assert isinstance(job, JobConfig)
+    return job
+
+
+def test_an_unwritable_checkpoint_folder_fails_before_any_worker_naming_folder_and_fix(
+    tmp_path: Path,
+) -> None:
+    """Before, it was found at the first save, after all the training before it."""
+    with pytest.raises(ConfigError) as info:
+        validate(_job("metrics.enabled=false", f"checkpoint.dir={UNWRITABLE}"))
+    message = str(info.value)
+    assert message.startswith(f"checkpoint.dir={UNWRITABLE}: checkpoint folder {UNWRITABLE}")
+    assert "is not writable" in message and "choose it with checkpoint.dir=PATH" in message
+    # The same from the command line: exit status 2, no worker started, nothing trained.
+    proc = _run(tmp_path, "metrics.enabled=false", f"checkpoint.dir={UNWRITABLE}")
+    assert proc.returncode == 2, output(proc)
+    assert f"bad config: checkpoint.dir={UNWRITABLE}" in proc.stderr
+    assert not (tmp_path / "outputs" / "dscale" / "logs").exists()
+
+
+def test_resume_none_into_a_folder_holding_checkpoints_is_refused(tmp_path: Path) -> None:
+    import torch
+
+    CheckpointManager(tmp_path, every=5).save(5, model=torch.nn.Linear(2, 1))
+    for resume in ("none", "never"):
+        with pytest.raises(ConfigError, match="already holds step-5 from an earlier run"):
+            validate(
+                _job(
+                    "metrics.enabled=false",
+                    f"checkpoint.dir={tmp_path}",
+                    f"checkpoint.resume={resume}",
+                )
+            )
+    validate(_job("metrics.enabled=false", f"checkpoint.dir={tmp_path}"))  # auto continues
