@@ -178,6 +178,26 @@ class SlurmCluster:
                 pids.append(int(entry.name))
         return pids
 
+    def step_catches_sigterm(self, job_id: int, step: int) -> int | None:
+        """A process of step ``job_id.step`` with a SIGTERM handler installed (its pid), if any.
+
+        A signal sent before the step's task exists, or before its program installed a handler,
+        is not one the program could act on: Slurm drops it, or the default action runs.
+        """
+        wanted = {f"SLURM_JOB_ID={job_id}".encode(), f"SLURM_STEP_ID={step}".encode()}
+        for pid in self._job_pids():
+            try:
+                env = set((Path("/proc") / str(pid) / "environ").read_bytes().split(b"\0"))
+                status = (Path("/proc") / str(pid) / "status").read_text()
+            except OSError:
+                continue
+            caught = next(
+                (ln.split()[1] for ln in status.splitlines() if ln.startswith("SigCgt")), "0"
+            )
+            if wanted <= env and int(caught, 16) & (1 << (signal.SIGTERM - 1)):
+                return pid
+        return None
+
     def logs(self) -> str:
         """The daemons' logs, for a failure message."""
         parts = []

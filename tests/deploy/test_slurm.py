@@ -184,10 +184,14 @@ def test_sigterm_in_the_first_second_of_the_job_step_is_not_lost_and_output_surv
     slurm, uninterrupted, tmp_path
 ):
     job = Job(slurm, tmp_path)
-    launcher_step = f"{job.id}.1"  # step 0 resolves the head node's address
-    wait_for(f"step {launcher_step}", lambda: launcher_step in slurm.steps(job.id), JOB_TIMEOUT_S,
-             every_s=0.05)  # fmt: skip
+    # Step 0 resolves the head node's address; step 1 is dscale-launch. The signal goes out the
+    # moment its first handler is in place (before torch and Hydra load): a signal sent before
+    # the process exists is dropped by Slurm, and none can be handled before a handler is set.
+    catching = f"step {job.id}.1 catching SIGTERM"
+    pid = wait_for(catching, lambda: slurm.step_catches_sigterm(job.id, 1), JOB_TIMEOUT_S, 0.01)
+    loaded = (Path("/proc") / str(pid) / "maps").read_text()
     slurm.run("scancel", "--signal=TERM", str(job.id))
+    assert "libtorch" not in loaded, "the launcher caught SIGTERM only once torch had loaded"
     info = job.wait_done()
     assert info["JobState"] == "COMPLETED", "the early SIGTERM ended the job" + job.report()
     assert int(info["Restarts"]) >= 1, job.report()
