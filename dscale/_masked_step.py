@@ -60,7 +60,10 @@ def _steady_tensors(
     """
     if len(optimizer.state) < len(params):
         return None
-    values = list(chain.from_iterable(map(dict.values, map(optimizer.state.__getitem__, params))))
+    states: list[Any] = list(map(optimizer.state.get, params))  # get: it is a defaultdict
+    if None in states:
+        return None
+    values = list(chain.from_iterable(map(dict.values, states)))
     if not set(map(type, values)) <= {torch.Tensor}:
         return None
     return [*params, *values]
