@@ -304,7 +304,7 @@ class ReductionHooks:
             return NO_HOOKS
         if not self._taken:
             flags = [f for s in self.states for f in s.take_flags()]
-            self._flag = torch.stack([copy_to(f, device) for f in flags]).sum() if flags else None
+            self._flag = torch.stack([copy_to(f, device) for f in flags]).amax() if flags else None
             self._taken = True
         if self._flag is None:
             return NO_HOOKS

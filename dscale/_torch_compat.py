@@ -25,31 +25,78 @@ if TYPE_CHECKING:
 __all__ = ["OptimizerStates", "TorchGradScalerSurface"]
 
 
-def _torch_view(state: Any) -> dict[str, Any]:
-    """torch's per-optimizer dict for one of dscale's per-optimizer states (no host sync)."""
-    if state is None:
-        return {"stage": OptState.READY, "found_inf_per_device": {}}
+def _found_per_device(state: Any) -> dict[torch.device, torch.Tensor]:
+    """``{device: agreed flag}`` of a checked state (waits for its all-reduce; no host sync)."""
     found: dict[torch.device, torch.Tensor] = {}
-    if state.agreed is not None:
+    if state is not None and state.agreed is not None:
         if state.work is not None:  # the agreed flag, as torch's holds the rank's decision
             state.work.wait()
             state.work = None
         flag = state.agreed[OVERFLOW]  # a view into the agreement vector, no copy
         found[flag.device] = flag
-    return {"stage": OptState[state.stage.name], "found_inf_per_device": found}
+    return found
+
+
+class TorchOptimizerState(dict):  # type: ignore[type-arg]
+    """torch's per-optimizer dict for one of dscale's states; writes go through with torch's
+    meaning.
+
+    Code written for torch's scaler that unscales grads itself marks it so with
+    ``["stage"] = OptState.UNSCALED`` (and may set ``["found_inf_per_device"]`` to its own
+    rank-local flags): step() then does not unscale again, checks the grads it was not told
+    about, adds those flags and agrees across ranks as usual. Any other key raises.
+    """
+
+    def __init__(self, owner: OptimizerStates, key: Any) -> None:
+        state = owner.get(key)
+        stage = OptState.READY if state is None else OptState[state.stage.name]
+        super().__init__(stage=stage, found_inf_per_device=_found_per_device(state))
+        self._owner, self._key = owner, key
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        state = self._owner.setdefault(self._key, self._owner.new_state())
+        if name == "stage":
+            if not isinstance(value, OptState):
+                raise TypeError(f'["stage"] takes a torch.amp.grad_scaler.OptState, got {value!r}')
+            state.stage = type(state.stage)[value.name]
+        elif name == "found_inf_per_device":
+            flags = [torch.as_tensor(v).float().reshape(()) for v in dict(value).values()]
+            if flags:
+                device = flags[0].device
+                state.user_found = (torch.stack([f.to(device) for f in flags]) > 0).any().float()
+        else:
+            raise KeyError(
+                f"dscale.GradScaler's per-optimizer state takes 'stage' and "
+                f"'found_inf_per_device' (torch's meaning), not {name!r}; use the public "
+                "unscale_()/step()/update()"
+            )
+        super().__setitem__(name, value)
 
 
 class OptimizerStates(dict):  # type: ignore[type-arg]
-    """dscale's per-optimizer states; ``states[id(opt)]`` reads like torch's.
+    """dscale's per-optimizer states; ``states[id(opt)]`` reads (and writes) like torch's.
 
     dscale itself uses ``get``, ``setdefault`` and ``values`` (the real states). Indexing returns
     torch's shape, ``{"stage": OptState, "found_inf_per_device": {device: flag}}``, a fresh READY
     one for an optimizer not stepped since the last update() (torch's defaultdict), without
-    inserting it, so that a read never changes what update() sees.
+    inserting it, so that a read never changes what update() sees; writing into that dict, or
+    assigning one, reaches dscale's state (:class:`TorchOptimizerState`).
     """
 
+    def __init__(self, *args: Any, new_state: Any = None) -> None:
+        super().__init__(*args)
+        self.new_state = new_state
+
     def __getitem__(self, key: Any) -> dict[str, Any]:
-        return _torch_view(self.get(key))
+        return TorchOptimizerState(self, key)
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        if isinstance(value, dict):  # torch's shape, from code written for torch's scaler
+            view = TorchOptimizerState(self, key)
+            for name, item in value.items():
+                view[name] = item
+            return
+        super().__setitem__(key, value)
 
 
 class TorchGradScalerSurface(torch.amp.GradScaler):
@@ -94,29 +141,47 @@ class TorchGradScalerSurface(torch.amp.GradScaler):
     def _growth_tracker(self, value: Any) -> None:
         _refuse_write("_growth_tracker", "scaler.load_state_dict(...)")
 
+    # The type of dscale's per-optimizer state (scaler.py), made when torch-shaped code writes.
+    _optimizer_state_type: Any = None
+
     @property  # type: ignore[override]
     def _per_optimizer_states(self) -> dict[int, Any]:
         states: OptimizerStates = self.__dict__.setdefault(
-            "_dscale_optimizer_states", OptimizerStates()
+            "_dscale_optimizer_states", OptimizerStates(new_state=self._optimizer_state_type)
         )
         return states
 
     @_per_optimizer_states.setter
     def _per_optimizer_states(self, states: dict[int, Any]) -> None:
         # dscale's own code resets this with a plain dict; keep torch's reading of it.
-        self.__dict__["_dscale_optimizer_states"] = OptimizerStates(states)
+        self.__dict__["_dscale_optimizer_states"] = OptimizerStates(
+            states, new_state=self._optimizer_state_type
+        )
 
+    # torch's factors and interval: a write has torch's meaning (the public setters, validated).
     @property
     def _growth_factor(self) -> float:  # type: ignore[override]
         return self._policy.growth_factor
+
+    @_growth_factor.setter
+    def _growth_factor(self, value: float) -> None:
+        self.set_growth_factor(value)
 
     @property
     def _backoff_factor(self) -> float:  # type: ignore[override]
         return self._policy.backoff_factor
 
+    @_backoff_factor.setter
+    def _backoff_factor(self, value: float) -> None:
+        self.set_backoff_factor(value)
+
     @property
     def _growth_interval(self) -> int:  # type: ignore[override]
         return self._policy.growth_interval
+
+    @_growth_interval.setter
+    def _growth_interval(self, value: int) -> None:
+        self.set_growth_interval(value)
 
     # ----------------------------------------------------------------- methods
     def _lazy_init_scale_growth_tracker(self, dev: torch.device | str) -> None:
@@ -175,9 +240,6 @@ class TorchGradScalerSurface(torch.amp.GradScaler):
         self, optimizer: torch.optim.Optimizer, optimizer_state: dict[str, Any], *a: Any, **k: Any
     ) -> float | None:
         raise _unsupported("_maybe_opt_step", "scaler.step(optimizer)")
-
-    def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        raise _unsupported("_check_inf_per_device", "scaler.step(optimizer)")
 
 
 def _refuse_write(name: str, fix: str) -> None:

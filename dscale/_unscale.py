@@ -89,8 +89,8 @@ def check_and_unscale_(groups: GradGroups, inv_scale: torch.Tensor, found: torch
         scale_here = copy_to(inv_scale, device)  # a CPU kernel reads it at once (CPU offload)
         for grads in per_dtype.values():
             torch._amp_foreach_non_finite_check_and_unscale_(grads, here, scale_here)
-        if here is not found:
-            found += copy_to(here, found.device)
+        if here is not found:  # MAX: the flag stays 0 or 1 (fused kernels test == 1)
+            torch.maximum(found, copy_to(here, found.device), out=found)
 
 
 def copy_to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

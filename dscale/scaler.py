@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import math
 import warnings
@@ -70,6 +71,13 @@ class _OptimizerState:
     over_group: bool = False  # whether `agreed` was reduced over the scaler's group
     applied: bool | None = None  # known on the host when step() synced for its decision
     host_agreed: list[float] | None = None  # the agreed vector, read in that same sync
+    # A rank-local flag written by code made for torch's scaler (["found_inf_per_device"]).
+    user_found: torch.Tensor | None = None
+
+
+# Under torch.compile the scaler's calls run eagerly (a graph break each, as torch's own scaler
+# gets): they read process groups, device state and host decisions that dynamo cannot trace.
+_eager = torch.compiler.disable
 
 
 # issue 13: a subclass of torch.amp.GradScaler; torch's internals are answered in _torch_compat.
@@ -223,6 +231,7 @@ class GradScaler(TorchGradScalerSurface):
         return _dist.resolve_group(self._group_arg)
 
     # ----------------------------------------------------------------- torch's API
+    @_eager
     def scale(self, outputs: Any) -> Any:
         """Multiply a tensor, or nested lists/tuples of tensors, by the scale."""
         if not self._enabled:
@@ -250,6 +259,7 @@ class GradScaler(TorchGradScalerSurface):
 
         return apply(outputs)
 
+    @_eager
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide ``optimizer``'s grads by the scale in place and start the overflow agreement.
 
@@ -324,8 +334,10 @@ class GradScaler(TorchGradScalerSurface):
             )
             flag = state.agreed[_agreement.OVERFLOW]  # a view: the check writes the flag into it
             check_and_unscale_(groups, inv_scale, flag)
-            if report.flag is not None:
-                flag += copy_to(report.flag, device)
+            # MAX, not +: torch's fused kernels skip only where found_inf == 1 exactly.
+            for other in (report.flag, state.user_found):
+                if other is not None:
+                    torch.maximum(flag, copy_to(other, device), out=flag)
         state.over_group = group is not None
         state.work = None if group is None else _agreement.all_reduce_flag(state.agreed, group)
         return unscale
@@ -410,6 +422,7 @@ class GradScaler(TorchGradScalerSurface):
         state.applied = not state.host_agreed[_agreement.OVERFLOW] > 0
         return state.applied
 
+    @_eager
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """Unscale (unless done), agree across ranks, then step unless some rank overflowed.
 
@@ -430,16 +443,28 @@ class GradScaler(TorchGradScalerSurface):
         if state.stage is _Stage.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
         fused = getattr(optimizer, "_step_supports_amp_scaling", False)
+        if fused and _takes_grad_scaler(optimizer):
+            retval = self._step_passing_self(optimizer, state, args, kwargs)
+            return self._stepped(optimizer, state, retval)
         was_unscaled = state.stage is _Stage.UNSCALED
         if state.stage is _Stage.READY:
-            was_unscaled = self._check(optimizer, state, unscale=None if fused else True)
+            # Unscaling in the check pass instead of the fused kernel is proven bit-identical
+            # (the differential matrices) for torch.optim's own fused kernels only; any other
+            # optimizer that does its own scaling gets the grads still scaled, as from torch.
+            unscale = (None if _is_torch_fused(optimizer) else False) if fused else True
+            was_unscaled = self._check(optimizer, state, unscale=unscale)
+        elif state.agreed is None:  # marked UNSCALED by code that unscaled the grads itself
+            self._check(optimizer, state, unscale=False)
         agreed = self._agreed(state)
         on_host = self._decides_on_host(agreed)
 
         if fused:
             flag = agreed[_agreement.OVERFLOW]
             scale = self._require_scale("step")
-            optimizer.grad_scale = None if was_unscaled else scale  # type: ignore[attr-defined]
+            # torch's contract: the product with a grad_scale the user set, None once unscaled.
+            own = getattr(optimizer, "grad_scale", None)
+            grad_scale = own if was_unscaled else (scale if own is None else scale * own)
+            optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
             optimizer.found_inf = flag  # type: ignore[attr-defined]
             before = ids_with_state(optimizer)
             try:
@@ -459,12 +484,66 @@ class GradScaler(TorchGradScalerSurface):
             applied = self._decide_on_host(state)  # the host sync the skip decision needs
             retval = optimizer.step(*args, **kwargs) if applied else None
             self._outcomes[id(optimizer)] = applied
+        return self._stepped(optimizer, state, retval)
+
+    def _stepped(
+        self, optimizer: torch.optim.Optimizer, state: _OptimizerState, retval: Any
+    ) -> Any:
         state.stage = _Stage.STEPPED
         self._last_stepped = id(optimizer)
         for callback in self._callbacks:
             callback(optimizer, self.step_applied(optimizer))
         return retval
 
+    def _step_passing_self(
+        self,
+        optimizer: torch.optim.Optimizer,
+        state: _OptimizerState,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        """torch's older contract: ``optimizer.step(grad_scaler=self)``, the optimizer checks.
+
+        Such an optimizer (apex's and Transformer Engine's capturable fused ones) asks
+        ``_check_inf_per_device(self)`` (or calls ``unscale_``) and ``_get_scale_async()``, unscales
+        and skips in its own kernel. What it reads here is the flag agreed by every rank, so every
+        rank's optimizer skips alike.
+        """
+        warnings.warn(
+            "GradScaler is going to stop passing itself as a keyword argument to the passed "
+            "optimizer. In the near future GradScaler registers `grad_scale: Tensor` and "
+            "`found_inf: Tensor` to the passed optimizer and let the optimizer use them directly.",
+            FutureWarning,
+            stacklevel=3,
+        )
+        before = ids_with_state(optimizer)
+        step: Any = optimizer.step  # takes grad_scaler= (checked by _takes_grad_scaler)
+        retval = step(*args, grad_scaler=self, **kwargs)
+        if state.agreed is None:
+            raise RuntimeError(
+                f"{type(optimizer).__name__}.step(grad_scaler=...) never checked its grads: it "
+                "must call grad_scaler._check_inf_per_device(optimizer) or "
+                "grad_scaler.unscale_(optimizer), so that update() knows whether it skipped"
+            )
+        flag = self._agreed_flag(state)
+        fresh = state_created_since(optimizer, before)
+        if fresh:
+            remove_state_created_by_skipped_step(optimizer, fresh, flag)
+        on_host = self._decides_on_host(flag)
+        self._outcomes[id(optimizer)] = self._decide_on_host(state) if on_host else flag
+        return retval
+
+    @_eager
+    def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[Any, Any]:
+        """torch's check without unscaling, for optimizers that unscale themselves: ``{device:
+        flag}``, the flag agreed by every rank (the agreement runs here; no host sync)."""
+        self._require_scale("_check_inf_per_device")
+        state = self._per_optimizer_states.setdefault(id(optimizer), _OptimizerState())
+        if state.agreed is None:
+            self._check(optimizer, state, unscale=False)
+        return self._found_inf_per_device(optimizer)
+
+    @_eager
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         """Grow, keep or back off the scale once for this iteration, on every rank alike.
 
@@ -735,6 +814,23 @@ class GradScaler(TorchGradScalerSurface):
         for name, default in defaults:
             state.setdefault(name, default)  # pickled before these existed
         self.__dict__.update(state)
+
+
+GradScaler._optimizer_state_type = _OptimizerState
+
+
+def _takes_grad_scaler(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.step`` takes torch's older ``grad_scaler`` keyword."""
+    try:
+        return "grad_scaler" in inspect.signature(optimizer.step).parameters
+    except (TypeError, ValueError):  # a builtin or an odd callable: no keyword to pass
+        return False
+
+
+def _is_torch_fused(optimizer: torch.optim.Optimizer) -> bool:
+    """One of torch.optim's own fused implementations (whose kernels dscale's tests cover)."""
+    module = type(optimizer).__module__
+    return module.startswith("torch.optim.") and bool(optimizer.defaults.get("fused"))
 
 
 def _policy_args(policy: _policy.ScalePolicy) -> dict[str, Any]:

@@ -48,7 +48,6 @@ def test_no_torch_method_runs_on_a_dscale_scaler() -> None:
     [
         ("_unscale_grads_", "unscale_"),
         ("_maybe_opt_step", "step"),
-        ("_check_inf_per_device", "step"),
     ],
 )
 def test_torch_helpers_without_a_dscale_meaning_raise_with_the_fix(name: str, fix: str) -> None:
@@ -57,7 +56,6 @@ def test_torch_helpers_without_a_dscale_meaning_raise_with_the_fix(name: str, fi
     args = {
         "_unscale_grads_": (opt, torch.ones(()), torch.zeros(()), False),
         "_maybe_opt_step": (opt, {}),
-        "_check_inf_per_device": (opt,),
     }[name]
     with pytest.raises(NotImplementedError, match=rf"{name}\(\).*scaler\.{fix}\(optimizer\)"):
         getattr(scaler, name)(*args)

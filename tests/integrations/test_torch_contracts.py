@@ -1,0 +1,270 @@
+"""torch's contracts that code written for torch's scaler relies on; torch's scaler is the oracle.
+
+- Optimizers that do the scaling themselves (``_step_supports_amp_scaling``): torch passes itself
+  as ``grad_scaler=`` when ``step()`` takes that keyword (apex's and Transformer Engine's fused
+  optimizers then check, unscale and skip in their own kernel), otherwise sets ``grad_scale`` and
+  ``found_inf`` on the optimizer during the call and hands over the grads still scaled.
+- Writes into torch's private state by code that unscales grads itself
+  (``_per_optimizer_states[id(opt)]["stage"] = OptState.UNSCALED``, ``["found_inf_per_device"]``).
+- ``torch.compile`` around the scaler (the model, ``optimizer.step``, a whole training step).
+Each runs the same steps through torch's scaler and dscale's and compares the weights bit for bit;
+on 2 gloo ranks an inf on one rank is skipped on both.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.amp.grad_scaler import OptState
+
+import dscale
+from tests.multirank import run_ranks
+
+pytestmark = pytest.mark.filterwarnings("ignore:dscale.GradScaler.*:UserWarning")
+
+
+class PassItself(torch.optim.Optimizer):
+    """apex/TE style: ``step(grad_scaler=...)`` checks, unscales and skips in its own code."""
+
+    _step_supports_amp_scaling = True
+
+    def __init__(self, params: Any, lr: float = 0.1) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None, *, grad_scaler: Any = None) -> None:
+        params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+        found, inv = torch.zeros(()), torch.ones(())
+        if grad_scaler is not None:
+            found = sum(
+                f.to(found.device) for f in grad_scaler._check_inf_per_device(self).values()
+            )
+            inv = grad_scaler._get_scale_async().double().reciprocal().float()
+        for p in params:
+            p.copy_(torch.where(found > 0, p, p - self.defaults["lr"] * (p.grad * inv)))
+
+
+class ReadsAttributes(torch.optim.Optimizer):
+    """torch's newer contract: reads ``self.grad_scale`` and ``self.found_inf`` during step()."""
+
+    _step_supports_amp_scaling = True
+
+    def __init__(self, params: Any, lr: float = 0.1) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        grad_scale, found = self.grad_scale, self.found_inf  # tensors, as torch sets them
+        for g in self.param_groups:
+            for p in g["params"]:
+                update = p - self.defaults["lr"] * (p.grad / grad_scale)
+                p.copy_(torch.where(found > 0, p, update))
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def _loss(model: nn.Module, step: int, poison: bool) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100 + step)
+    loss = model(torch.randn(4, 6, generator=g)).square().mean()
+    return loss * float("inf") if poison else loss
+
+
+def _self_unscaling_step(scaler: Any, opt: torch.optim.Optimizer) -> None:
+    """What a model-parallel helper does: unscale and check the grads itself, tell the scaler."""
+    grads = [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]
+    found = torch.zeros(())
+    inv = scaler._scale.double().reciprocal().float()
+    torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv)
+    state = scaler._per_optimizer_states[id(opt)]
+    state["stage"] = OptState.UNSCALED
+    state["found_inf_per_device"] = {found.device: found}
+    scaler.step(opt)
+
+
+def _run(scaler: Any, make_opt: Any, skips: set[int], how: str, steps: int = 5) -> dict:
+    model = _model()
+    opt = make_opt(model.parameters())
+    scales = []
+    for step in range(steps):
+        opt.zero_grad()
+        scaler.scale(_loss(model, step, step in skips)).backward()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # torch's, for grad_scaler=
+            if how == "self_unscaled":
+                _self_unscaling_step(scaler, opt)
+            else:
+                scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+    return {"params": [p.detach().clone() for p in model.parameters()], "scales": scales}
+
+
+CASES = {
+    "pass_itself": (PassItself, "step"),
+    "reads_attributes": (ReadsAttributes, "step"),
+    "self_unscaled_sgd": (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), "self_unscaled"),
+    "self_unscaled_adam_fused": (
+        lambda p: torch.optim.Adam(p, lr=0.01, fused=True),
+        "self_unscaled",
+    ),
+}
+SKIPS = {"none": set(), "first": {0}, "mid": {2}, "twice": {1, 2}}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("decide_on_device", [False, True], ids=["host", "device"])
+def test_dscale_equals_torch_for_each_contract_and_skip_pattern(case, decide_on_device) -> None:
+    make_opt, how = CASES[case]
+    for name, skips in SKIPS.items():
+        ref = _run(torch.amp.GradScaler("cpu", init_scale=2.0**8), make_opt, skips, how)
+        scaler = dscale.GradScaler("cpu", init_scale=2.0**8)
+        scaler._read_host_flags = not decide_on_device
+        ours = _run(scaler, make_opt, skips, how)
+        assert ours["scales"] == ref["scales"], (case, name)
+        for a, b in zip(ours["params"], ref["params"], strict=True):
+            assert torch.equal(a, b), (case, name)
+
+
+def test_an_optimizer_passed_the_scaler_gets_it_and_no_attributes_as_from_torch() -> None:
+    seen: dict[str, Any] = {}
+
+    class Spy(PassItself):
+        def step(self, closure: Any = None, *, grad_scaler: Any = None) -> None:
+            seen["scaler"] = grad_scaler
+            seen["attributes"] = hasattr(self, "grad_scale") or hasattr(self, "found_inf")
+            super().step(grad_scaler=grad_scaler)
+
+    model = _model()
+    opt = Spy(model.parameters())
+    scaler = dscale.GradScaler("cpu")
+    scaler.scale(_loss(model, 0, False)).backward()
+    with pytest.warns(FutureWarning, match="stop passing itself"):
+        scaler.step(opt)
+    assert seen == {"scaler": scaler, "attributes": False}
+
+
+def test_an_optimizer_passed_the_scaler_that_never_checks_is_an_error_naming_the_call() -> None:
+    class Ignores(PassItself):
+        def step(self, closure: Any = None, *, grad_scaler: Any = None) -> None:
+            return None
+
+    model = _model()
+    opt = Ignores(model.parameters())
+    scaler = dscale.GradScaler("cpu")
+    scaler.scale(_loss(model, 0, False)).backward()
+    with pytest.raises(RuntimeError, match=r"_check_inf_per_device\(optimizer\)"):
+        scaler.step(opt)
+
+
+def test_writes_to_other_private_keys_raise_and_torchs_factor_writes_are_honoured() -> None:
+    scaler = dscale.GradScaler("cpu")
+    opt = torch.optim.SGD(_model().parameters(), lr=0.1)
+    with pytest.raises(KeyError, match=r"stage.*found_inf_per_device"):
+        scaler._per_optimizer_states[id(opt)]["retval"] = 1.0
+    scaler._growth_factor = 4.0
+    scaler._growth_interval = 7
+    assert (scaler.get_growth_factor(), scaler.get_growth_interval()) == (4.0, 7)
+    with pytest.raises(ValueError, match="growth"):
+        scaler._growth_factor = 0.5
+
+
+# ----------------------------------------------------------------- 2 gloo ranks
+
+
+def _contracts_on_ranks(rank: int, world_size: int) -> dict:
+    """Each contract with an inf on rank 1 only."""
+    out: dict[str, Any] = {}
+    for case, (make_opt, how) in CASES.items():
+        model = _model()
+        opt = make_opt(model.parameters())
+        scaler = dscale.GradScaler("cpu", init_scale=2.0**8)
+        for step in range(4):
+            opt.zero_grad()
+            scaler.scale(_loss(model, step, step == 2 and rank == 1)).backward()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                if how == "self_unscaled":
+                    _self_unscaling_step(scaler, opt)
+                else:
+                    scaler.step(opt)
+            scaler.update()
+        out[case] = ([p.detach() for p in model.parameters()], scaler.get_scale())
+    return out
+
+
+COMPILE_MODES = ("eager_function", "model", "optimizer_step", "max_autotune_function")
+
+
+def _compiled_on_ranks(rank: int, world_size: int) -> dict:
+    """Each way of compiling around the scaler, with an inf on rank 1 only, and no compile."""
+    return {mode: _compiled(rank, mode) for mode in (*COMPILE_MODES, None)}
+
+
+def _compiled(rank: int, mode: str | None) -> tuple[list[torch.Tensor], float]:
+    torch.manual_seed(0)
+    model = nn.Linear(8, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    scaler = dscale.GradScaler("cpu", init_scale=2.0**8)
+    forward = torch.compile(model) if mode == "model" else model
+    if mode == "optimizer_step":
+        opt.step = torch.compile(opt.step)  # type: ignore[method-assign]
+
+    def train_step(x: torch.Tensor, poison: torch.Tensor) -> None:
+        loss = forward(x).square().mean() * poison
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+
+    if mode == "eager_function":
+        train_step = torch.compile(train_step, backend="eager")
+    elif mode == "max_autotune_function":
+        train_step = torch.compile(train_step, mode="max-autotune-no-cudagraphs")
+    for step in range(4):
+        opt.zero_grad()
+        g = torch.Generator().manual_seed(step)
+        poison = float("inf") if (step == 1 and rank == 1) else 1.0
+        train_step(torch.randn(4, 8, generator=g), torch.tensor(poison))
+    return [p.detach() for p in model.parameters()], scaler.get_scale()
+
+
+def _agree(out: dict[int, dict]) -> None:
+    for name in out[0]:
+        (params0, scale0), (params1, scale1) = out[0][name], out[1][name]
+        assert scale0 == scale1, name  # both ranks backed off together
+        for a, b in zip(params0, params1, strict=True):
+            assert torch.equal(a, b), name  # and skipped together
+
+
+def test_every_contract_agrees_on_a_one_rank_inf() -> None:
+    out = run_ranks(_contracts_on_ranks, timeout_s=180)
+    _agree(out)
+    for case in CASES:  # the skip happened: one back-off from 2**8, no growth in 4 steps
+        assert out[0][case][1] == 2.0**7, case
+
+
+@pytest.mark.slow
+def test_compiling_the_model_the_step_or_a_whole_training_step_agrees_on_a_one_rank_inf() -> None:
+    """torch.compile(backend="eager"), the model, optimizer.step and max-autotune-no-cudagraphs:
+    the scaler's calls run eagerly (graph breaks), results equal the uncompiled run."""
+    out = run_ranks(_compiled_on_ranks, timeout_s=300)
+    _agree(out)
+    reference = out[0][None]
+    assert reference[1] == 2.0**7
+    for mode in COMPILE_MODES:
+        params, scale = out[0][mode]
+        assert scale == reference[1], mode
+        for a, b in zip(params, reference[0], strict=True):
+            # eager tracing changes nothing; Inductor's fused kernels may round differently.
+            if mode == "eager_function":
+                assert torch.equal(a, b), mode
+            else:
+                assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), mode
+        assert all(math.isfinite(float(p.abs().max())) for p in params), mode
