@@ -11,12 +11,14 @@ no torch code ever runs against dscale's state; the ones with no meaning here ra
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.amp.grad_scaler import OptState
 
 from dscale._agreement import OVERFLOW
+from dscale._policy import f32
 
 if TYPE_CHECKING:
     from dscale._policy import ScalePolicy
@@ -108,6 +110,7 @@ class TorchGradScalerSurface(torch.amp.GradScaler):
 
     _book: ScaleState
     _policy: ScalePolicy
+    _placed_init_scale: float
     _enabled: bool
     _device: str
 
@@ -157,6 +160,29 @@ class TorchGradScalerSurface(torch.amp.GradScaler):
         self.__dict__["_dscale_optimizer_states"] = OptimizerStates(
             states, new_state=self._optimizer_state_type
         )
+
+    # torch's scale before placement: a write before the first scale() has torch's meaning.
+    @property
+    def _init_scale(self) -> float:
+        return self._book.read().scale if not self._book.placed else self._placed_init_scale
+
+    @_init_scale.setter
+    def _init_scale(self, value: float) -> None:
+        if self._book.placed:
+            _refuse_write("_init_scale", "scaler.update(new_scale=...) (the scale is placed)")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError(f"_init_scale must be a number > 0, got {value!r}")
+        host = self._book.read()
+        self._book.load(dataclasses.replace(host, scale=f32(float(value))))
+        self._placed_init_scale = float(value)
+
+    @property
+    def _init_growth_tracker(self) -> int:
+        return 0
+
+    @_init_growth_tracker.setter
+    def _init_growth_tracker(self, value: int) -> None:
+        _refuse_write("_init_growth_tracker", "scaler.load_state_dict(...)")
 
     # torch's factors and interval: a write has torch's meaning (the public setters, validated).
     @property

@@ -193,6 +193,7 @@ class GradScaler(TorchGradScalerSurface):
         if self._predictive is not None:
             init_scale = _predictive.first_scale(init_scale, min_scale, max_scale)
         self._book = ScaleState(fresh_host_state(float(init_scale), hysteresis))
+        self._placed_init_scale = float(init_scale)  # torch's _init_scale, once placed
         self._per_optimizer_states: dict[int, _OptimizerState] = {}
         self._outcomes: dict[int, bool | torch.Tensor] = {}
         self._last_stepped: int | None = None
@@ -810,6 +811,7 @@ class GradScaler(TorchGradScalerSurface):
             ("_inv_scale", None),
             ("_one", None),
             ("_iteration", 0),
+            ("_placed_init_scale", 2.0**16),
         )
         for name, default in defaults:
             state.setdefault(name, default)  # pickled before these existed

@@ -174,6 +174,16 @@ def test_writes_to_other_private_keys_raise_and_torchs_factor_writes_are_honoure
     assert (scaler.get_growth_factor(), scaler.get_growth_interval()) == (4.0, 7)
     with pytest.raises(ValueError, match="growth"):
         scaler._growth_factor = 0.5
+    # torch's scale before the first scale(): honoured then, refused (naming the call) after.
+    ref = torch.amp.GradScaler("cpu")
+    for s in (ref, scaler):
+        s._init_scale = 1024.0
+        s.scale(torch.ones(()))
+    assert scaler.get_scale() == ref.get_scale() == 1024.0
+    with pytest.raises(AttributeError, match=r"update\(new_scale"):
+        scaler._init_scale = 8.0
+    with pytest.raises(AttributeError, match="load_state_dict"):
+        scaler._init_growth_tracker = 3
 
 
 # ----------------------------------------------------------------- 2 gloo ranks
