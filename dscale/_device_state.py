@@ -4,9 +4,9 @@ On a GPU each op is a kernel launch, so a device-side update must be a handful o
 field. The scale, the trackers and the event counters live in one buffer of 4-byte words; an
 update runs the scale rule and writes one row ``[found_inf, scale, growth_tracker]`` to a log in
 the same buffer; the counters are derived from the log only when someone asks (a fold): steps and
-skipped steps count the rows and their flags, growths and back-offs count the rises and falls of
-the scale from row to row, skipped-in-a-row is the run of flagged rows at the end. Publishing the
-whole state for a metrics scrape is then one copy of the buffer.
+skipped steps count the rows and their flags, growths and back-offs the rises (on clean rows) and
+falls of the scale from row to row, skipped-in-a-row the run of flagged rows at the end.
+Publishing the whole state for a metrics scrape is then one copy of the buffer.
 
 Layout (word index: meaning):
     0: scale (float32)
@@ -79,7 +79,7 @@ def fold_on_host(words: torch.Tensor, rows: int, policy: ScalePolicy | None) -> 
             in_a_row += 1
         else:
             in_a_row = 0
-        growths += row_scale > prev
+        growths += row_scale > prev and not found > 0  # an overflow never grows the scale
         backoffs += row_scale < prev
         prev = row_scale
         if derive:
@@ -108,7 +108,7 @@ def fold_on_device(words: torch.Tensor, rows: int, policy: ScalePolicy) -> None:
             torch.full_like(last_clean, rows),
             found.sum(),
             in_a_row - counters[2],
-            (scales > previous).sum(),
+            ((scales > previous) & ~found).sum(),  # a rise on an overflow: min_scale's clamp
             (scales < previous).sum(),
         ]
     )

@@ -21,6 +21,8 @@ class FlatSnapshot:
 
     def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
         self.ids = list(map(id, tensors))
+        # `p.data = ...` keeps the object and moves its storage: the views must follow.
+        self.addresses = list(map(torch.Tensor.data_ptr, tensors))
         # Per group: flat views of its tensors, their sizes, its buffer, their list positions.
         self._groups: list[tuple[list[torch.Tensor], list[int], torch.Tensor, list[int]]] = []
         grouped = torch._C._group_tensors_by_device_and_dtype([list(tensors)], True)
@@ -30,6 +32,12 @@ class FlatSnapshot:
             sizes = [t.numel() for t in flat]
             buffer = torch.empty(sum(sizes), dtype=dtype, device=device)
             self._groups.append((flat, sizes, buffer, list(positions)))
+
+    def covers(self, tensors: Sequence[torch.Tensor]) -> bool:
+        """Whether this snapshot was made for exactly these tensor objects and storages."""
+        return self.ids == list(map(id, tensors)) and self.addresses == list(
+            map(torch.Tensor.data_ptr, tensors)
+        )
 
     @staticmethod
     def fits(tensors: Sequence[torch.Tensor]) -> bool:

@@ -55,13 +55,13 @@ _SNAPSHOTS: weakref.WeakKeyDictionary[torch.optim.Optimizer, FlatSnapshot] = (
 def _steady_tensors(
     optimizer: torch.optim.Optimizer, params: list[torch.Tensor]
 ) -> list[torch.Tensor] | None:
-    """Every parameter and state value, when each parameter has state and every value is a
-    tensor (the steady state of a torch optimizer); None otherwise. C-speed iteration only.
+    """Every parameter and state value, when each parameter has (non-empty) state and every
+    value is a tensor (the steady state of a torch optimizer); None otherwise. C-speed only.
     """
     if len(optimizer.state) < len(params):
         return None
     states: list[Any] = list(map(optimizer.state.get, params))  # get: it is a defaultdict
-    if None in states:
+    if not all(states):  # none, or an empty entry that a read of the defaultdict left
         return None
     values = list(chain.from_iterable(map(dict.values, states)))
     if not set(map(type, values)) <= {torch.Tensor}:
@@ -87,13 +87,13 @@ def masked_step(
     steady = _steady_tensors(optimizer, params)
     if steady is not None and FlatSnapshot.fits(steady):
         snapshot = _SNAPSHOTS.get(optimizer)
-        if snapshot is None or snapshot.ids != list(map(id, steady)):
+        if snapshot is None or not snapshot.covers(steady):
             snapshot = _SNAPSHOTS[optimizer] = FlatSnapshot(steady)
         with torch.no_grad():
             snapshot.save()
         result = run_step()
         after = _steady_tensors(optimizer, params)
-        rebound = after is None or list(map(id, after)) != snapshot.ids
+        rebound = after is None or not snapshot.covers(after)
         if rebound and (after is None or not _same_layout(after, steady)):
             raise RuntimeError(
                 f"sync_free=True: {type(optimizer).__name__}.step() changed the set or shapes "

@@ -311,9 +311,12 @@ class GradScaler(TorchGradScalerSurface):
             # there is free and spares the fused kernel its own division (an extra pass on the
             # CPU). On a GPU the kernel's division costs nothing, while 1/scale would cost three
             # launches: the kernel unscales, as with torch. fp16/bf16 grads stay scaled:
-            # unscaled in their own storage, small values would flush to zero.
-            unscale = self._decides_on_host(scale) and all(
-                d in _FULL_PRECISION for per_dtype in groups.values() for d in per_dtype
+            # unscaled in their own storage, small values would flush to zero. Only at a
+            # power-of-two scale is a product with f32(1/scale) the kernel's division exactly.
+            unscale = (
+                self._decides_on_host(scale)
+                and _is_power_of_two(self._book.host)
+                and all(d in _FULL_PRECISION for per_dtype in groups.values() for d in per_dtype)
             )
         unscale = unscale or report.unscaled  # the pass must match what the hooks did
         for observer in self._observers:
@@ -819,6 +822,10 @@ class GradScaler(TorchGradScalerSurface):
 
 
 GradScaler._optimizer_state_type = _OptimizerState
+
+
+def _is_power_of_two(host: _policy.HostState | None) -> bool:
+    return host is not None and math.frexp(host.scale)[0] == 0.5
 
 
 def _takes_grad_scaler(optimizer: torch.optim.Optimizer) -> bool:
