@@ -6,14 +6,13 @@
   ``found_inf`` on the optimizer during the call and hands over the grads still scaled.
 - Writes into torch's private state by code that unscales grads itself
   (``_per_optimizer_states[id(opt)]["stage"] = OptState.UNSCALED``, ``["found_inf_per_device"]``).
-- ``torch.compile`` around the scaler (the model, ``optimizer.step``, a whole training step).
-Each runs the same steps through torch's scaler and dscale's and compares the weights bit for bit;
-on 2 gloo ranks an inf on one rank is skipped on both.
+- ``torch.compile`` around the scaler: tests/scaler/test_compile.py.
+Each runs the same steps through torch's scaler and dscale's and compares the weights bit for
+bit; on 2 gloo ranks an inf on one rank is skipped on both.
 """
 
 from __future__ import annotations
 
-import math
 import warnings
 from typing import Any
 
@@ -210,41 +209,6 @@ def _contracts_on_ranks(rank: int, world_size: int) -> dict:
     return out
 
 
-COMPILE_MODES = ("eager_function", "model", "optimizer_step", "max_autotune_function")
-
-
-def _compiled_on_ranks(rank: int, world_size: int) -> dict:
-    """Each way of compiling around the scaler, with an inf on rank 1 only, and no compile."""
-    return {mode: _compiled(rank, mode) for mode in (*COMPILE_MODES, None)}
-
-
-def _compiled(rank: int, mode: str | None) -> tuple[list[torch.Tensor], float]:
-    torch.manual_seed(0)
-    model = nn.Linear(8, 8)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    scaler = dscale.GradScaler("cpu", init_scale=2.0**8)
-    forward = torch.compile(model) if mode == "model" else model
-    if mode == "optimizer_step":
-        opt.step = torch.compile(opt.step)  # type: ignore[method-assign]
-
-    def train_step(x: torch.Tensor, poison: torch.Tensor) -> None:
-        loss = forward(x).square().mean() * poison
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
-
-    if mode == "eager_function":
-        train_step = torch.compile(train_step, backend="eager")
-    elif mode == "max_autotune_function":
-        train_step = torch.compile(train_step, mode="max-autotune-no-cudagraphs")
-    for step in range(4):
-        opt.zero_grad()
-        g = torch.Generator().manual_seed(step)
-        poison = float("inf") if (step == 1 and rank == 1) else 1.0
-        train_step(torch.randn(4, 8, generator=g), torch.tensor(poison))
-    return [p.detach() for p in model.parameters()], scaler.get_scale()
-
-
 def _agree(out: dict[int, dict]) -> None:
     for name in out[0]:
         (params0, scale0), (params1, scale1) = out[0][name], out[1][name]
@@ -258,23 +222,3 @@ def test_every_contract_agrees_on_a_one_rank_inf() -> None:
     _agree(out)
     for case in CASES:  # the skip happened: one back-off from 2**8, no growth in 4 steps
         assert out[0][case][1] == 2.0**7, case
-
-
-@pytest.mark.slow
-def test_compiling_the_model_the_step_or_a_whole_training_step_agrees_on_a_one_rank_inf() -> None:
-    """torch.compile(backend="eager"), the model, optimizer.step and max-autotune-no-cudagraphs:
-    the scaler's calls run eagerly (graph breaks), results equal the uncompiled run."""
-    out = run_ranks(_compiled_on_ranks, timeout_s=300)
-    _agree(out)
-    reference = out[0][None]
-    assert reference[1] == 2.0**7
-    for mode in COMPILE_MODES:
-        params, scale = out[0][mode]
-        assert scale == reference[1], mode
-        for a, b in zip(params, reference[0], strict=True):
-            # eager tracing changes nothing; Inductor's fused kernels may round differently.
-            if mode == "eager_function":
-                assert torch.equal(a, b), mode
-            else:
-                assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), mode
-        assert all(math.isfinite(float(p.abs().max())) for p in params), mode
