@@ -127,11 +127,12 @@ def main(cfg: DictConfig) -> None:
                 file=sys.stderr,
             )
             sys.exit(PREEMPTED_EXIT_CODE)
+        # torchelastic's report first and the cause last, where a terminal leaves the reader.
         print(
+            f"{exc.format_msg()}\n\n"  # type: ignore[no-untyped-call]
             f"dscale-launch: {explain_failure(exc)}\n"
             f"  logs: {run_dir}/logs/rank<R>.log and {run_dir}/torchelastic\n"
-            f"after fixing the cause, {resume_advice(cfg.checkpoint)}\n\n"
-            f"{exc.format_msg()}",  # type: ignore[no-untyped-call]
+            f"after fixing the cause, {resume_advice(cfg.checkpoint)}",
             file=sys.stderr,
         )
         sys.exit(1)

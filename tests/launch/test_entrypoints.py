@@ -47,29 +47,66 @@ def test_script_runs_unchanged_with_torchruns_env_and_can_get_the_context(tmp_pa
     [
         (
             "no_such_pkg.train:main",
-            r"rank [01] failed: EntrypointError: entrypoint='no_such_pkg.train:main': cannot "
+            r"bad config: entrypoint='no_such_pkg.train:main': cannot "
             r"import 'no_such_pkg.train' \(ModuleNotFoundError: No module named 'no_such_pkg'\)",
         ),
         (
             "user_entrypoints:NOT_A_FUNCTION",
-            r"rank [01] failed: EntrypointError: entrypoint='user_entrypoints:NOT_A_FUNCTION' is "
+            r"bad config: entrypoint='user_entrypoints:NOT_A_FUNCTION' is "
             r"not callable \(it is the int 3\)",
         ),
         (
-            "user_entrypoints:raise_on_rank_1",
-            r"rank 1 failed: ValueError: boom from the user's code",
+            "user_entrypoints:raise_on_rank_one",  # a typo of raise_on_rank_1
+            r"bad config: entrypoint='user_entrypoints:raise_on_rank_one': 'user_entrypoints' "
+            r"has no attribute 'raise_on_rank_one' \(it has: .*raise_on_rank_1",
         ),
     ],
-    ids=["does_not_import", "not_callable", "raises_on_rank_1"],
+    ids=["does_not_import", "not_callable", "mistyped_function"],
 )
-def test_entrypoint_that_fails_names_the_rank_and_cause_and_leaves_no_worker(
+def test_entrypoint_that_cannot_be_loaded_fails_before_any_worker_starts(
     entrypoint: str, message: str, tmp_path: Path
 ) -> None:
+    # Old code found these only on the workers, after torchelastic had started them (exit 1).
+    proc = launch(tmp_path, f"entrypoint={entrypoint}", *OFF, cwd=HERE, timeout_s=120)
+    assert proc.returncode == 2, output(proc)
+    assert re.search(message, proc.stderr), output(proc)
+    assert not (tmp_path / "torchelastic").exists(), "workers were started"
+    assert "starting 2 local ranks" not in proc.stderr + proc.stdout
+
+
+def test_script_that_does_not_compile_fails_before_any_worker_starts(tmp_path: Path) -> None:
+    script = tmp_path / "broken.py"
+    script.write_text("def main(:\n    pass\n")
+    proc = launch(tmp_path / "run", f"script={script}", *OFF, timeout_s=120)
+    assert proc.returncode == 2, output(proc)
+    assert re.search(
+        r"bad config: script=.*broken\.py' cannot be compiled: SyntaxError", proc.stderr
+    )
+    assert not (tmp_path / "run" / "torchelastic").exists(), "workers were started"
+
+
+def test_entrypoint_that_fails_ends_with_the_rank_the_cause_and_the_users_line(
+    tmp_path: Path,
+) -> None:
     # pg_timeout_s bounds rank 0's wait if rank 1 were not stopped; the launcher stops it first.
+    entrypoint = "user_entrypoints:raise_on_rank_1"
     proc = launch(tmp_path, f"entrypoint={entrypoint}", "launcher.pg_timeout_s=60", *OFF, cwd=HERE)
     assert proc.returncode == 1, output(proc)
-    assert re.search(message, proc.stderr), output(proc)
     assert not (tmp_path / "summary.json").exists()
     assert leftover_workers(tmp_path) == []
-    if entrypoint.endswith("raise_on_rank_1"):
-        assert "boom from the user's code" in (tmp_path / "logs" / "rank1.log").read_text()
+    assert "boom from the user's code" in (tmp_path / "logs" / "rank1.log").read_text()
+    # The cause is in the last lines, below torchelastic's report (old code printed it first,
+    # and named no line of the user's code).
+    tail = proc.stderr.strip().splitlines()[-8:]
+    assert proc.stderr.rindex("Root Cause") < proc.stderr.rindex("rank 1 failed:"), output(proc)
+    assert any(
+        re.search(r"rank 1 failed: ValueError: boom from the user's code", t) for t in tail
+    ), output(proc)
+    line = next(
+        i
+        for i, text in enumerate((HERE / "user_entrypoints.py").read_text().splitlines(), 1)
+        if "raise ValueError" in text
+    )
+    assert any(f"at {HERE / 'user_entrypoints.py'}:{line} in raise_on_rank_1" in t for t in tail), (
+        output(proc)
+    )
