@@ -7,6 +7,7 @@ import sys
 import time
 
 from dscale import GradScaler
+from dscale.metrics import MetricsLog
 from launch.record import SkipRecord
 
 logger = logging.getLogger(__name__)
@@ -28,6 +29,8 @@ class Progress:
         self.log_every = max(1, log_every)
         self.scaler = scaler
         self.record = record
+        # Set by ``ctx.metrics(...)`` while the metrics log is open: the loss goes there too.
+        self.loss_log: MetricsLog | None = None
 
     def wants_loss(self, step: int) -> bool:
         """Whether the loop should read the loss (a host sync) at this 0-based step."""
@@ -68,6 +71,8 @@ class RankZeroProgress(Progress):
             sys.stderr.flush()
         # On a terminal the bar shows the line; keep the console clean and log it to file only.
         logger.info(line, extra={"console": not self._bar})
+        if self.loss_log is not None:
+            self.loss_log.log_loss(step, loss)
 
     def close(self) -> None:
         if self._bar:

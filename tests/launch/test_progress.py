@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import logging
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -48,3 +50,20 @@ def test_ranks_times_threads_over_the_cores_is_warned(
     with caplog.at_level(logging.WARNING, logger="launch.elastic"):
         elastic.worker_env(2)
     assert not [r for r in caplog.records if r.levelno == logging.WARNING]
+
+
+@pytest.mark.slow
+def test_a_launched_job_logs_its_loss_and_the_report_draws_it(tmp_path: Path) -> None:
+    from launch_helpers import FAST, free_port_pair, launch, output
+
+    from dscale.report import figure
+
+    proc = launch(
+        tmp_path, *FAST, "trainer.max_steps=10", f"metrics.port={free_port_pair()}", timeout_s=240
+    )
+    assert proc.returncode == 0, output(proc)
+    text = (tmp_path / "metrics" / "loss-rank0.jsonl").read_text()  # old code: no such file
+    rows = [json.loads(line) for line in text.splitlines()]
+    assert [r["step"] for r in rows] == [0, 4, 9]  # the progress lines' steps (log_every=5)
+    assert all(r["loss"] > 0 for r in rows)
+    assert figure(tmp_path).axes[0].get_ylabel() == "loss"
