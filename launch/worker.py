@@ -26,6 +26,7 @@ from launch import integrations
 from launch.context import RunContext
 from launch.entrypoint import load_entrypoint
 from launch.faults import Faults
+from launch.other_scaler import follow_the_scaler_used
 from launch.preemption import PREEMPTED_EXIT_CODE, Preempted
 from launch.progress import Progress, RankZeroProgress
 from launch.record import SkipRecord
@@ -180,7 +181,8 @@ def worker_main(cfg: dict[str, Any], run_dir: str, cwd: str) -> dict[str, Any]:
         extra={"console": False},
     )
     try:
-        result = function(ctx)
+        with follow_the_scaler_used(ctx):
+            result = function(ctx)
     except Preempted as exc:
         logger.warning("%s; exiting with status %d to be restarted", exc, PREEMPTED_EXIT_CODE)
         dist.destroy_process_group()

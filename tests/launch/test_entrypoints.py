@@ -110,3 +110,20 @@ def test_entrypoint_that_fails_ends_with_the_rank_the_cause_and_the_users_line(
     assert any(f"at {HERE / 'user_entrypoints.py'}:{line} in raise_on_rank_1" in t for t in tail), (
         output(proc)
     )
+
+
+def test_an_entrypoint_with_its_own_scaler_is_warned_and_reported_by_that_scaler(
+    tmp_path: Path,
+) -> None:
+    proc = launch(
+        tmp_path, "entrypoint=user_entrypoints:own_scaler", "trainer.max_steps=5", *OFF, cwd=HERE
+    )
+    assert proc.returncode == 0, output(proc)
+    assert "stepped an optimizer through a dscale.scaler.GradScaler that is not ctx.scaler" in (
+        proc.stdout + proc.stderr
+    ), output(proc)
+    s = summary(tmp_path)
+    # Old code reported ctx.scaler, which never stepped: scale 65536, no skips.
+    for r in s["ranks"]:
+        assert r["final_scale"] == r["result"]["own_scale"] == 4096.0, r
+        assert (r["skipped_steps"], r["steps"]) == ([2], 5), r
