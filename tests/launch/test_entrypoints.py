@@ -39,6 +39,10 @@ def test_script_runs_unchanged_with_torchruns_env_and_can_get_the_context(tmp_pa
         assert seen["skipped_steps"] == [1]
     s = summary(tmp_path)
     assert (s["script"], s["script_args"], s["world_size"]) == (str(script), ["--epochs", "3"], 2)
+    # The per-rank record of the context's scaler (old code recorded only {"rank": r}).
+    assert s["steps"] == 3
+    for r in s["ranks"]:
+        assert (r["skipped_steps"], r["num_skipped"], r["final_scale"]) == ([1], 1, 512.0), r
     assert leftover_workers(tmp_path) == []
 
 
@@ -127,3 +131,13 @@ def test_an_entrypoint_with_its_own_scaler_is_warned_and_reported_by_that_scaler
     for r in s["ranks"]:
         assert r["final_scale"] == r["result"]["own_scale"] == 4096.0, r
         assert (r["skipped_steps"], r["steps"]) == ([2], 5), r
+
+
+def test_a_script_without_the_context_is_told_that_fault_keys_did_nothing(tmp_path: Path) -> None:
+    proc = launch(tmp_path, f"script={HERE / 'plain_script.py'}", "fault.inf_steps=[1]", *OFF)
+    assert proc.returncode == 0, output(proc)
+    # Old code ignored fault.* here without a word.
+    assert "fault.* was set, but the script never called launch.get_context()" in (
+        proc.stdout + proc.stderr
+    ), output(proc)
+    assert [r["rank"] for r in summary(tmp_path)["ranks"]] == [0, 1]
