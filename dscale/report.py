@@ -131,6 +131,10 @@ def figure(run_dir: str | os.PathLike[str]) -> Any:
     ax_skip.set_ylabel("skipped steps\n(cumulative)")
     ax_norm.set_ylabel("grad norm\n(unscaled)")
     ax_skip.yaxis.set_major_locator(MaxNLocator(integer=True))
+    most = max((sum(bool(r["skipped"]) for r in rows) for rows in by_rank.values()), default=0)
+    ax_skip.set_ylim(
+        -0.05 * max(most, 1), 1.1 * max(most, 1)
+    )  # 0 skips: a flat line at 0, not ±0.05
     if any(line.get_ydata().size for line in ax_norm.get_lines()):
         ax_norm.set_yscale("log")
         plain = FuncFormatter(lambda v, _: f"{v:g}")
