@@ -1,7 +1,8 @@
 """Render a run's metrics log to a PNG: ``python -m dscale.report RUN_DIR [--out FILE]``.
 
-For people without Grafana: the scale sawtooth (log2 axis, skipped steps marked), the skipped steps,
-and the grad norm, one line per rank, read from ``RUN_DIR/metrics/rank*.jsonl`` (``MetricsLog``).
+For people without Grafana: the loss (when logged), the scale sawtooth (log2 axis, skipped steps
+marked), the skipped steps and the grad norm, one line style per rank, read from
+``RUN_DIR/metrics/rank*.jsonl`` and ``loss-rank*.jsonl`` (``MetricsLog``).
 """
 
 from __future__ import annotations
@@ -38,46 +39,125 @@ def read_metrics_log(run_dir: str | os.PathLike[str]) -> dict[int, list[dict[str
     return by_rank
 
 
+def read_loss_log(run_dir: str | os.PathLike[str]) -> dict[int, list[dict[str, Any]]]:
+    """Rows per rank from ``RUN_DIR/metrics/loss-rank*.jsonl`` (``MetricsLog.log_loss``), or {}."""
+    by_rank: dict[int, list[dict[str, Any]]] = {}
+    for path in sorted(glob.glob(os.path.join(os.fspath(run_dir), "metrics", "loss-rank*.jsonl"))):
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                if line.strip():
+                    row = json.loads(line)
+                    by_rank.setdefault(int(row["rank"]), []).append(row)
+    for rows in by_rank.values():
+        rows.sort(key=lambda r: r["step"])
+    return by_rank
+
+
+# Ranks usually agree on the scale, so their lines coincide: each rank gets its own colour and dash
+# pattern, and a thinner line drawn over the one before it, so every rank stays visible.
+_DASHES = ("-", "--", ":", "-.")
+
+
+def _style(index: int, count: int) -> dict[str, Any]:
+    return {
+        "linestyle": _DASHES[index % len(_DASHES)],
+        "linewidth": 1.0 + 1.5 * (count - 1 - index) / max(count - 1, 1),
+        "zorder": 2 + index,
+        "color": f"C{index % 10}",
+    }
+
+
 def render(run_dir: str | os.PathLike[str], out: str | os.PathLike[str] | None = None) -> str:
-    """Write the PNG and return its path (default ``RUN_DIR/metrics.png``)."""
+    """Write the PNG of :func:`figure` and return its path (default ``RUN_DIR/metrics.png``)."""
+    fig = figure(run_dir)  # selects the Agg backend before pyplot is imported here
+    import matplotlib.pyplot as plt
+
+    path = os.fspath(out) if out is not None else os.path.join(os.fspath(run_dir), "metrics.png")
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def figure(run_dir: str | os.PathLike[str]) -> Any:
+    """The report's matplotlib Figure.
+
+    Panels: the loss (when the run logged one with ``MetricsLog.log_loss``), the scale (log2 axis,
+    x = skipped), the cumulative skipped steps and the grad norm; one line style per rank.
+    """
     import matplotlib
 
     matplotlib.use("Agg")  # no display on training nodes
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, MaxNLocator
 
     by_rank = read_metrics_log(run_dir)
-    path = os.fspath(out) if out is not None else os.path.join(os.fspath(run_dir), "metrics.png")
-    fig, (ax_scale, ax_skip, ax_norm) = plt.subplots(3, 1, figsize=(10, 8), sharex=True)
-    for rank, rows in sorted(by_rank.items()):
+    losses = read_loss_log(run_dir)
+    rows_n = 4 if losses else 3
+    fig, axes = plt.subplots(rows_n, 1, figsize=(10, 2.4 * rows_n + 1), sharex=True)
+    ax_loss = axes[0] if losses else None
+    ax_scale, ax_skip, ax_norm = axes[-3:]
+    ranks = sorted(set(by_rank) | set(losses))
+    for i, rank in enumerate(ranks):
+        style = _style(i, len(ranks))
+        label = f"rank {rank}"
+        if ax_loss is not None and rank in losses:
+            rows = losses[rank]
+            ax_loss.plot([r["step"] for r in rows], [r["loss"] for r in rows], label=label, **style)
+        rows = by_rank.get(rank, [])
+        if not rows:
+            continue
         steps = [r["step"] for r in rows]
-        ax_scale.step(steps, [r["scale"] for r in rows], where="post", label=f"rank {rank}")
+        ax_scale.step(steps, [r["scale"] for r in rows], where="post", label=label, **style)
         skipped = [r for r in rows if r["skipped"]]
         ax_scale.scatter(
-            [r["step"] for r in skipped], [r["scale"] for r in skipped], marker="x", color="red"
+            [r["step"] for r in skipped],
+            [r["scale"] for r in skipped],
+            marker="x",
+            color="red",
+            zorder=20,
         )
         cumulative, total = [], 0
         for r in rows:
             total += int(r["skipped"])
             cumulative.append(total)
-        ax_skip.step(steps, cumulative, where="post", label=f"rank {rank}")
+        ax_skip.step(steps, cumulative, where="post", label=label, **style)
         norms = [(r["step"], r["grad_norm"]) for r in rows if r.get("grad_norm") is not None]
         if norms:
-            ax_norm.plot(*zip(*norms, strict=True), label=f"rank {rank}")
+            ax_norm.plot(*zip(*norms, strict=True), label=label, **style)
+    if ax_loss is not None:
+        ax_loss.set_ylabel("loss")
     ax_scale.set_yscale("log", base=2)
-    ax_scale.set_ylabel("loss scale (x = skipped)")
-    ax_skip.set_ylabel("skipped steps (cumulative)")
-    ax_norm.set_ylabel("grad norm (unscaled)")
+    ax_scale.set_ylabel("loss scale\n(x = skipped step)")
+    ax_skip.set_ylabel("skipped steps\n(cumulative)")
+    ax_norm.set_ylabel("grad norm\n(unscaled)")
+    ax_skip.yaxis.set_major_locator(MaxNLocator(integer=True))
+    most = max((sum(bool(r["skipped"]) for r in rows) for rows in by_rank.values()), default=0)
+    ax_skip.set_ylim(
+        -0.05 * max(most, 1), 1.1 * max(most, 1)
+    )  # 0 skips: a flat line at 0, not ±0.05
     if any(line.get_ydata().size for line in ax_norm.get_lines()):
         ax_norm.set_yscale("log")
+        plain = FuncFormatter(lambda v, _: f"{v:g}")
+        ax_norm.yaxis.set_major_formatter(plain)
+        ax_norm.yaxis.set_minor_formatter(plain)
     ax_norm.set_xlabel("optimizer step")
-    for ax in (ax_scale, ax_skip, ax_norm):
+    for ax in axes:
         ax.grid(True, alpha=0.3)
-        ax.legend(loc="best", fontsize="small")
-    fig.suptitle(f"dscale run: {os.fspath(run_dir)}")
+        if ax.get_lines():
+            ax.legend(loc="best", fontsize="small")
+    fig.suptitle(f"dscale run {os.fspath(run_dir)}\n{_headline(by_rank)}", fontsize="medium")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return fig
+
+
+def _headline(by_rank: dict[int, list[dict[str, Any]]]) -> str:
+    """One line a bug report can quote: ranks, steps, skipped steps, first and last scale."""
+    rows0 = by_rank[min(by_rank)]
+    skipped = sum(bool(r["skipped"]) for r in rows0)
+    return (
+        f"{len(by_rank)} rank(s), steps {rows0[0]['step']}..{rows0[-1]['step']}, "
+        f"{skipped} skipped, scale {rows0[0]['scale']:g} -> {rows0[-1]['scale']:g}"
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

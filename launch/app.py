@@ -7,6 +7,7 @@ each in its own output folder.
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 from pathlib import Path
@@ -27,6 +28,7 @@ from launch.schema import JobConfig, register
 from launch.summary import build_summary, format_summary, write_summary
 from launch.targets import remove_targets, scrape_host
 from launch.validate import ConfigError, check_known_keys, validate
+from launch.worker import script_report_path
 
 logger = logging.getLogger("launch")
 
@@ -65,6 +67,15 @@ def _run(job: JobConfig, plain: dict[str, Any], nproc: int, run_dir: Path) -> di
         )
 
 
+def script_report(run_dir: Path, rank: int) -> dict[str, Any]:
+    """A script rank's record: what its ``launch.get_context()`` wrote at exit, else its rank."""
+    path = script_report_path(run_dir, rank)
+    if not path.is_file():  # the script never asked for the context
+        return {"rank": rank}
+    report: dict[str, Any] = json.loads(path.read_text())
+    return report
+
+
 def run_job(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
     """Validate, launch, summarise; None on a node that does not hold global rank 0."""
     check_known_keys(cfg)
@@ -77,6 +88,9 @@ def run_job(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
     )
     check_same_job(run_dir, plain)  # before this run's config replaces the earlier one's
     (run_dir / "config.resolved.yaml").write_text(OmegaConf.to_yaml(plain))
+    if job.script:  # an earlier run's records in this folder are not this run's
+        for stale in run_dir.glob("logs/rank*.report.json"):
+            stale.unlink()
     results = _run(job, plain, nproc, run_dir)
     if 0 not in results:
         print(
@@ -86,8 +100,19 @@ def run_job(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
         return None
     if job.script:
         min_nodes, max_nodes = parse_min_max_nnodes(job.launcher.nnodes)
+        ranks = [script_report(run_dir, r) for r in sorted(results)]
+        f = job.fault
+        if any(len(r) == 1 for r in ranks) and (
+            f.inf_steps or f.kill_step is not None or f.preempt_step is not None
+        ):
+            logger.warning(
+                "fault.* was set, but the script never called launch.get_context(), so no fault "
+                "was injected and summary.json has no scale or skipped steps: call "
+                "ctx = launch.get_context() and ctx.faults.after_backward(step, model) (see "
+                "tests/launch/torchrun_script.py)"
+            )
         summary = build_summary(
-            [{"rank": r} for r in sorted(results)],
+            ranks,
             run_dir=run_dir,
             what={"script": job.script, "script_args": job.script_args},
             world_size=nproc * max_nodes if min_nodes == max_nodes else None,
@@ -127,11 +152,12 @@ def main(cfg: DictConfig) -> None:
                 file=sys.stderr,
             )
             sys.exit(PREEMPTED_EXIT_CODE)
+        # torchelastic's report first and the cause last, where a terminal leaves the reader.
         print(
+            f"{exc.format_msg()}\n\n"  # type: ignore[no-untyped-call]
             f"dscale-launch: {explain_failure(exc)}\n"
             f"  logs: {run_dir}/logs/rank<R>.log and {run_dir}/torchelastic\n"
-            f"after fixing the cause, {resume_advice(cfg.checkpoint)}\n\n"
-            f"{exc.format_msg()}",  # type: ignore[no-untyped-call]
+            f"after fixing the cause, {resume_advice(cfg.checkpoint)}",
             file=sys.stderr,
         )
         sys.exit(1)

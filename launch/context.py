@@ -152,6 +152,7 @@ class RunContext:
             rank=self.rank,
             local_rank=self.local_rank,
             log_every=self.config["trainer"]["log_every"],
+            progress=self.progress,
         ) as exporter:
             yield exporter
 

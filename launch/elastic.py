@@ -56,6 +56,34 @@ def launch_config(lc: LauncherConfig, nproc: int, run_dir: Path) -> LaunchConfig
     )
 
 
+def cores() -> int:
+    """The cores this process may run on (its affinity mask where the OS has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def warn_oversubscribed(nproc: int, omp_threads: str | None) -> bool:
+    """Log a warning when ``nproc`` ranks x ``OMP_NUM_THREADS`` threads exceed this node's cores."""
+    try:
+        threads = max(1, int(omp_threads or "1"))
+    except ValueError:
+        threads = 1
+    have = cores()
+    if nproc * threads <= have:
+        return False
+    logger.warning(
+        "%d local ranks x %d threads (OMP_NUM_THREADS) = %d exceed the %d cores this node gives "
+        "the job: the ranks will time-share and every step slows down; lower "
+        "launcher.nproc_per_node or OMP_NUM_THREADS",
+        nproc,
+        threads,
+        nproc * threads,
+        have,
+    )
+    return True
+
+
 def worker_env(nproc: int, run_dir: Path | None = None) -> None:
     """What torchrun puts in the environment, plus the fix for restarts on one node.
 
@@ -68,6 +96,7 @@ def worker_env(nproc: int, run_dir: Path | None = None) -> None:
     """
     if nproc > 1:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
+    warn_oversubscribed(nproc, os.environ.get("OMP_NUM_THREADS"))
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     if run_dir is not None:
         os.environ[RUN_DIR_ENV] = str(run_dir)

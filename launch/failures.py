@@ -9,6 +9,8 @@ the oldest of those files is the cause.
 from __future__ import annotations
 
 import json
+import re
+import sysconfig
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +22,30 @@ def _first_line(message: Any) -> str:
         message = message.get("message", "")
     text = str(message).strip()
     return text.splitlines()[0] if text else ""
+
+
+_FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>.+)$', re.M)
+# Frames under these folders are not the user's: the launcher, the library, torch, the stdlib.
+_NOT_USER = tuple(
+    str(p)
+    for p in {
+        Path(__file__).resolve().parent,  # launch/
+        Path(__file__).resolve().parent.parent / "dscale",
+        *(Path(sysconfig.get_paths()[k]).resolve() for k in ("stdlib", "purelib", "platlib")),
+    }
+)
+
+
+def user_frame(message: Any) -> str | None:
+    """``file:line in function`` of the innermost frame of the user's own code, from error.json."""
+    if not isinstance(message, dict):
+        return None
+    stack = str(message.get("extraInfo", {}).get("py_callstack", ""))
+    for m in reversed(list(_FRAME.finditer(stack))):
+        path = str(Path(m["file"]).resolve())
+        if not path.startswith(_NOT_USER) and not m["file"].startswith("<"):
+            return f"{m['file']}:{m['line']} in {m['func'].strip()}"
+    return None
 
 
 def _error_files(exc: ChildFailedError) -> dict[int, tuple[int, str, Path]]:
@@ -39,6 +65,9 @@ def _error_files(exc: ChildFailedError) -> dict[int, tuple[int, str, Path]]:
             except (OSError, ValueError):
                 continue
             message = _first_line(data.get("message", ""))
+            frame = user_frame(data.get("message"))
+            if frame:
+                message += f"\n  at {frame}"
             found[first_global + int(sibling.parent.name)] = (written, message, sibling)
     return found
 
@@ -57,7 +86,7 @@ def explain_failure(exc: ChildFailedError) -> str:
         if rank == first_rank:
             continue
         said = errors[rank][1] if rank in errors else _first_line(exc.failures[rank].message)
-        lines.append(f"  then rank {rank}: {said[:200]}")
+        lines.append(f"  then rank {rank}: {said.splitlines()[0][:200] if said else ''}")
     if first_rank in errors:
         lines.append(f"  rank {first_rank}'s traceback: {errors[first_rank][2]}")
     return "\n".join(lines)

@@ -118,6 +118,7 @@ def start_metrics(
     rank: int,
     local_rank: int,
     log_every: int,
+    progress: Any = None,
 ) -> Iterator[Any]:
     """Serve this rank's metrics on ``port + local_rank`` and log them under ``run_dir/metrics``.
 
@@ -129,6 +130,8 @@ def start_metrics(
     stats = track_numerics(scaler, model)
     log = MetricsLog(run_dir, stats=stats, rank=rank, every=log_every)
     scaler.add_observer(log)
+    if progress is not None:
+        progress.loss_log = log  # rank 0's progress lines also go to metrics/loss-rank0.jsonl
     run_id = os.environ.get("TORCHELASTIC_RUN_ID") or "dscale"
     try:
         with contextlib.ExitStack() as stack:
@@ -157,4 +160,6 @@ def start_metrics(
             stack.enter_context(exporter)
             yield exporter
     finally:
+        if progress is not None:
+            progress.loss_log = None
         log.close()

@@ -7,6 +7,7 @@ import sys
 import time
 
 from dscale import GradScaler
+from dscale.metrics import MetricsLog
 from launch.record import SkipRecord
 
 logger = logging.getLogger(__name__)
@@ -28,6 +29,8 @@ class Progress:
         self.log_every = max(1, log_every)
         self.scaler = scaler
         self.record = record
+        # Set by ``ctx.metrics(...)`` while the metrics log is open: the loss goes there too.
+        self.loss_log: MetricsLog | None = None
 
     def wants_loss(self, step: int) -> bool:
         """Whether the loop should read the loss (a host sync) at this 0-based step."""
@@ -48,17 +51,19 @@ class RankZeroProgress(Progress):
     ) -> None:
         super().__init__(max_steps, log_every, scaler, record)
         self._bar = sys.stderr.isatty()
-        self._last = (time.perf_counter(), -1)
+        # The first report only sets the baseline: a loop that resumed at step 50 reports step 50
+        # first, and counting from step -1 (or from before model setup) would inflate tokens/s.
+        self._last: tuple[float, int] | None = None
 
     def update(self, step: int, loss: float, *, tokens: int = 0) -> None:
         now = time.perf_counter()
-        t_last, s_last = self._last
-        self._last = (now, step)
+        last, self._last = self._last, (now, step)
         line = (
             f"step {step + 1}/{self.max_steps} loss {loss:.4f} scale {self.scaler.get_scale():g} "
             f"skipped {self.record.num_skipped}"
         )
-        if tokens:
+        if tokens and last is not None and step > last[1]:
+            t_last, s_last = last
             line += f" tokens/s {(step - s_last) * tokens / max(now - t_last, 1e-9):,.0f}"
         if self._bar:
             done = min(30, int(30 * (step + 1) / self.max_steps))
@@ -66,6 +71,8 @@ class RankZeroProgress(Progress):
             sys.stderr.flush()
         # On a terminal the bar shows the line; keep the console clean and log it to file only.
         logger.info(line, extra={"console": not self._bar})
+        if self.loss_log is not None:
+            self.loss_log.log_loss(step, loss)
 
     def close(self) -> None:
         if self._bar:

@@ -26,7 +26,7 @@ from torch.distributed.run import parse_min_max_nnodes
 
 from dscale import GradScaler
 from dscale.checkpoint import CheckpointManager, CheckpointSaveError, PreemptionGuard
-from launch.entrypoint import EntrypointError, check_spec
+from launch.entrypoint import EntrypointError, load_entrypoint
 from launch.schema import DEMO_ENTRYPOINT, Device, JobConfig
 
 
@@ -232,7 +232,8 @@ def _entry(job: JobConfig) -> None:
     """What runs on every rank: a script that exists, or a ``module:function`` entrypoint."""
     if job.script is None:
         try:
-            check_spec(job.entrypoint)
+            # Imported here too, so that a typo fails before any worker starts.
+            load_entrypoint(job.entrypoint)
         except EntrypointError as exc:
             raise ConfigError(str(exc)) from None
         return
@@ -247,6 +248,12 @@ def _entry(job: JobConfig) -> None:
         f"script={job.script!r} does not exist (looked for {path}); give the path of a Python "
         "file, relative to the folder you launch from",
     )
+    try:  # a script that cannot even be compiled fails here, not on every rank
+        compile(path.read_bytes(), str(path), "exec")
+    except (SyntaxError, ValueError) as exc:
+        raise ConfigError(
+            f"script={job.script!r} cannot be compiled: {type(exc).__name__}: {exc}"
+        ) from None
     job.script = str(path)  # the agent may start workers elsewhere
 
 

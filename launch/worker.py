@@ -26,6 +26,7 @@ from launch import integrations
 from launch.context import RunContext
 from launch.entrypoint import load_entrypoint
 from launch.faults import Faults
+from launch.other_scaler import follow_the_scaler_used
 from launch.preemption import PREEMPTED_EXIT_CODE, Preempted
 from launch.progress import Progress, RankZeroProgress
 from launch.record import SkipRecord
@@ -151,15 +152,28 @@ def get_context() -> RunContext:
     resolved = OmegaConf.load(Path(run_dir) / "config.resolved.yaml")
     cfg: Any = OmegaConf.to_container(resolved, resolve=True)
     ctx = start_rank(cfg, Path(run_dir))
-    atexit.register(_close_script_context)
+    watch = follow_the_scaler_used(ctx)
+    watch.__enter__()
+    atexit.register(_close_script_context, watch)
     return ctx
 
 
-def _close_script_context() -> None:
+def script_report_path(run_dir: Path, rank: int) -> Path:
+    """Where a script's rank leaves its ``summary.json`` record (written when it exits)."""
+    return run_dir / "logs" / f"rank{rank}.report.json"
+
+
+def _close_script_context(watch: Any) -> None:
     if _current is not None:
         _current.progress.close()
     if dist.is_initialized():
         dist.destroy_process_group()
+    # After the group is gone (the ranks leave it together, as before this record existed), the
+    # launcher's record for summary.json: the scale and skips of the scaler the script used.
+    watch.__exit__(None, None, None)
+    if _current is not None:
+        path = script_report_path(_current.run_dir, _current.rank)
+        path.write_text(json.dumps(_current.report(None), default=repr))
 
 
 @record
@@ -180,7 +194,8 @@ def worker_main(cfg: dict[str, Any], run_dir: str, cwd: str) -> dict[str, Any]:
         extra={"console": False},
     )
     try:
-        result = function(ctx)
+        with follow_the_scaler_used(ctx):
+            result = function(ctx)
     except Preempted as exc:
         logger.warning("%s; exiting with status %d to be restarted", exc, PREEMPTED_EXIT_CODE)
         dist.destroy_process_group()

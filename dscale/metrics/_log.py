@@ -7,7 +7,8 @@ first applied step).
 
 Each update() writes one row into a device buffer (no host sync); every ``every`` steps the buffer
 is copied to the host once and appended to ``RUN_DIR/metrics/rank<R>.jsonl``. So the log has the
-full per-step sawtooth while the GPU waits only once per ``every`` steps.
+full per-step sawtooth while the GPU waits only once per ``every`` steps. ``log_loss`` appends the
+loss (host numbers the loop already read) to ``RUN_DIR/metrics/loss-rank<R>.jsonl``.
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ class MetricsLog:
                 "the device between writes (each write is one host sync)"
             )
         self.path = os.path.join(os.fspath(run_dir), "metrics", f"rank{rank}.jsonl")
+        self.loss_path = os.path.join(os.path.dirname(self.path), f"loss-rank{rank}.jsonl")
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         self.rank = rank
         self.every = every
@@ -114,6 +116,17 @@ class MetricsLog:
                     rec[key] = int(rec[key])
                 rec["skipped"] = bool(rec["skipped"])
                 f.write(json.dumps(rec) + "\n")
+
+    def log_loss(self, step: int, loss: float, **values: float) -> None:
+        """Append ``{"step", "loss", **values}`` (e.g. ``lr=``) to ``metrics/loss-rank<R>.jsonl``.
+
+        Takes host numbers, so it adds no sync of its own: call it where the loop already read the
+        loss (``loss.item()``). ``python -m dscale.report`` draws these in a loss panel.
+        """
+        rec: dict[str, Any] = {"rank": self.rank, "step": int(step), "loss": float(loss)}
+        rec.update({k: float(v) for k, v in values.items()})
+        with open(self.loss_path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(rec) + "\n")
 
     def close(self) -> None:
         """Write what is left in the buffer."""

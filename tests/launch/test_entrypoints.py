@@ -39,6 +39,10 @@ def test_script_runs_unchanged_with_torchruns_env_and_can_get_the_context(tmp_pa
         assert seen["skipped_steps"] == [1]
     s = summary(tmp_path)
     assert (s["script"], s["script_args"], s["world_size"]) == (str(script), ["--epochs", "3"], 2)
+    # The per-rank record of the context's scaler (old code recorded only {"rank": r}).
+    assert s["steps"] == 3
+    for r in s["ranks"]:
+        assert (r["skipped_steps"], r["num_skipped"], r["final_scale"]) == ([1], 1, 512.0), r
     assert leftover_workers(tmp_path) == []
 
 
@@ -47,29 +51,93 @@ def test_script_runs_unchanged_with_torchruns_env_and_can_get_the_context(tmp_pa
     [
         (
             "no_such_pkg.train:main",
-            r"rank [01] failed: EntrypointError: entrypoint='no_such_pkg.train:main': cannot "
+            r"bad config: entrypoint='no_such_pkg.train:main': cannot "
             r"import 'no_such_pkg.train' \(ModuleNotFoundError: No module named 'no_such_pkg'\)",
         ),
         (
             "user_entrypoints:NOT_A_FUNCTION",
-            r"rank [01] failed: EntrypointError: entrypoint='user_entrypoints:NOT_A_FUNCTION' is "
+            r"bad config: entrypoint='user_entrypoints:NOT_A_FUNCTION' is "
             r"not callable \(it is the int 3\)",
         ),
         (
-            "user_entrypoints:raise_on_rank_1",
-            r"rank 1 failed: ValueError: boom from the user's code",
+            "user_entrypoints:raise_on_rank_one",  # a typo of raise_on_rank_1
+            r"bad config: entrypoint='user_entrypoints:raise_on_rank_one': 'user_entrypoints' "
+            r"has no attribute 'raise_on_rank_one' \(it has: .*raise_on_rank_1",
         ),
     ],
-    ids=["does_not_import", "not_callable", "raises_on_rank_1"],
+    ids=["does_not_import", "not_callable", "mistyped_function"],
 )
-def test_entrypoint_that_fails_names_the_rank_and_cause_and_leaves_no_worker(
+def test_entrypoint_that_cannot_be_loaded_fails_before_any_worker_starts(
     entrypoint: str, message: str, tmp_path: Path
 ) -> None:
+    # Old code found these only on the workers, after torchelastic had started them (exit 1).
+    proc = launch(tmp_path, f"entrypoint={entrypoint}", *OFF, cwd=HERE, timeout_s=120)
+    assert proc.returncode == 2, output(proc)
+    assert re.search(message, proc.stderr), output(proc)
+    assert not (tmp_path / "torchelastic").exists(), "workers were started"
+    assert "starting 2 local ranks" not in proc.stderr + proc.stdout
+
+
+def test_script_that_does_not_compile_fails_before_any_worker_starts(tmp_path: Path) -> None:
+    script = tmp_path / "broken.py"
+    script.write_text("def main(:\n    pass\n")
+    proc = launch(tmp_path / "run", f"script={script}", *OFF, timeout_s=120)
+    assert proc.returncode == 2, output(proc)
+    assert re.search(
+        r"bad config: script=.*broken\.py' cannot be compiled: SyntaxError", proc.stderr
+    )
+    assert not (tmp_path / "run" / "torchelastic").exists(), "workers were started"
+
+
+def test_entrypoint_that_fails_ends_with_the_rank_the_cause_and_the_users_line(
+    tmp_path: Path,
+) -> None:
     # pg_timeout_s bounds rank 0's wait if rank 1 were not stopped; the launcher stops it first.
+    entrypoint = "user_entrypoints:raise_on_rank_1"
     proc = launch(tmp_path, f"entrypoint={entrypoint}", "launcher.pg_timeout_s=60", *OFF, cwd=HERE)
     assert proc.returncode == 1, output(proc)
-    assert re.search(message, proc.stderr), output(proc)
     assert not (tmp_path / "summary.json").exists()
     assert leftover_workers(tmp_path) == []
-    if entrypoint.endswith("raise_on_rank_1"):
-        assert "boom from the user's code" in (tmp_path / "logs" / "rank1.log").read_text()
+    assert "boom from the user's code" in (tmp_path / "logs" / "rank1.log").read_text()
+    # The cause is in the last lines, below torchelastic's report (old code printed it first,
+    # and named no line of the user's code).
+    tail = proc.stderr.strip().splitlines()[-8:]
+    assert proc.stderr.rindex("Root Cause") < proc.stderr.rindex("rank 1 failed:"), output(proc)
+    assert any(
+        re.search(r"rank 1 failed: ValueError: boom from the user's code", t) for t in tail
+    ), output(proc)
+    line = next(
+        i
+        for i, text in enumerate((HERE / "user_entrypoints.py").read_text().splitlines(), 1)
+        if "raise ValueError" in text
+    )
+    assert any(f"at {HERE / 'user_entrypoints.py'}:{line} in raise_on_rank_1" in t for t in tail), (
+        output(proc)
+    )
+
+
+def test_an_entrypoint_with_its_own_scaler_is_warned_and_reported_by_that_scaler(
+    tmp_path: Path,
+) -> None:
+    proc = launch(
+        tmp_path, "entrypoint=user_entrypoints:own_scaler", "trainer.max_steps=5", *OFF, cwd=HERE
+    )
+    assert proc.returncode == 0, output(proc)
+    assert "stepped an optimizer through a dscale.scaler.GradScaler that is not ctx.scaler" in (
+        proc.stdout + proc.stderr
+    ), output(proc)
+    s = summary(tmp_path)
+    # Old code reported ctx.scaler, which never stepped: scale 65536, no skips.
+    for r in s["ranks"]:
+        assert r["final_scale"] == r["result"]["own_scale"] == 4096.0, r
+        assert (r["skipped_steps"], r["steps"]) == ([2], 5), r
+
+
+def test_a_script_without_the_context_is_told_that_fault_keys_did_nothing(tmp_path: Path) -> None:
+    proc = launch(tmp_path, f"script={HERE / 'plain_script.py'}", "fault.inf_steps=[1]", *OFF)
+    assert proc.returncode == 0, output(proc)
+    # Old code ignored fault.* here without a word.
+    assert "fault.* was set, but the script never called launch.get_context()" in (
+        proc.stdout + proc.stderr
+    ), output(proc)
+    assert [r["rank"] for r in summary(tmp_path)["ranks"]] == [0, 1]

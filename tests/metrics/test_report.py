@@ -11,7 +11,7 @@ import torch
 
 import dscale
 from dscale.metrics import MetricsLog
-from dscale.report import main, read_metrics_log, render
+from dscale.report import figure, main, read_metrics_log, render
 from dscale.stats import track_numerics
 
 pytestmark = pytest.mark.filterwarnings("ignore:dscale.GradScaler. the loss's autograd graph")
@@ -78,3 +78,52 @@ def test_a_run_dir_without_a_log_names_the_fix(tmp_path) -> None:
 def test_every_must_be_positive(tmp_path) -> None:
     with pytest.raises(ValueError, match="every must be an int >= 1, got 0"):
         MetricsLog(tmp_path, every=0)
+
+
+def _two_ranks_with_a_loss(run_dir) -> None:
+    for rank in (0, 1):  # the ranks agree on the scale, so their scale lines coincide
+        model = torch.nn.Linear(2, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        scaler = dscale.GradScaler(device="cpu", init_scale=4.0, growth_interval=3)
+        log = MetricsLog(run_dir, stats=track_numerics(scaler, model), rank=rank, every=4)
+        scaler.add_observer(log)
+        for step in range(20):
+            opt.zero_grad()
+            loss = (model(torch.ones(1, 2)) - 1).pow(2).sum()
+            scaler.scale(loss).backward()
+            if step in (7, 13):
+                model.weight.grad[0, 0] = float("inf")
+            scaler.step(opt)
+            scaler.update()
+            log.log_loss(step, loss.item())
+        log.close()
+
+
+def test_report_has_a_loss_panel_and_tells_the_ranks_apart(tmp_path) -> None:
+    _two_ranks_with_a_loss(tmp_path)
+    text = (tmp_path / "metrics" / "loss-rank1.jsonl").read_text()
+    rows = [json.loads(line) for line in text.splitlines()]
+    assert [r["step"] for r in rows] == list(range(20)) and rows[0]["rank"] == 1
+    fig = figure(tmp_path)
+    labels = [ax.get_ylabel() for ax in fig.axes]
+    # Old report: three panels (scale, skips, grad norm), no loss.
+    assert labels[0] == "loss" and len(labels) == 4, labels
+    loss_lines = fig.axes[0].get_lines()
+    assert len(loss_lines[0].get_xdata()) == 20
+    for ax in fig.axes:  # every panel: rank 1's thinner dashes drawn over rank 0's line
+        r0, r1 = ax.get_lines()[:2]
+        assert (r0.get_label(), r1.get_label()) == ("rank 0", "rank 1")
+        assert r0.get_linestyle() != r1.get_linestyle()
+        assert r0.get_linewidth() > r1.get_linewidth()
+        assert r0.get_zorder() < r1.get_zorder()
+    assert "2 skipped, scale 4" in fig.texts[0].get_text()  # the headline a bug report quotes
+    path = render(tmp_path, tmp_path / "report.png")
+    assert (tmp_path / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", path
+
+
+def test_a_run_without_a_loss_log_has_no_loss_panel(tmp_path) -> None:
+    _run(tmp_path, steps=4, overflow_at={2}, every=2).close()
+    fig = figure(tmp_path)
+    assert [ax.get_ylabel().split("\n")[0] for ax in fig.axes] == [
+        "loss scale", "skipped steps", "grad norm",
+    ]  # fmt: skip
