@@ -119,9 +119,11 @@ EXAMPLE_CONF = EXAMPLE / "conf"
 
 
 @pytest.mark.parametrize("optim", ["sgd", "adam"])
-def test_example_project_config_extends_the_launchers_job(optim: str) -> None:
+def test_example_project_config_extends_the_launchers_job(optim: str, monkeypatch) -> None:
     # What `dscale-launch --config-dir conf --config-name train` composes: the project's primary
     # config with the launcher's `job` underneath it, and the project's own group args/optim.
+    # Run from the project's folder, as the launcher is: validate() imports the entrypoint.
+    monkeypatch.syspath_prepend(str(EXAMPLE))
     with initialize_config_dir(config_dir=str(EXAMPLE_CONF), version_base="1.3"):
         cfg = compose(
             "train",
