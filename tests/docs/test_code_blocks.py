@@ -178,4 +178,3 @@ def test_every_relative_link_points_to_a_file_and_anchor_that_exist() -> None:
             elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
                 broken.append(f"{where}: {_rel(dest)} has no heading with anchor #{anchor}")
     assert not broken, "\n".join(broken)
-
