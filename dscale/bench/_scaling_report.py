@@ -103,7 +103,7 @@ def summarize(runs: list[dict[str, Any]], every: int) -> list[dict[str, Any]]:
 
 
 def render(rows: list[dict[str, Any]], cfg: dict[str, Any]) -> str:
-    """The Markdown table of the README."""
+    """The Markdown table of docs/predictive.md."""
     head = (
         f"| model | scaler @ init | skipped, first {FIRST_STEPS} (max) | steps to within 2x "
         "(max) | skipped, total (mean) | largest safe / scale (median) | underflow share, "
