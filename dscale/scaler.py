@@ -949,7 +949,8 @@ class GradScaler(TorchGradScalerSurface):
         spike = None if self._spike is None else self._spike.check_state(state_dict)
         if not self._loss_scaling:  # a StepGuard keeps its scale of 1; the counts come along
             policy = self._policy
-            host = _policy.HostState(1.0, 0, policy.hysteresis, host.counters)
+            if _state.scales_loss(state_dict):  # a GradScaler's trackers mean nothing here
+                host = _policy.HostState(1.0, 0, policy.hysteresis, host.counters)
         elif not _state.scales_loss(state_dict):
             raise ValueError(
                 "this state dict was saved by a StepGuard (loss_scaling=False: its scale is "
