@@ -108,7 +108,8 @@ class ScalerState:
     """A GradScaler (dscale's or torch's) as a DCP Stateful.
 
     Saved keys: ``values.<key>`` for every numeric entry of ``scaler.state_dict()`` (float64,
-    int64 or bool scalars, and tensors such as the spike gate's window), and ``per_rank.<key>`` for scale and trackers, one row per rank.
+    int64 or bool scalars, and tensors such as the spike gate's window), and
+    ``per_rank.<key>`` for scale and trackers, one row per rank.
     Loading goes through :func:`scaler_update`, which checks before anything changes.
     """
 

@@ -1,4 +1,4 @@
-"""dscale.checkpoint keeps a StepGuard's counters and spike window, and the resumed run decides alike."""
+"""dscale.checkpoint keeps a StepGuard's counters and spike window; a resumed run decides alike."""
 
 from __future__ import annotations
 
