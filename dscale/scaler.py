@@ -21,6 +21,7 @@ from dscale._masked_step import (
     remove_state_created_by_skipped_step,
     state_created_since,
 )
+from dscale._grad_measure import mark_overflow
 from dscale._policy import COUNTER_NAMES
 from dscale._reduction_hooks import AttachRefusal, ReductionHooks
 from dscale._scale_state import ScaleState, fresh_host_state
@@ -120,6 +121,9 @@ class GradScaler(TorchGradScalerSurface):
         policy: "dynamic" (torch's rule: search for the scale by overflowing) or "predictive"
             (set it from the measured gradient range; see ``dscale._predictive``). A predictive
             scaler's first step runs at ``min(init_scale, 1.0)`` to measure, then jumps.
+        predictive_window: policy="predictive": the steps a measured spike or an overflow is
+            remembered (default: ``growth_interval``, as long as the dynamic rule stays backed
+            off after an overflow).
     """
 
     def __init__(
@@ -140,8 +144,11 @@ class GradScaler(TorchGradScalerSurface):
         stuck_patience: int = 100,
         sync_free: bool = False,
         policy: _predictive_state.Policy = "dynamic",
+        predictive_window: int | None = None,
     ) -> None:
         _predictive_state.check_policy(policy)
+        if predictive_window is not None:
+            _predictive_state.check_window(predictive_window)
         _state.check_scale_args(
             init_scale=init_scale,
             growth_factor=growth_factor,
@@ -189,10 +196,15 @@ class GradScaler(TorchGradScalerSurface):
         self._group_ranks = _dist.group_ranks(process_group)
         # The scale and trackers; on the host until the first scale() puts them on a device.
         # policy="predictive" (dscale/_predictive.py): its measurement and state, else None.
-        self._predictive = _predictive_state.PredictiveScaling() if policy == "predictive" else None
-        if self._predictive is not None:
+        self._predictive = None
+        tail = 0
+        if policy == "predictive":
+            # As long as the dynamic rule stays backed off: never worse at remembering.
+            window = growth_interval if predictive_window is None else predictive_window
+            self._predictive = _predictive_state.PredictiveScaling(window)
             init_scale = _predictive.first_scale(init_scale, min_scale, max_scale)
-        self._book = ScaleState(fresh_host_state(float(init_scale), hysteresis))
+            tail = _predictive_state.tail_words(window)
+        self._book = ScaleState(fresh_host_state(float(init_scale), hysteresis), tail)
         self._placed_init_scale = float(init_scale)  # torch's _init_scale, once placed
         self._per_optimizer_states: dict[int, _OptimizerState] = {}
         self._outcomes: dict[int, bool | torch.Tensor] = {}
@@ -299,7 +311,7 @@ class GradScaler(TorchGradScalerSurface):
                 refusal = _agreement.agreement_vector(
                     torch.ones((), device=device),
                     copy_to(scale, device),
-                    self._measured(device),
+                    self._refused_measurement(device),
                     with_range=self._carries_range(),
                 )
                 _agreement.all_reduce_flag(refusal, group).wait()
@@ -321,8 +333,6 @@ class GradScaler(TorchGradScalerSurface):
         unscale = unscale or report.unscaled  # the pass must match what the hooks did
         for observer in self._observers:
             observer.on_grads(optimizer, grads, scale)
-        if self._predictive is not None:  # policy="predictive": measure before the unscale
-            self._predictive.measure.add(grads, scale, scale)
         inv_scale = self._unscale_factor(scale) if unscale else self._unit(scale)
         if report.is_global:
             group = None  # DDP's own all-reduce over a group covering ours made the flag global
@@ -333,15 +343,20 @@ class GradScaler(TorchGradScalerSurface):
                 scale,
                 None if host is None else host.scale,
                 device,
-                self._measured(device),
+                measured=self._predictive is not None,
                 with_range=self._carries_range(),
             )
+            if self._predictive is not None:  # policy="predictive": measure before the unscale
+                self._predictive.measure.write(state.agreed, groups, report.measured)
             flag = state.agreed[_agreement.OVERFLOW]  # a view: the check writes the flag into it
             check_and_unscale_(groups, inv_scale, flag)
             # MAX, not +: torch's fused kernels skip only where found_inf == 1 exactly.
             for other in (report.flag, state.user_found):
                 if other is not None:
-                    torch.maximum(flag, copy_to(other, device), out=flag)
+                    other = copy_to(other, device)
+                    torch.maximum(flag, other, out=flag)
+                    if self._predictive is not None:
+                        mark_overflow(state.agreed, other)
         state.over_group = group is not None
         state.work = None if group is None else _agreement.all_reduce_flag(state.agreed, group)
         return unscale
@@ -378,9 +393,11 @@ class GradScaler(TorchGradScalerSurface):
             self._one = torch.ones_like(scale)
         return self._one
 
-    def _measured(self, device: torch.device) -> torch.Tensor | None:
-        """policy="predictive": this rank's measurement for its agreement vector; else None."""
-        return None if self._predictive is None else self._predictive.measure.take(device)
+    def _refused_measurement(self, device: torch.device) -> torch.Tensor | None:
+        """policy="predictive": a refusing rank's measurement, an overflow's; else None."""
+        if self._predictive is None:
+            return None
+        return torch.tensor([_predictive.OVERFLOW_MARK, 0.0], device=device)
 
     # ----------------------------------------------------------------- reduction hooks
     def attach(self, model: torch.nn.Module) -> None:
@@ -630,7 +647,7 @@ class GradScaler(TorchGradScalerSurface):
         """
         for state in states:
             if state.over_group:
-                return self._agreed(state)
+                return self._agreed(state) if self._carries_range() else None
         if self._process_group() is None:  # one process: its own scale is the whole range
             scale = self._require_scale("update")
             return _agreement.ScaleRange(scale, scale)
@@ -710,8 +727,17 @@ class GradScaler(TorchGradScalerSurface):
         copy has reached the host, which may be an update or two behind.
         """
         values = _snapshot_dict(self._book.read() if wait else self._book.latest())
-        if self._predictive is not None:  # grad_max_abs, target_scale, margin_log2, underflow
-            values.update(self._predictive.snapshot(wait=wait))
+        predictive = self._predictive
+        if predictive is not None:  # grad_max_abs, target_scale, margin_log2, underflow
+            raw = self._book.words_now(predictive.pos) if wait else self._book.latest_words()
+            if raw is None:
+                telemetry = predictive.telemetry
+            else:
+                words, rows, policy, pos = raw
+                telemetry = predictive.telemetry_from(
+                    words, rows, predictive.pos if pos is None else pos, policy
+                )
+            values.update(predictive.snapshot(telemetry))
         return values
 
     def get_scale(self) -> float:
