@@ -9,7 +9,8 @@ sampled), window...]``.
 
 State-dict keys (format version 3; a dynamic scaler's dict stays version 1):
     policy: "predictive" (informational; the constructor's ``policy`` decides).
-    predictive_window: the window's entries (a 1-D float32 CPU tensor, ring order).
+    predictive_window: the window's entries (a list of float32 values, ring order; a 1-D tensor
+        in a ``dscale.checkpoint`` checkpoint).
     _predictive_window_pos: the slot the next entry overwrites (int).
 
 A predictive scaler loading a dict without these keys (torch's, a dynamic scaler's, or a version
@@ -92,8 +93,8 @@ def from_state_dict(state: Mapping[str, Any]) -> tuple[list[float], int] | None:
         or bool((window < 0).any())
     ):
         raise ValueError(
-            "state_dict: predictive_window must be a 1-D tensor of finite values >= 0, got "
-            f"{window!r}"
+            "state_dict: predictive_window must be a non-empty list of finite values >= 0, got "
+            f"{_short(window)}"
         )
     if isinstance(pos, bool) or not isinstance(pos, int) or not 0 <= pos < window.numel():
         raise ValueError(
@@ -101,6 +102,11 @@ def from_state_dict(state: Mapping[str, Any]) -> tuple[list[float], int] | None:
             f"got {pos!r}"
         )
     return [float(v) for v in window.float().tolist()], pos
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 200 else text[:200] + "..."
 
 
 def _resized(slots: list[float], pos: int, length: int) -> tuple[list[float], int]:
@@ -265,7 +271,7 @@ class PredictiveScaling:
         return {
             "dscale_format_version": FORMAT_VERSION,
             "policy": "predictive",
-            "predictive_window": torch.tensor(slots, dtype=torch.float32),
+            "predictive_window": slots,
             "_predictive_window_pos": pos,
         }
 

@@ -28,8 +28,9 @@ from dscale._policy import COUNTER_NAMES, HostState, ScalePolicy, f32
 logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
-#: Version 2 adds policy="predictive"'s keys (``dscale._predictive_state``); dynamic dicts stay 1.
-NEWEST_FORMAT_VERSION = 2
+#: Version 2 added policy="predictive"'s margin keys, version 3 its window (``dscale._predictive_state``);
+#: dynamic dicts stay 1.
+NEWEST_FORMAT_VERSION = 3
 
 TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 COUNTER_KEYS = tuple(f"num_{name}" for name in COUNTER_NAMES)

@@ -108,7 +108,8 @@ class ScalerState:
     """A GradScaler (dscale's or torch's) as a DCP Stateful.
 
     Saved keys: ``values.<key>`` for every numeric entry of ``scaler.state_dict()`` (float64,
-    int64 or bool scalars), and ``per_rank.<key>`` for scale and trackers, one row per rank.
+    int64 or bool scalars; a list of floats, policy="predictive"'s window, as a float32
+    tensor), and ``per_rank.<key>`` for scale and trackers, one row per rank.
     Loading goes through :func:`scaler_update`, which checks before anything changes.
     """
 
@@ -125,6 +126,8 @@ class ScalerState:
                 values[key] = torch.tensor(value, dtype=torch.int64)
             elif isinstance(value, float):
                 values[key] = torch.tensor(value, dtype=torch.float64)
+            elif isinstance(value, list) and all(isinstance(v, float) for v in value):
+                values[key] = torch.tensor(value, dtype=torch.float32)  # predictive_window
         per_rank = {
             key: _per_rank(values[key].to(torch.float64).reshape(1), self.group)
             for key in AGREEMENT_KEYS
@@ -150,7 +153,9 @@ def scaler_update(scaler: Any, saved: dict[str, Any]) -> dict[str, Any] | None:
         return None  # saved from a disabled scaler
     state = scaler.state_dict()
     for key, tensor in values.items():
-        if tensor.dtype == torch.bool:
+        if tensor.dim() > 0:
+            state[key] = [float(v) for v in tensor.tolist()]  # predictive_window
+        elif tensor.dtype == torch.bool:
             state[key] = bool(tensor)
         elif tensor.is_floating_point():
             state[key] = float(tensor)
