@@ -7,6 +7,7 @@ from dscale.master_weights import (
     prep_param_lists,
 )
 from dscale.scaler import GradObserver, GradScaler, ScaleCollapsedError
+from dscale.step_guard import StepGuard
 
 __version__ = "0.1.0"
 
@@ -15,6 +16,7 @@ __all__ = [
     "GradObserver",
     "GradScaler",
     "ScaleCollapsedError",
+    "StepGuard",
     "master_params_to_model_params",
     "model_grads_to_master_grads",
     "prep_param_lists",

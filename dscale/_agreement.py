@@ -10,11 +10,12 @@ example a max grad magnitude) is one more entry whose MAX over ranks is what it 
 ``policy="predictive"`` appends two fields (``_grad_measure``): the largest gradient magnitude
 (scaled; ``OVERFLOW_MARK`` from a rank that overflowed) and the sampled underflow share plus one
 (0: not sampled); MAX gives the largest over the ranks, so every rank sets the same next scale.
-They end the vector (indices -2 and -1), with or without the scale fields.
+They follow the flag and the scale fields (:func:`measured_at`); the spike gate's fields come after
+them.
 
 Both policies send the scale fields only on every :data:`RANGE_EVERY`-th iteration (the first
-included) and the flag (and measurement) alone in between: on gloo a one-element all-reduce takes a third or less of
-the time a three-element one does (``tests/scaler/measure_flag_allreduce.py``: about 0.5 ms
+included) and the flag (and measurement) alone in between: on gloo a one-element all-reduce takes
+a third or less of the time a three-element one does (``tests/scaler/measure_flag_allreduce.py``: about 0.5 ms
 against 1.5-2 ms on 2 ranks of a 2-core machine), and the scale range is for a check that runs
 every hundred steps. The schedule counts ``update()`` calls, which every rank makes alike, so
 every rank sends a vector of the same length.
@@ -30,11 +31,15 @@ import torch.distributed as dist
 
 from dscale._unscale import copy_to
 
-#: The agreement vector's fields, in order; the scale fields only on range iterations, the last
-#: two with policy="predictive" only.
+#: The agreement vector's fields, in order; the scale fields only on range iterations, the
+#: measurement with policy="predictive" only (then the spike gate's, ``_spike_gate``).
 FIELDS = ("overflow", "scale", "neg_scale", "grad_max_abs", "underflow")
 OVERFLOW, SCALE, NEG_SCALE = range(3)
-GRAD_MAX_ABS, UNDERFLOW = -2, -1
+
+
+def measured_at(with_range: bool) -> int:
+    """Index of policy="predictive"'s first field (grad_max_abs; underflow follows)."""
+    return 3 if with_range else 1
 
 
 #: The vector carries the scale fields on iterations 0, RANGE_EVERY, 2 x ...

@@ -22,7 +22,6 @@ import math
 
 import torch
 
-from dscale._agreement import GRAD_MAX_ABS, UNDERFLOW
 from dscale._predictive import OVERFLOW_MARK
 from dscale._unscale import GradGroups, copy_to
 
@@ -60,9 +59,13 @@ class GradMeasure:
         return self.iteration % self.sample_every == 0
 
     def write(
-        self, vector: torch.Tensor, groups: GradGroups, hooks: torch.Tensor | None = None
+        self,
+        vector: torch.Tensor,
+        at: int,
+        groups: GradGroups,
+        hooks: torch.Tensor | None = None,
     ) -> None:
-        """Measure ``groups`` (scaled grads) into ``vector``'s last two fields.
+        """Measure ``groups`` (scaled grads) into ``vector[at]`` and ``vector[at + 1]``.
 
         ``hooks``: what the reduction hooks measured, ``[largest scaled magnitude, underflowing
         elements, elements]`` on ``vector``'s device. With neither, the fields stay 0 (nothing
@@ -79,7 +82,7 @@ class GradMeasure:
         if not largest:
             return
         value = largest[0] if len(largest) == 1 else torch.stack(largest).amax()
-        torch.nan_to_num(value, nan=OVERFLOW_MARK, posinf=OVERFLOW_MARK, out=vector[GRAD_MAX_ABS])
+        torch.nan_to_num(value, nan=OVERFLOW_MARK, posinf=OVERFLOW_MARK, out=vector[at])
         if self.sampling:
             small = [
                 copy_to((_flat(tensors).abs() < FP16_MIN_NORMAL).sum().float(), device)
@@ -94,16 +97,16 @@ class GradMeasure:
             share = total / copy_to(torch.as_tensor(count, dtype=torch.float32), device).clamp(
                 min=1.0
             )
-            vector[UNDERFLOW].copy_(share + 1.0)
+            vector[at + 1].copy_(share + 1.0)
 
     def next_iteration(self) -> None:
         """Called by update(): the next step may be a sample."""
         self.iteration += 1
 
 
-def mark_overflow(vector: torch.Tensor, flag: torch.Tensor) -> None:
+def mark_overflow(vector: torch.Tensor, at: int, flag: torch.Tensor) -> None:
     """Another source's overflow flag joins the vector's: its measurement reads as overflowed."""
-    torch.maximum(vector[GRAD_MAX_ABS], (flag > 0).float() * OVERFLOW_MARK, out=vector[GRAD_MAX_ABS])
+    torch.maximum(vector[at], (flag > 0).float() * OVERFLOW_MARK, out=vector[at])
 
 
 def measure_reduced(

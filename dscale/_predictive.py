@@ -75,7 +75,7 @@ def is_lean(policy: ScalePolicy) -> bool:
 
 
 def pow2_floor(value: float) -> float:
-    """The largest power of two <= ``value`` (a positive, normal float32), from its exponent bits."""
+    """The largest power of two <= ``value`` (positive, normal float32), from its exponent bits."""
     (bits,) = _I32.unpack(_F32.pack(value))
     return float(_F32.unpack(_I32.pack(bits & _EXPONENT_BITS))[0])
 
@@ -209,4 +209,3 @@ def update_(
     if policy.min_scale is not None or policy.max_scale is not None:
         target = target.clamp(policy.min_scale, policy.max_scale)
     torch.where(window_max > TINY, target, scale, out=scale)
-

@@ -7,16 +7,16 @@ the tail of the scale state's own buffer, so the device update needs no extra co
 Device tail layout (float32 words after the scale state's): ``[underflow share + 1 (0: never
 sampled), window...]``.
 
-State-dict keys (format version 3; a dynamic scaler's dict stays version 1):
+State-dict keys (format version 4; a dynamic scaler's dict stays version 1):
     policy: "predictive" (informational; the constructor's ``policy`` decides).
     predictive_window: the window's entries (a list of float32 values, ring order; a 1-D tensor
         in a ``dscale.checkpoint`` checkpoint).
     _predictive_window_pos: the slot the next entry overwrites (int).
 
-A predictive scaler loading a dict without these keys (torch's, a dynamic scaler's, or a version
-2 dict of the earlier margin rule) starts with an empty window and logs a warning saying so; a
-window of another length keeps its newest entries; a dynamic scaler loading a predictive dict
-ignores the keys and says so.
+A predictive scaler loading a dict without these keys (torch's, a dynamic scaler's, or one from
+before version 4, of the earlier margin rule) starts with an empty window and logs a warning
+saying so; a window of another length keeps its newest entries; a dynamic scaler loading a
+predictive dict ignores the keys and says so.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ from typing import Any, Literal
 import torch
 
 from dscale import _device_state, _predictive
-from dscale._agreement import GRAD_MAX_ABS, UNDERFLOW
 from dscale._grad_measure import GradMeasure
 from dscale._policy import HostState, ScalePolicy
 from dscale._predictive import Telemetry, Window
@@ -38,7 +37,7 @@ logger = logging.getLogger(__name__)
 
 Policy = Literal["dynamic", "predictive"]
 POLICIES = ("dynamic", "predictive")
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 KEYS = ("predictive_window", "_predictive_window_pos")
 #: Keys of the version 2 (margin rule) dicts: read as "no window", and said so.
 OLD_KEYS = ("predictive_margin_log2", "_predictive_rise_tracker", "_predictive_measured")
@@ -144,17 +143,17 @@ class PredictiveScaling:
         self._device_values: tuple[torch.Tensor, torch.Tensor] | None = None
 
     # ------------------------------------------------------------ one iteration
-    def begin(self, agreed: list[torch.Tensor], on_host: list[list[float]] | None) -> None:
-        """Take this iteration's agreed vectors (MAX over optimizers as over ranks)."""
+    def begin(self, agreed: list[torch.Tensor], on_host: list[list[float]] | None, at: int) -> None:
+        """Take this iteration's agreed vectors (MAX over optimizers as over ranks).
+
+        ``at``: the index of the measurement in them (``_agreement.measured_at``).
+        """
         if on_host is not None:
-            self._host_values = (
-                max(v[GRAD_MAX_ABS] for v in on_host),
-                max(v[UNDERFLOW] for v in on_host),
-            )
+            self._host_values = (max(v[at] for v in on_host), max(v[at + 1] for v in on_host))
         if len(agreed) == 1:
-            self._device_values = (agreed[0][GRAD_MAX_ABS], agreed[0][UNDERFLOW])
+            self._device_values = (agreed[0][at], agreed[0][at + 1])
         else:
-            stacked = torch.stack([a[GRAD_MAX_ABS:] for a in agreed]).amax(0)
+            stacked = torch.stack([a[at : at + 2] for a in agreed]).amax(0)
             self._device_values = (stacked[0], stacked[1])
 
     def next_host_state(
@@ -163,9 +162,7 @@ class PredictiveScaling:
         """The host form of the rule (plain steps: no device op)."""
         assert self._host_values is not None and self.host is not None  # noqa: S101
         measured, underflow = self._host_values
-        new, entry = _predictive.next_host_state(
-            policy, before, after, self.host, found, measured
-        )
+        new, entry = _predictive.next_host_state(policy, before, after, self.host, found, measured)
         window_max = self.host.max
         t = self.telemetry
         self.telemetry = Telemetry(

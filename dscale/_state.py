@@ -11,6 +11,13 @@ Keys:
     back-off (int). hysteresis_refill: "on_growth" or "on_clean_step".
     _hysteresis_tracker: overflows still tolerated (int).
     num_steps, num_skipped_steps, num_skipped_in_a_row, num_growths, num_backoffs: counters (int).
+
+Version 3 (a StepGuard, or the spike gate on; ``dscale/_spike_gate.py``) adds:
+    loss_scaling: False for a StepGuard (its scale is fixed at 1); absent means True.
+    spike_signals: the watched values, comma-separated ("loss,grad_norm").
+    spike_window_values: the window, a float64 tensor [signals, spike_window] (a ring).
+    spike_window_entered: values that ever entered the window (the ring's write position).
+    num_spike_skipped_steps, num_spike_skipped_in_a_row: the gate's skips (overflows apart).
 """
 
 from __future__ import annotations
@@ -28,9 +35,11 @@ from dscale._policy import COUNTER_NAMES, HostState, ScalePolicy, f32
 logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
-#: Version 2 added policy="predictive"'s margin keys, version 3 its window (``dscale._predictive_state``);
-#: dynamic dicts stay 1.
-NEWEST_FORMAT_VERSION = 3
+#: Version 2 adds policy="predictive"'s keys (``dscale._predictive_state``); dynamic dicts stay 1.
+#: Version 3 adds a StepGuard's and the spike gate's keys; dicts without them keep 1 or 2.
+#: Version 4: policy="predictive"'s window replaces its margin keys.
+GUARD_FORMAT_VERSION = 3
+NEWEST_FORMAT_VERSION = 4
 
 TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 COUNTER_KEYS = tuple(f"num_{name}" for name in COUNTER_NAMES)
@@ -154,6 +163,14 @@ def validate(state: Mapping[str, Any]) -> dict[str, Any]:
         if key in out and (not _is_int(out[key]) or out[key] < 0):
             raise ValueError(f"state_dict: {key} must be an int >= 0, got {out[key]!r}")
     return out
+
+
+def scales_loss(state: Mapping[str, Any]) -> bool:
+    """False for a dict saved by a StepGuard (``loss_scaling: False``)."""
+    value = state.get("loss_scaling", True)
+    if isinstance(value, torch.Tensor):
+        value = bool(value.item())
+    return bool(value)
 
 
 def to_state_dict(policy: ScalePolicy, host: HostState) -> dict[str, Any]:

@@ -60,6 +60,8 @@ def warn_if_scaling_is_not_needed(loss: torch.Tensor) -> None:
     if reason is not None:
         warnings.warn(
             f"dscale.GradScaler: {reason}; loss scaling is only needed for float16 training. "
-            "It still works, but GradScaler(enabled=False) saves the check on every step.",
+            "It still works, but dscale.StepGuard is made for this: no scaling, and a step whose "
+            "grads hold an inf/NaN on any rank (or, with spike_signals, whose loss spikes) is "
+            "still skipped on every rank; GradScaler(enabled=False) turns everything off.",
             stacklevel=3,
         )

@@ -8,20 +8,20 @@ import logging
 import math
 import warnings
 from collections import abc
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from enum import Enum
 from typing import Any, Literal, Protocol
 
 import torch
 
-from dscale import _agreement, _dist, _policy, _predictive, _predictive_state, _state
+from dscale import _agreement, _dist, _policy, _predictive, _predictive_state, _spike_gate, _state
+from dscale._grad_measure import mark_overflow
 from dscale._masked_step import (
     ids_with_state,
     masked_step,
     remove_state_created_by_skipped_step,
     state_created_since,
 )
-from dscale._grad_measure import mark_overflow
 from dscale._policy import COUNTER_NAMES
 from dscale._reduction_hooks import AttachRefusal, ReductionHooks
 from dscale._scale_state import ScaleState, fresh_host_state
@@ -74,6 +74,13 @@ class _OptimizerState:
     host_agreed: list[float] | None = None  # the agreed vector, read in that same sync
     # A rank-local flag written by code made for torch's scaler (["found_inf_per_device"]).
     user_found: torch.Tensor | None = None
+    overflowed: bool | None = None  # with `applied`: whether the skip was for inf/NaN grads
+    # The spike gate (dscale/_spike_gate.py): the length of its part of `agreed`, and once
+    # decided the spike flag, the step's values and the skip flag (overflow or spike).
+    tail_len: int = 0
+    spike: torch.Tensor | None = None
+    spike_values: torch.Tensor | None = None
+    skip: torch.Tensor | None = None
 
 
 # Under torch.compile the scaler's calls run eagerly (a graph break each, as torch's own scaler
@@ -124,6 +131,13 @@ class GradScaler(TorchGradScalerSurface):
         predictive_window: policy="predictive": the steps a measured spike or an overflow is
             remembered (default: ``growth_interval``, as long as the dynamic rule stays backed
             off after an overflow).
+        spike_signals: the spike gate, off when empty: skip (on every rank) a step whose
+            "loss" and/or "grad_norm" is more than ``spike_sigma`` standard deviations above
+            the mean of the last ``spike_window`` applied steps, once ``spike_warmup`` values
+            are in (OLMo-core's and Levanter's rule; see ``docs/step-guard.md``). The loss is
+            what scale() was given this iteration, averaged over the ranks; both travel in the
+            step's agreement all-reduce. Counted apart from overflows (``spike_skipped_steps``).
+        spike_sigma, spike_window, spike_warmup: the gate's threshold, window and warm-up.
     """
 
     def __init__(
@@ -145,10 +159,17 @@ class GradScaler(TorchGradScalerSurface):
         sync_free: bool = False,
         policy: _predictive_state.Policy = "dynamic",
         predictive_window: int | None = None,
+        spike_signals: Sequence[str] = (),
+        spike_sigma: float = 6.0,
+        spike_window: int = 128,
+        spike_warmup: int = 64,
     ) -> None:
         _predictive_state.check_policy(policy)
         if predictive_window is not None:
             _predictive_state.check_window(predictive_window)
+        signals = _spike_gate.check_spike_args(
+            spike_signals, spike_sigma, spike_window, spike_warmup
+        )
         _state.check_scale_args(
             init_scale=init_scale,
             growth_factor=growth_factor,
@@ -222,6 +243,16 @@ class GradScaler(TorchGradScalerSurface):
         self._read_host_flags = True
         self._inv_scale: tuple[float, torch.Tensor] | None = None  # (scale, 1/scale)
         self._one: torch.Tensor | None = None
+        # False for a StepGuard (dscale/step_guard.py): the scale is 1 and never moves.
+        self._loss_scaling = True
+        self._spike_warned_at = 0  # the spike run length last warned about
+        self._spike = (
+            _spike_gate.SpikeGate(
+                signals, sigma=spike_sigma, window=spike_window, warmup=spike_warmup
+            )
+            if signals
+            else None
+        )
 
     # ----------------------------------------------------------------- device state
     def _scale_on(self, device: torch.device) -> torch.Tensor:
@@ -250,6 +281,17 @@ class GradScaler(TorchGradScalerSurface):
         if not self._enabled:
             return outputs
         self._scale_calls += 1  # attach()'s hooks refuse a backward with no scale() before it
+        if self._spike is not None:
+            self._spike.add_loss(outputs)
+        if not self._loss_scaling:  # a StepGuard: nothing to multiply; place the state only
+            tensors = _spike_gate.tensors_in(outputs)
+            if not tensors:
+                raise ValueError(
+                    "scale() takes a Tensor or an iterable of Tensors, got "
+                    f"{type(outputs).__name__}"
+                )
+            self._scale_on(tensors[0].device)
+            return outputs
         if isinstance(outputs, torch.Tensor):
             scale = self._scale_on(outputs.device)
             warn_if_scaling_is_not_needed(outputs)
@@ -302,6 +344,12 @@ class GradScaler(TorchGradScalerSurface):
         """
         scale = self._require_scale("unscale_")
         group = self._process_group()
+        if self._spike is not None and len(self._per_optimizer_states) > 1:
+            raise RuntimeError(
+                "the spike gate decides once per iteration on the loss and the grad norm, but a "
+                "second optimizer was checked in this iteration; with several optimizers use "
+                "one GradScaler per optimizer, or turn the spike gate off (spike_signals=())"
+            )
         try:
             report = self._hooks.report(optimizer, group, scale.device)
         except AttachRefusal as exc:
@@ -314,6 +362,10 @@ class GradScaler(TorchGradScalerSurface):
                     self._refused_measurement(device),
                     with_range=self._carries_range(),
                 )
+                if self._spike is not None:  # as long as the peers' (our slots: -inf)
+                    width = len(self._spike.signals) * _dist.world_size(group)
+                    blank = torch.full((width,), -math.inf, device=device)
+                    refusal = torch.cat([refusal, blank])
                 _agreement.all_reduce_flag(refusal, group).wait()
             raise
         grads = optimizer_grads(optimizer, set(report.covered))
@@ -331,11 +383,15 @@ class GradScaler(TorchGradScalerSurface):
                 and all(d in _FULL_PRECISION for per_dtype in groups.values() for d in per_dtype)
             )
         unscale = unscale or report.unscaled  # the pass must match what the hooks did
+        if not self._loss_scaling:
+            unscale = True  # the scale is 1: checked grads are unscaled grads
         for observer in self._observers:
             observer.on_grads(optimizer, grads, scale)
         inv_scale = self._unscale_factor(scale) if unscale else self._unit(scale)
-        if report.is_global:
-            group = None  # DDP's own all-reduce over a group covering ours made the flag global
+        if report.is_global and self._spike is None:
+            # DDP's own all-reduce over a group covering ours made the flag global. (The spike
+            # gate still needs the loss and grad norm of every rank: it keeps the collective.)
+            group = None
         device = scale.device if group is None else _dist.flag_device(group, scale.device)
         host = self._book.host
         with torch.no_grad():
@@ -347,7 +403,8 @@ class GradScaler(TorchGradScalerSurface):
                 with_range=self._carries_range(),
             )
             if self._predictive is not None:  # policy="predictive": measure before the unscale
-                self._predictive.measure.write(state.agreed, groups, report.measured)
+                at = _agreement.measured_at(self._carries_range())
+                self._predictive.measure.write(state.agreed, at, groups, report.measured)
             flag = state.agreed[_agreement.OVERFLOW]  # a view: the check writes the flag into it
             check_and_unscale_(groups, inv_scale, flag)
             # MAX, not +: torch's fused kernels skip only where found_inf == 1 exactly.
@@ -356,7 +413,17 @@ class GradScaler(TorchGradScalerSurface):
                     other = copy_to(other, device)
                     torch.maximum(flag, other, out=flag)
                     if self._predictive is not None:
-                        mark_overflow(state.agreed, other)
+                        mark_overflow(
+                            state.agreed, _agreement.measured_at(self._carries_range()), other
+                        )
+            if self._spike is not None:  # this rank's loss and grad norm, in its own slots
+                every = optimizer_grads(optimizer) if report.covered else grads
+                carried = self._unit(scale) if unscale else scale
+                tail = self._spike.tail(
+                    every, carried, device, _dist.rank(group), _dist.world_size(group)
+                )
+                state.tail_len = tail.numel()
+                state.agreed = torch.cat([state.agreed, tail])
         state.over_group = group is not None
         state.work = None if group is None else _agreement.all_reduce_flag(state.agreed, group)
         return unscale
@@ -371,8 +438,11 @@ class GradScaler(TorchGradScalerSurface):
         return agreed.device.type == "cpu" and self._read_host_flags
 
     def _carries_range(self) -> bool:
-        """Whether this iteration's vector carries the scale fields (see ``_agreement``)."""
-        return _agreement.carries_range(self._iteration)
+        """Whether this iteration's vector carries the scale fields (see ``_agreement``).
+
+        Always with the spike gate: its slots follow the scale fields, at a fixed place.
+        """
+        return _agreement.carries_range(self._iteration) or self._spike is not None
 
     def _unscale_factor(self, scale: torch.Tensor) -> torch.Tensor:
         """1/scale as a tensor, made once per scale value while the host knows the scale."""
@@ -433,14 +503,37 @@ class GradScaler(TorchGradScalerSurface):
     def _agreed_flag(self, state: _OptimizerState) -> torch.Tensor:
         return self._agreed(state)[_agreement.OVERFLOW]
 
+    def _skip_flag(self, state: _OptimizerState) -> torch.Tensor:
+        """The flag the step obeys (> 0: skip): the overflow flag, or with the spike gate on the
+        larger of it and the gate's decision (0 or 1 either way: fused kernels test == 1)."""
+        agreed = self._agreed(state)
+        flag = agreed[_agreement.OVERFLOW]
+        if self._spike is None:
+            return flag
+        if state.skip is None:
+            tail = agreed[agreed.numel() - state.tail_len :]
+            state.spike, state.spike_values = self._spike.decide(tail, flag)
+            state.skip = torch.maximum(flag, state.spike.to(flag.dtype))
+        return state.skip
+
     def _decide_on_host(self, state: _OptimizerState) -> bool:
         """Read the agreed vector on the host (one sync on GPU): whether the step is applied.
 
         The whole (small) vector comes in that one copy: policy="predictive" uses its
-        measurement, and the scale range is then known on the host too.
+        measurement, and the scale range is then known on the host too (and the spike gate's
+        decision, appended to it).
         """
-        state.host_agreed = self._agreed(state).tolist()
-        state.applied = not state.host_agreed[_agreement.OVERFLOW] > 0
+        agreed = self._agreed(state)
+        spike = False
+        if self._spike is not None:
+            self._skip_flag(state)
+            assert state.spike is not None  # noqa: S101 - decided just above
+            values = torch.cat([agreed, state.spike.reshape(1).to(agreed.dtype)]).tolist()
+            state.host_agreed, spike = values[:-1], values[-1] > 0
+        else:
+            state.host_agreed = agreed.tolist()
+        state.overflowed = state.host_agreed[_agreement.OVERFLOW] > 0
+        state.applied = not (state.overflowed or spike)
         return state.applied
 
     @_eager
@@ -465,6 +558,12 @@ class GradScaler(TorchGradScalerSurface):
             raise RuntimeError("step() has already been called since the last update().")
         fused = getattr(optimizer, "_step_supports_amp_scaling", False)
         if fused and _takes_grad_scaler(optimizer):
+            if self._spike is not None:
+                raise ValueError(
+                    f"{type(optimizer).__name__}.step(grad_scaler=...) checks its grads itself and "
+                    "skips on the overflow flag only, so the spike gate cannot skip its steps; "
+                    "turn the gate off (spike_signals=()) for this optimizer"
+                )
             retval = self._step_passing_self(optimizer, state, args, kwargs)
             return self._stepped(optimizer, state, retval)
         was_unscaled = state.stage is _Stage.UNSCALED
@@ -480,11 +579,15 @@ class GradScaler(TorchGradScalerSurface):
         on_host = self._decides_on_host(agreed)
 
         if fused:
-            flag = agreed[_agreement.OVERFLOW]
+            flag = self._skip_flag(state)
             scale = self._require_scale("step")
             # torch's contract: the product with a grad_scale the user set, None once unscaled.
             own = getattr(optimizer, "grad_scale", None)
-            grad_scale = own if was_unscaled else (scale if own is None else scale * own)
+            grad_scale = (
+                own
+                if was_unscaled or not self._loss_scaling
+                else (scale if own is None else scale * own)
+            )
             optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
             optimizer.found_inf = flag  # type: ignore[attr-defined]
             before = ids_with_state(optimizer)
@@ -498,7 +601,7 @@ class GradScaler(TorchGradScalerSurface):
                 remove_state_created_by_skipped_step(optimizer, fresh, flag)
             self._outcomes[id(optimizer)] = self._decide_on_host(state) if on_host else flag
         elif self._sync_free and not on_host:
-            flag = agreed[_agreement.OVERFLOW]
+            flag = self._skip_flag(state)
             retval = masked_step(optimizer, flag, lambda: optimizer.step(*args, **kwargs))
             self._outcomes[id(optimizer)] = flag
         else:
@@ -576,6 +679,12 @@ class GradScaler(TorchGradScalerSurface):
             return
         self._require_scale("update")
         if new_scale is not None:
+            if not self._loss_scaling:
+                raise RuntimeError(
+                    "update(new_scale=...) on a StepGuard: it does not scale the loss, so it has "
+                    "no scale to set; call update() with no argument"
+                )
+            self._end_spike_iteration(list(self._per_optimizer_states.values()))
             self._book.set_scale(_checked_new_scale(new_scale))
             if self._predictive is not None:
                 self._predictive.skip_iteration()
@@ -591,21 +700,40 @@ class GradScaler(TorchGradScalerSurface):
             )
         self._scale_range = self._range_over_group(states)
         known = all(s.applied is not None for s in states)
-        skipped = not all(s.applied for s in states) if known else None
+        # Overflows only: a step the spike gate skipped is no reason to back off the scale.
+        skipped = any(s.overflowed for s in states) if known else None
         # The flag as a tensor only where it is used: a device-side update, or observers.
         on_device = not known or self._book.host is None
         found = self._found(states) if on_device or self._observers else None
+        skip_flag = self._end_spike_iteration(states)
         if self._predictive is not None:  # policy="predictive": this iteration's measurement
             host_values = [s.host_agreed for s in states]
             on_host = None if any(v is None for v in host_values) else host_values
-            self._predictive.begin([self._agreed(s) for s in states], on_host)  # type: ignore[arg-type]
+            at = _agreement.measured_at(self._carries_range())
+            self._predictive.begin([self._agreed(s) for s in states], on_host, at)  # type: ignore[arg-type]
         self._book.update(self._policy, found, skipped, self._predictive)
         self._per_optimizer_states = {}
         self._hooks.reset()
         self._iteration += 1
         self._watch_for_collapse()
+        self._watch_spikes()
+        if skip_flag is not None and found is not None:
+            found = skip_flag  # observers hear "the step was skipped", for a spike too
         for observer in self._observers:
             observer.on_update(self, found)  # type: ignore[arg-type]
+
+    def _end_spike_iteration(self, states: list[_OptimizerState]) -> torch.Tensor | None:
+        """The spike gate's end of an iteration: the window and counters; the skip flag."""
+        if self._spike is None:
+            return None
+        skip = None
+        for state in states:
+            if state.spike is not None and state.spike_values is not None:
+                assert state.skip is not None  # noqa: S101 - decided with the spike
+                self._spike.push(state.spike_values, state.spike, state.skip <= 0)
+                skip = state.skip
+        self._spike.end_iteration()
+        return skip
 
     def _found(self, states: list[_OptimizerState]) -> torch.Tensor:
         """The iteration's agreed flag on the scale's device (> 0: some step overflowed)."""
@@ -625,6 +753,15 @@ class GradScaler(TorchGradScalerSurface):
         in_a_row = state.counters[_policy.SKIPPED_IN_A_ROW]
         if state.scale > self._policy.min_scale or in_a_row < self._stuck_patience:
             return
+        if not self._loss_scaling:  # a StepGuard: no scale to blame
+            logger.warning(
+                "the last %d steps in a row were skipped for inf/NaN gradients on some rank (the "
+                "latest at step index %d): look for the parameters with non-finite grads "
+                "(dscale_nonfinite_grads_total) or a diverged loss",
+                in_a_row,
+                state.counters[_policy.STEPS] - 1,
+            )
+            return
         message = (
             f"loss scale is stuck at min_scale={self._policy.min_scale:g}: the last {in_a_row} "
             f"steps in a row were skipped for inf/NaN gradients (the latest at step index "
@@ -636,6 +773,26 @@ class GradScaler(TorchGradScalerSurface):
         if self._on_stuck_at_min == "raise":
             raise ScaleCollapsedError(message)
         logger.warning("%s", message)
+
+    def _watch_spikes(self) -> None:
+        """Warn when the spike gate has skipped ``stuck_patience`` steps in a row."""
+        if self._spike is None:
+            return
+        # The newest counters the host holds (no wait): a warning may come a step or two late.
+        in_a_row = int(self._spike.snapshot(wait=False)["spike_skipped_in_a_row"])
+        if in_a_row < self._stuck_patience:
+            self._spike_warned_at = 0
+        elif in_a_row >= self._spike_warned_at + self._stuck_patience:
+            self._spike_warned_at = in_a_row
+            logger.warning(
+                "the spike gate skipped the last %d steps in a row: the loss or grad norm has "
+                "stayed above the window's mean + %g standard deviations. Skipped values never "
+                "enter the window, so a lasting change of level is skipped for good: raise "
+                "spike_sigma, or load a state dict without the spike_* keys to start a fresh "
+                "window",
+                in_a_row,
+                self._spike.sigma,
+            )
 
     def _range_over_group(
         self, states: list[_OptimizerState]
@@ -716,7 +873,12 @@ class GradScaler(TorchGradScalerSurface):
         if not self._book.placed:
             host = self._book.read()
             return {k: torch.tensor(v) for k, v in _snapshot_dict(host).items()}
-        return self._book.tensors()
+        tensors = self._book.tensors()
+        counts = None if self._spike is None else self._spike.counts
+        if counts is not None:  # the spike gate's, once it has decided a step
+            tensors["spike_skipped_steps"] = counts[_spike_gate.SKIPPED]
+            tensors["spike_skipped_in_a_row"] = counts[_spike_gate.IN_A_ROW]
+        return tensors
 
     def snapshot(self, *, wait: bool = True) -> dict[str, float | int]:
         """:meth:`counters` as Python numbers.
@@ -738,6 +900,8 @@ class GradScaler(TorchGradScalerSurface):
                     words, rows, predictive.pos if pos is None else pos, policy
                 )
             values.update(predictive.snapshot(telemetry))
+        if self._spike is not None:  # spike_skipped_steps, _in_a_row, _window_values, values
+            values.update(self._spike.snapshot(wait=wait))
         return values
 
     def get_scale(self) -> float:
@@ -794,6 +958,14 @@ class GradScaler(TorchGradScalerSurface):
         state = _state.to_state_dict(self._policy, self._book.read())
         if self._predictive is not None:  # version 2 and the keys of dscale/_predictive_state.py
             state.update(self._predictive.state_dict())
+        if not self._loss_scaling:
+            state["loss_scaling"] = False
+        if self._spike is not None:
+            state.update(self._spike.state_dict())
+        if self._spike is not None or not self._loss_scaling:  # version 3: these keys
+            state["dscale_format_version"] = max(
+                state["dscale_format_version"], _state.GUARD_FORMAT_VERSION
+            )
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -804,9 +976,23 @@ class GradScaler(TorchGradScalerSurface):
         """
         if not self._enabled:
             return
-        self._policy, host = _state.from_state_dict(state_dict, self._policy)
+        policy, host = _state.from_state_dict(state_dict, self._policy)
         predictive = _predictive_state.from_state_dict(state_dict)  # validated before any change
+        spike = None if self._spike is None else self._spike.check_state(state_dict)
+        if not self._loss_scaling:  # a StepGuard keeps its scale of 1; the counts come along
+            policy = self._policy
+            if _state.scales_loss(state_dict):  # a GradScaler's trackers mean nothing here
+                host = _policy.HostState(1.0, 0, policy.hysteresis, host.counters)
+        elif not _state.scales_loss(state_dict):
+            raise ValueError(
+                "this state dict was saved by a StepGuard (loss_scaling=False: its scale is "
+                "fixed at 1), so it holds no loss scale for this GradScaler; start the "
+                "GradScaler fresh, or load the dict into a StepGuard"
+            )
+        self._policy = policy
         self._book.load(host)
+        if self._spike is not None:
+            self._spike.load(spike)
         if self._predictive is not None:
             self._predictive.load(predictive)
         else:
@@ -841,6 +1027,9 @@ class GradScaler(TorchGradScalerSurface):
             ("_one", None),
             ("_iteration", 0),
             ("_placed_init_scale", 2.0**16),
+            ("_loss_scaling", True),
+            ("_spike", None),
+            ("_spike_warned_at", 0),
         )
         for name, default in defaults:
             state.setdefault(name, default)  # pickled before these existed

@@ -103,7 +103,7 @@ def run_job(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
         ranks = [script_report(run_dir, r) for r in sorted(results)]
         f = job.fault
         if any(len(r) == 1 for r in ranks) and (
-            f.inf_steps or f.kill_step is not None or f.preempt_step is not None
+            f.inf_steps or f.spike_steps or f.kill_step is not None or f.preempt_step is not None
         ):
             logger.warning(
                 "fault.* was set, but the script never called launch.get_context(), so no fault "

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import importlib
+import os
 import re
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -32,6 +34,10 @@ def load_entrypoint(spec: str) -> Callable[[Any], Any]:
     from, ``PYTHONPATH``, or an installed package.
     """
     module_name, name = check_spec(spec)
+    # `python -m launch` has the current folder on sys.path; the dscale-launch console script
+    # has its bin folder there instead, so the check before the workers start put it in too.
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
     try:
         target: Any = importlib.import_module(module_name)
     except ImportError as exc:

@@ -1,4 +1,4 @@
-"""Fault injection: an inf in one rank's gradients, or a SIGKILL of one rank, at chosen steps.
+"""Fault injection: an inf in one rank's gradients, a loss spike on one rank, or a SIGKILL.
 
 An inf on one rank is the case dscale exists for: every rank must skip that step together. A
 SIGKILL exercises elastic restarts and resume from the last checkpoint.
@@ -37,9 +37,21 @@ class Faults:
     def __init__(self, fault: dict[str, Any], rank: int, attempt: int) -> None:
         self.inf_steps = frozenset(fault["inf_steps"])
         self.inf_here = rank == fault["inf_rank"]
+        self.spike_steps = frozenset(fault.get("spike_steps", ()))
+        self.spike_here = rank == fault.get("spike_rank", 1)
+        self.spike_factor = float(fault.get("spike_factor", 1000.0))
         self.kill_step = fault["kill_step"]
         self.kill_here = rank == fault["kill_rank"] and attempt < fault["kill_attempts"]
         self.preempt_step = fault.get("preempt_step") if rank == 0 and attempt == 0 else None
+
+    def after_forward(self, step: int, loss: torch.Tensor) -> torch.Tensor:
+        """The loss, multiplied by ``fault.spike_factor`` on the spiking rank at its steps."""
+        if self.spike_here and step in self.spike_steps:
+            logger.info(
+                "fault: loss multiplied by %g on this rank at step %d", self.spike_factor, step
+            )
+            return loss * self.spike_factor
+        return loss
 
     def after_backward(self, step: int, model: nn.Module) -> None:
         if self.inf_here and step in self.inf_steps:

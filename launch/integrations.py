@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dscale import GradScaler
+from dscale import GradScaler, StepGuard
 from dscale.checkpoint import CheckpointManager, PreemptionGuard
 from dscale.metrics import MetricsLog, start_exporter
 from dscale.stats import track_numerics
@@ -27,10 +27,24 @@ from launch.targets import published_target, scrape_host
 logger = logging.getLogger(__name__)
 
 
+#: The ``scaler.*`` fields a StepGuard takes (the rest are about the loss scale).
+STEP_GUARD_FIELDS = (
+    "enabled",
+    "sync_free",
+    "stuck_patience",
+    "spike_signals",
+    "spike_sigma",
+    "spike_window",
+    "spike_warmup",
+)
+
+
 def build_scaler(scaler: dict[str, Any], precision: str, device: torch.device) -> GradScaler:
-    """``dscale.GradScaler(**scaler)``; disabled unless the job runs in fp16 (bf16 needs none)."""
-    kwargs = dict(scaler, enabled=scaler["enabled"] and precision == "fp16")
-    return GradScaler(device.type, **kwargs)
+    """fp16: ``dscale.GradScaler(**scaler)``; bf16 and fp32: a ``dscale.StepGuard`` (no scaling,
+    the same agreed skip of non-finite and, with ``scaler.spike_signals``, spiking steps)."""
+    if precision == "fp16":
+        return GradScaler(device.type, **scaler)
+    return StepGuard(device.type, **{k: scaler[k] for k in STEP_GUARD_FIELDS if k in scaler})
 
 
 class Checkpoints:

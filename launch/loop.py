@@ -42,6 +42,7 @@ def train(
         with ctx.autocast():
             logits = model(inputs)
         loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        loss = ctx.faults.after_forward(step, loss)
         scaler.scale(loss).backward()
         ctx.faults.after_backward(step, model)
         scaler.step(optimizer)

@@ -53,7 +53,9 @@ class SkipRecord:
         if len(self.skipped_steps) < SKIP_CAPACITY:
             self.skipped_steps.append(step)
         # Every rank logs this, so the logs show that the ranks skipped the same step.
-        logger.info("step %d skipped (inf/NaN gradients)", step)
+        logger.info(
+            "step %d skipped (inf/NaN gradients, or a spike with scaler.spike_signals)", step
+        )
 
     def state_dict(self) -> dict[str, Any]:
         padded = torch.full((SKIP_CAPACITY,), -1, dtype=torch.int64)

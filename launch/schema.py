@@ -36,7 +36,7 @@ class Strategy(str, Enum):
 
 
 class Precision(str, Enum):
-    """The autocast dtype; only fp16 needs (and enables) the loss scaler."""
+    """The autocast dtype; fp16 gets a loss scaler, bf16 and fp32 a StepGuard (no scaling)."""
 
     fp16 = "fp16"
     bf16 = "bf16"
@@ -138,7 +138,9 @@ class TextDataConfig(DataConfig):
 class ScalerConfig:
     """Every field is a ``dscale.GradScaler`` keyword argument of the same name and default.
 
-    ``device`` and ``process_group`` are not config: the worker picks them.
+    ``device`` and ``process_group`` are not config: the worker picks them. A bf16 or fp32 job
+    builds a ``dscale.StepGuard`` from the fields it takes (enabled, sync_free, stuck_patience
+    and the spike gate's): the same agreed skips, no scaling.
     """
 
     init_scale: float = 2.0**16
@@ -154,6 +156,11 @@ class ScalerConfig:
     stuck_patience: int = 100
     sync_free: bool = False
     policy: str = "dynamic"  # or "predictive": the scale from the measured gradient range
+    # The spike gate, off while spike_signals is empty; e.g. scaler.spike_signals=[loss,grad_norm]
+    spike_signals: list[str] = field(default_factory=list)
+    spike_sigma: float = 6.0
+    spike_window: int = 128
+    spike_warmup: int = 64
 
 
 @dataclass
@@ -203,7 +210,9 @@ class CheckpointConfig:
 class FaultConfig:
     """Fault injection, so users can watch the ranks agree and the job survive.
 
-    ``inf_steps``: put an inf into rank ``inf_rank``'s gradients at these steps.
+    ``inf_steps``: put an inf into rank ``inf_rank``'s gradients at these steps (any precision).
+    ``spike_steps``: multiply rank ``spike_rank``'s loss by ``spike_factor`` at these steps, to
+    watch the spike gate (``scaler.spike_signals``) skip them on every rank.
     ``kill_step``: rank ``kill_rank`` SIGKILLs itself when it reaches this step, in each of the
     first ``kill_attempts`` attempts (restarts count as attempts), to exercise elastic restarts.
     ``preempt_step``: rank 0 sends SIGTERM to the launcher when it reaches this step (first
@@ -212,6 +221,9 @@ class FaultConfig:
 
     inf_steps: list[int] = field(default_factory=list)
     inf_rank: int = 1
+    spike_steps: list[int] = field(default_factory=list)
+    spike_rank: int = 1
+    spike_factor: float = 1000.0
     kill_step: int | None = None
     kill_rank: int = 1
     kill_attempts: int = 1

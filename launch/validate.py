@@ -265,11 +265,19 @@ def _fault(job: JobConfig, world_size: int) -> None:
             f"fault.inf_rank={f.inf_rank} is not a rank of this {world_size}-rank job",
         )
         _need(
-            job.trainer.precision == "fp16" and job.scaler.enabled,
-            "fault.inf_steps needs the loss scaler: trainer.precision=fp16 and scaler.enabled=true",
+            job.scaler.enabled,
+            "fault.inf_steps needs the step guard: scaler.enabled=true (every precision has "
+            "one: a GradScaler for fp16, a StepGuard for bf16 and fp32)",
         )
         bad = [s for s in f.inf_steps if not 0 <= s < job.trainer.max_steps]
         _need(not bad, f"fault.inf_steps has {bad}, outside 0..trainer.max_steps-1")
+    if f.spike_steps:
+        _need(
+            0 <= f.spike_rank < world_size,
+            f"fault.spike_rank={f.spike_rank} is not a rank of this {world_size}-rank job",
+        )
+        bad = [s for s in f.spike_steps if not 0 <= s < job.trainer.max_steps]
+        _need(not bad, f"fault.spike_steps has {bad}, outside 0..trainer.max_steps-1")
     if f.kill_step is not None:
         _need(
             0 <= f.kill_rank < world_size,

@@ -11,6 +11,7 @@ EXPECTED = [
     "GradObserver",
     "GradScaler",
     "ScaleCollapsedError",
+    "StepGuard",
     "master_params_to_model_params",
     "model_grads_to_master_grads",
     "prep_param_lists",

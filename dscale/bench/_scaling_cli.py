@@ -29,7 +29,7 @@ from dscale.bench._scaling_report import (
 )
 from dscale.bench._scaling_runs import run_group
 
-# full: the README's figures, a few minutes on 2 shared cores; tiny: the smoke test (seconds).
+# full: docs/predictive.md's figures, minutes on 2 shared cores; tiny: the smoke test (seconds).
 CONFIGS: dict[str, dict[str, Any]] = {
     "full": {
         "models": ("gpt", "mlp", "wide"),

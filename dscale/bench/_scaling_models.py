@@ -168,8 +168,7 @@ def build(model: str, seq_len: int) -> nn.Module:
         return MLP(vocab_size=256, d_model=64, hidden=256, n_layers=2)
     if model == "spiky":
         mlp = MLP(vocab_size=256, d_model=64, hidden=256, n_layers=2)
-        first = mlp.layers[0][0]
-        assert isinstance(first, nn.Linear)  # noqa: S101
+        first = next(m for m in mlp.modules() if isinstance(m, nn.Linear))
         with torch.no_grad():
             first.weight.mul_(8.0)  # wide activations
         return mlp

@@ -165,7 +165,7 @@ def render_targets(results: list[dict[str, Any]]) -> str:
 
 
 def render(rows: list[dict[str, Any]], cfg: dict[str, Any]) -> str:
-    """The Markdown table of the README."""
+    """The Markdown table of docs/predictive.md."""
     head = (
         f"| model | scaler @ init | skipped, first {FIRST_STEPS} (max) | steps to within 2x "
         "(max) | skipped, total (mean) | largest safe / scale (median) | underflow share, "
@@ -190,7 +190,8 @@ def render(rows: list[dict[str, Any]], cfg: dict[str, Any]) -> str:
             f"{r['far_below_share_mean']:.2f} | {cost} |"
         )
     lines.append(
-        f"\n{cfg['steps']} steps per run of {', '.join(sorted({r['model'] for r in rows}))}, {rows[0]['seeds'] if rows else 0} seeds; probes (largest safe "
+        f"\n{cfg['steps']} steps per run of {', '.join(sorted({r['model'] for r in rows}))}, "
+        f"{rows[0]['seeds'] if rows else 0} seeds; probes (largest safe "
         f"scale, underflow) on steps < {cfg['early']} and every {cfg['every']}th step; "
         f"medians and means over the probes of every {cfg['every']}th step from "
         f"{cfg['every']} on; '-': overflowed (skipped) at step 0."

@@ -108,8 +108,9 @@ class ScalerState:
     """A GradScaler (dscale's or torch's) as a DCP Stateful.
 
     Saved keys: ``values.<key>`` for every numeric entry of ``scaler.state_dict()`` (float64,
-    int64 or bool scalars; a list of floats, policy="predictive"'s window, as a float32
-    tensor), and ``per_rank.<key>`` for scale and trackers, one row per rank.
+    int64 or bool scalars, and tensors such as the spike gate's window; policy="predictive"'s
+    window, a list of floats, as a float32 tensor), and ``per_rank.<key>`` for scale and
+    trackers, one row per rank.
     Loading goes through :func:`scaler_update`, which checks before anything changes.
     """
 
@@ -126,7 +127,9 @@ class ScalerState:
                 values[key] = torch.tensor(value, dtype=torch.int64)
             elif isinstance(value, float):
                 values[key] = torch.tensor(value, dtype=torch.float64)
-            elif isinstance(value, list) and all(isinstance(v, float) for v in value):
+            elif isinstance(value, torch.Tensor):  # the spike gate's window
+                values[key] = value.detach().cpu()
+            elif isinstance(value, list) and value and all(isinstance(v, float) for v in value):
                 values[key] = torch.tensor(value, dtype=torch.float32)  # predictive_window
         per_rank = {
             key: _per_rank(values[key].to(torch.float64).reshape(1), self.group)
@@ -153,8 +156,8 @@ def scaler_update(scaler: Any, saved: dict[str, Any]) -> dict[str, Any] | None:
         return None  # saved from a disabled scaler
     state = scaler.state_dict()
     for key, tensor in values.items():
-        if tensor.dim() > 0:
-            state[key] = [float(v) for v in tensor.tolist()]  # predictive_window
+        if tensor.dim() > 0:  # a tensor entry (the spike gate's window) stays a tensor
+            state[key] = tensor.clone()
         elif tensor.dtype == torch.bool:
             state[key] = bool(tensor)
         elif tensor.is_floating_point():

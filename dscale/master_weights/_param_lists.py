@@ -1,7 +1,7 @@
 """Apex-style manual master weights: fp32 copies of a model's params, and the copies both ways.
 
 These are the three functions of ``apex.fp16_utils`` for users who write their own loop (see the
-README's master-weights section). ``FP16Optimizer`` does the same bookkeeping for you.
+docs/master-weights.md). ``FP16Optimizer`` does the same bookkeeping for you.
 
 The copies use foreach and flatten kernels, one launch per list rather than one per tensor.
 """

@@ -30,6 +30,12 @@ _COUNTERS = (
     ("skipped_steps", "dscale_optimizer_steps_skipped", "Iterations skipped for inf/NaN grads."),
     ("growths", "dscale_scale_growths", "Times the loss scale grew."),
     ("backoffs", "dscale_scale_backoffs", "Times the loss scale backed off."),
+    # The spike gate only (spike_signals): counted apart from the inf/NaN skips above.
+    (
+        "spike_skipped_steps",
+        "dscale_optimizer_steps_spike_skipped",
+        "Iterations skipped by the spike gate (loss or grad norm far above the window).",
+    ),
 )
 _GAUGES = (
     ("scale", "dscale_loss_scale", "Current loss scale."),
@@ -47,6 +53,19 @@ _GAUGES = (
         "underflow_fraction",
         "dscale_grad_underflow_fraction_max",
         "Share of grad elements below fp16's min normal at the scale, max over ranks (sampled).",
+    ),
+    # The spike gate only; the loss and grad norm are the last step's, as the gate saw them.
+    (
+        "spike_skipped_in_a_row",
+        "dscale_spike_skipped_steps_in_a_row",
+        "Consecutive iterations skipped by the spike gate.",
+    ),
+    ("spike_window_values", "dscale_spike_window_values", "Values in the spike gate's window."),
+    ("spike_loss", "dscale_step_loss", "Loss of the last iteration, mean over ranks."),
+    (
+        "spike_grad_norm",
+        "dscale_step_grad_norm",
+        "Grad norm of the last iteration: sqrt of the sum over ranks of each rank's squared norm.",
     ),
 )
 

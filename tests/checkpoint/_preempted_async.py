@@ -1,8 +1,8 @@
 """Preemption exits with an asynchronous save in flight: the save must be published.
 
-``python -m tests.checkpoint._preempted_async guard RANK PORT ROOT``: the README's recipe on one
-rank of a 2-rank gloo job, without ``wait()``. Rank 1 alone gets the scheduler's SIGTERM at
-step 5; every rank saves step 6 asynchronously and calls ``sys.exit(75)`` inside the
+``python -m tests.checkpoint._preempted_async guard RANK PORT ROOT``: docs/checkpoints.md's
+recipe on one rank of a 2-rank gloo job, without ``wait()``. Rank 1 alone gets the scheduler's
+SIGTERM at step 5; every rank saves step 6 asynchronously and calls ``sys.exit(75)`` inside the
 PreemptionGuard. The process then ends with ``os._exit``: C++ teardown of gloo ranks sometimes
 aborts after the last Python frame (see tests/multirank.py), and this skips atexit hooks too, so
 what is published was published by the guard.

@@ -7,6 +7,8 @@ every rank acts on the same phase at the same step:
 - ``overflow``: rank 1 puts an inf into its gradients every step, so every rank skips, the scale
   halves down to ``scaler.min_scale`` and the skips pile up (DScaleStepsSkippedInARow,
   DScaleLossScaleCollapsed, DScaleHighSkipRate);
+- ``spike``: rank 1 multiplies its loss by 3 every step; the spike gate (launched with
+  ``scaler.spike_signals=[loss]``) skips every step on every rank (DScaleSpikeSkipsInARow);
 - ``disagree``: rank 1 doubles its own scale once, so the ranks hold different scales
   (DScaleRanksDisagree) until a restart;
 - ``kill``: rank 1 SIGKILLs itself in the first attempt; its published target stays behind
@@ -50,6 +52,8 @@ def main(ctx: RunContext) -> dict[str, Any]:
                 os.kill(os.getpid(), signal.SIGKILL)
             with ctx.autocast():
                 loss = model(x).float().pow(2).mean()
+            if phase == "spike" and ctx.rank == 1:
+                loss = loss * 3.0  # far above the window, and no fp16 overflow at the scale
             ctx.scaler.scale(loss).backward()
             if phase == "overflow" and ctx.rank == 1:
                 poison_grads(model)

@@ -50,6 +50,7 @@ FAULT_OF = {
     "DScaleStepsSkippedInARow": "overflow",
     "DScaleLossScaleCollapsed": "overflow",
     "DScaleHighSkipRate": "overflow",
+    "DScaleSpikeSkipsInARow": "spike",
     "DScaleRanksDisagree": "disagree",
     "DScaleExporterDown": "kill",
 }
@@ -208,6 +209,9 @@ def test_every_alert_fires_for_its_fault_and_resolves_with_job_and_rank_labels(t
             "scaler.init_scale=1024",
             "scaler.min_scale=64",
             "scaler.growth_interval=5",
+            "scaler.spike_signals=[loss]",
+            "scaler.spike_window=8",
+            "scaler.spike_warmup=4",
             f"metrics.port={metrics_port}",
             f"metrics.targets_dir={tmp_path / 'targets'}",
             "metrics.check_agreement_every=1",
@@ -237,7 +241,7 @@ def test_every_alert_fires_for_its_fault_and_resolves_with_job_and_rank_labels(t
 
         _wait("Prometheus scraping both ranks", scraped_up, procs, tmp_path)
 
-        for phase in ("overflow", "disagree", "kill"):
+        for phase in ("overflow", "spike", "disagree", "kill"):
             webhook.phase = phase
             control.write_text(phase)
             expected = {name for name, fault in FAULT_OF.items() if fault == phase}

@@ -29,7 +29,7 @@ def test_promtool_accepts_the_scrape_config(config: str) -> None:
 
 def test_promtool_accepts_the_rules() -> None:
     out = run_tool(require_tool("promtool"), "check", "rules", str(RULES))
-    assert "SUCCESS: 6 rules found" in out
+    assert "SUCCESS: 7 rules found" in out
 
 
 def test_the_alert_rules_pass_their_promtool_unit_tests() -> None:
@@ -48,6 +48,7 @@ def test_every_alert_has_a_severity_a_summary_and_a_description() -> None:
         "DScaleRanksDisagree",
         "DScaleExporterDown",
         "DScaleStepsSkippedInARow",
+        "DScaleSpikeSkipsInARow",
     }
     for name, rule in alerts.items():
         assert rule["labels"]["severity"] in {"critical", "warning", "info"}, name

@@ -43,7 +43,10 @@ def _no_worker_started(run_dir: Path) -> bool:
         ("launcher.nnodes=2 launcher.rdzv_backend=c10d", "launcher.rdzv_endpoint=HOST:PORT"),
         ("model.n_heads=5", "model.n_heads"),
         ("fault.inf_steps=[5] fault.inf_rank=7", "fault.inf_rank"),
-        ("fault.inf_steps=[5] trainer.precision=bf16", "fault.inf_steps"),
+        ("fault.inf_steps=[5] scaler.enabled=false", "fault.inf_steps needs the step guard"),
+        ("fault.spike_steps=[500]", "fault.spike_steps"),
+        ("fault.spike_steps=[5] fault.spike_rank=7", "fault.spike_rank"),
+        ("scaler.spike_signals=[lr]", "spike_signals"),
         ("checkpoint.resume=/no/such/step-5", "checkpoint.resume"),
         (f"checkpoint.resume={__file__}", "checkpoint.resume"),  # a file, not a step-N folder
         ("checkpoint.every=-1", "checkpoint.every"),

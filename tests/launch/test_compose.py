@@ -82,7 +82,9 @@ def test_scaler_config_has_exactly_gradscaler_keyword_arguments() -> None:
 def test_scaler_config_defaults_are_gradscaler_defaults() -> None:
     params = inspect.signature(dscale.GradScaler).parameters
     for f in dataclasses.fields(ScalerConfig):
-        assert getattr(ScalerConfig(), f.name) == params[f.name].default, f.name
+        default = params[f.name].default
+        default = list(default) if isinstance(default, tuple) else default  # YAML has lists
+        assert getattr(ScalerConfig(), f.name) == default, f.name
 
 
 def test_pet_environment_variables_reach_the_launcher(monkeypatch: pytest.MonkeyPatch) -> None:

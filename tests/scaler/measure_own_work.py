@@ -5,7 +5,7 @@ what is left is each scaler's Python and kernels. Precomputed grads, SGD, step +
 plain step of the same repetition, arms interleaved in rotating order; a second
 ShardedGradScaler is the A/A arm, and dscale.bench's floor arm (torch's kernel, the all-reduce,
 the decision, nothing else) bounds what any scaler could win; ratios with dscale.bench's
-bootstrap intervals. The README's speed section quotes these figures.
+bootstrap intervals. docs/benchmarks.md quotes these figures.
 
 Run: .venv/bin/python tests/scaler/measure_own_work.py COUNT NUMEL foreach|fused [REPS]
 (e.g. 2000 1000 foreach; record `cat /proc/loadavg`)

@@ -1,4 +1,4 @@
-"""Measure what sync_free's masked step costs: step time and bytes copied per step (README figure).
+"""Measure what sync_free's masked step costs: step time, bytes copied (docs/scaler.md).
 
 The device-side decision is forced (on the CPU a scaler reads the flag on the host and skips as a
 plain step does, so sync_free costs nothing there).

@@ -49,7 +49,9 @@ def test_target_is_the_largest_power_of_two_keeping_twice_the_window_max_in_fp16
         window = torch.tensor([0.0, m, 0.0])
         scale = torch.tensor(1.0)
         budget = torch.tensor(_predictive.BUDGET)
-        _predictive.update_(policy, window, 0, scale, None, torch.tensor(0.0), torch.tensor(0.0), budget)
+        _predictive.update_(
+            policy, window, 0, scale, None, torch.tensor(0.0), torch.tensor(0.0), budget
+        )
         assert scale.item() == _brute_force_target(m), m
 
 
@@ -82,9 +84,9 @@ def test_host_and_device_rules_agree_bit_for_bit_over_long_runs() -> None:
             if found and rng.random() < 0.7:  # a rank's overflow shows in the measurement
                 m = _predictive.OVERFLOW_MARK
             vector = torch.tensor([float(found), m, 0.0])
-            host_p.begin([vector], [vector.tolist()])
+            host_p.begin([vector], [vector.tolist()], 1)
             host_book.update(policy, torch.tensor(float(found)), found, host_p)
-            device_p.begin([vector.clone()], None)
+            device_p.begin([vector.clone()], None, 1)
             device_book.update(policy, torch.tensor(float(found)), None, device_p)
             h, d = host_book.read(), device_book.read()
             case = (policy, window, step, found, m)
