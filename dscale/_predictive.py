@@ -5,26 +5,29 @@ as the backward left them, carrying the scale ``s``; ``_grad_measure``); a rank 
 an inf or NaN reports :data:`OVERFLOW_MARK` instead. The value rides on the step's one MAX
 all-reduce, so every rank computes the same next scale here.
 
-The rule keeps a window (a ring of ``window`` entries, one per update) of what each step asks of
-the scale, as an unscaled magnitude ``e``, and sets the scale to the largest power of two that
-keeps ``max(window) * 2**MARGIN_LOG2`` within fp16's largest finite value (:data:`BUDGET` /
-``max(window)``), clamped to ``[min_scale, max_scale]``:
+The rule keeps what each step asks of the scale, as an unscaled magnitude ``e``, in two rings:
+the last ``window`` steps' entries (the measurements), and the last ``memory`` steps' overflow
+entries (0 for a clean step). It sets the scale to the largest power of two that keeps the largest
+entry of either, times ``2**MARGIN_LOG2``, within fp16's largest finite value (:data:`BUDGET` /
+``max``), clamped to ``[min_scale, max_scale]``:
 
-* **Clean step:** ``e = g / s``, the largest unscaled magnitude. A spike stays in the window for
-  ``window`` steps, so a spike that recurs within the window meets a scale that already has room
-  for it (Transformer Engine's delayed scaling for FP8 keeps an amax history the same way).
-* **Overflow:** ``e = OVERFLOW_MARK / s``, which sets the scale to ``s / 2``: torch's back-off,
-  remembered for ``window`` steps (the dynamic rule stays backed off for ``growth_interval``).
-  A policy other than torch's rule (hysteresis, a back-off factor other than 0.5, min/max) runs
-  the dynamic rule first and enters ``BUDGET / s_dynamic``: the scale it chose, remembered.
-* **Nothing measured** (every grad zero, or none): ``e = 0``, which asks nothing; a window with
-  nothing but zeros (the first step, a phase without gradients longer than the window) holds
-  the scale where it is instead of raising it.
+* **Clean step:** ``e = g / s``, the largest unscaled magnitude. The measurement window (32 steps
+  by default) is short, so the scale follows gradients that shrink (a warm-up, a model that
+  learns) within a few dozen steps, while one batch with small gradients does not lift it (Transformer
+  Engine's delayed scaling for FP8 keeps an amax history the same way).
+* **Overflow:** ``e = OVERFLOW_MARK / s``, which sets the scale to ``s / 2``: torch's back-off.
+  It enters both rings, so it is remembered for ``memory`` steps (``growth_interval``: as long as
+  the dynamic rule stays backed off), and a spike that overflowed once finds a scale with room
+  for it when it comes again. A policy other than torch's rule (hysteresis, a back-off factor
+  other than 0.5, min/max) runs the dynamic rule first and enters ``BUDGET / s_dynamic``: the
+  scale it chose, remembered.
+* **Nothing measured** (every grad zero, or none): ``e = 0``, which asks nothing; with nothing
+  but zeros in both rings (the first step, a phase without gradients longer than the window)
+  the scale holds where it is instead of rising.
 
-The window replaces the last-step rule with its widening and relaxing margin: a margin that
-relaxed after ``growth_interval`` clean steps forgot a periodic spike before it came again, and
-"nothing measured" read as "the target is the maximum" doubled the scale through a phase of
-zero gradients.
+The rings replace the last-step rule with its widening and relaxing margin, which forgot a
+periodic spike before it came again, and read "nothing measured" as "the target is the maximum",
+doubling the scale through a phase of zero gradients.
 
 Growth and back-off counters count every rise (on a clean step) and fall of the scale. The host
 and device forms below compute bit-identical results: the same float32 divisions, and the power
@@ -149,10 +152,11 @@ def next_host_state(
     before: HostState,
     after: HostState,
     window: Window,
+    memory: Window,
     found: bool,
     measured: float,
 ) -> tuple[HostState, float]:
-    """The host form: adds this step's entry to ``window``; returns the new state and the entry.
+    """The host form: adds this step's entry to both rings; returns the new state and the entry.
 
     ``after`` is the dynamic rule's result from ``before``; ``measured`` is the agreed
     measurement in scaled units (``OVERFLOW_MARK`` where a rank overflowed).
@@ -172,7 +176,7 @@ def next_host_state(
         entry = f32(BUDGET / after.scale) if found else f32(measured / s)
         hold = after.scale
         tracker, hyst = after.growth_tracker, after.hysteresis_tracker
-    window_max = window.add(entry)
+    window_max = max(window.add(entry), memory.add(entry if found else 0.0))
     new = target_scale(policy, window_max) if window_max > TINY else hold
     counters = list(after.counters)
     counters[GROWTHS] = before.counters[GROWTHS] + int(new > s and not found)
@@ -183,27 +187,31 @@ def next_host_state(
 
 def update_(
     policy: ScalePolicy,
+    rings: torch.Tensor,
     window: torch.Tensor,
-    pos: int,
+    memory: torch.Tensor,
+    pos: tuple[int, int],
     scale: torch.Tensor,
     before: torch.Tensor | None,
     found: torch.Tensor,
     measured: torch.Tensor,
     budget: torch.Tensor,
 ) -> None:
-    """:func:`next_host_state` as device tensor ops, in place on ``window`` and ``scale``.
+    """:func:`next_host_state` as device tensor ops, in place on the rings and ``scale``.
 
-    ``scale`` holds the step's scale (lean policy) or the dynamic rule's result, and then
-    ``before`` the step's scale. ``budget`` is :data:`BUDGET` as a tensor on the device. No host
-    sync; six ops for the lean policy.
+    ``rings``: both rings, contiguous (``window`` and ``memory`` are views of it); ``pos``: the
+    slot each ring overwrites. ``scale`` holds the step's scale (lean policy) or the dynamic
+    rule's result, and then ``before`` the step's scale. ``found`` is 0 or 1. ``budget`` is
+    :data:`BUDGET` as a tensor on the device. No host sync; seven ops for the lean policy.
     """
-    slot = window[pos]
+    slot = window[pos[0]]
     if before is None:
         torch.div(measured, scale, out=slot)
     else:
         backed = torch.div(budget, scale)
         torch.where(found > 0, backed, torch.div(measured, before), out=slot)
-    window_max = window.amax()
+    torch.mul(slot, found, out=memory[pos[1]])  # the entry of an overflow, else 0
+    window_max = rings.amax()
     target = torch.div(budget, window_max)
     target.view(torch.int32).bitwise_and_(_EXPONENT_BITS)
     if policy.min_scale is not None or policy.max_scale is not None:

@@ -1,21 +1,21 @@
-"""A predictive GradScaler's own state: its window, where it lives, its state-dict keys.
+"""A predictive GradScaler's own state: its two rings, where they live, its state-dict keys.
 
-Like the scale (``_scale_state``), the window stays on the host while every decision is known
-there (plain optimizer steps) and moves to the device after a fused or ``sync_free`` step, into
-the tail of the scale state's own buffer, so the device update needs no extra copy to publish it.
+Like the scale (``_scale_state``), the rings stay on the host while every decision is known there
+(plain optimizer steps) and move to the device after a fused or ``sync_free`` step, into the tail
+of the scale state's own buffer, so the device update needs no extra copy to publish them.
 
 Device tail layout (float32 words after the scale state's): ``[underflow share + 1 (0: never
-sampled), window...]``.
+sampled), memory ring..., window ring...]`` (``_predictive`` says what each ring holds).
 
 State-dict keys (format version 4; a dynamic scaler's dict stays version 1):
     policy: "predictive" (informational; the constructor's ``policy`` decides).
-    predictive_window: the window's entries (a list of float32 values, ring order; a 1-D tensor
-        in a ``dscale.checkpoint`` checkpoint).
-    _predictive_window_pos: the slot the next entry overwrites (int).
+    predictive_window, predictive_memory: the rings' entries (lists of float32 values, ring
+        order; 1-D tensors in a ``dscale.checkpoint`` checkpoint).
+    _predictive_window_pos, _predictive_memory_pos: the slot each ring overwrites next (int).
 
 A predictive scaler loading a dict without these keys (torch's, a dynamic scaler's, or one from
-before version 4, of the earlier margin rule) starts with an empty window and logs a warning
-saying so; a window of another length keeps its newest entries; a dynamic scaler loading a
+before version 4, of the earlier margin rule) starts with empty rings and logs a warning saying
+so; a ring of another length keeps its newest entries, and says so; a dynamic scaler loading a
 predictive dict ignores the keys and says so.
 """
 
@@ -38,11 +38,16 @@ logger = logging.getLogger(__name__)
 Policy = Literal["dynamic", "predictive"]
 POLICIES = ("dynamic", "predictive")
 FORMAT_VERSION = 4
-KEYS = ("predictive_window", "_predictive_window_pos")
-#: Keys of the version 2 (margin rule) dicts: read as "no window", and said so.
+RINGS = ("window", "memory")
+KEYS = tuple(k for r in RINGS for k in (f"predictive_{r}", f"_predictive_{r}_pos"))
+#: Keys of the version 2 (margin rule) dicts: read as "no rings", and said so.
 OLD_KEYS = ("predictive_margin_log2", "_predictive_rise_tracker", "_predictive_measured")
+#: The measurement window's default length (``GradScaler(predictive_window=...)``).
+DEFAULT_WINDOW = 32
 TAIL_UNDERFLOW = 0
-TAIL_WINDOW = 1
+TAIL_RINGS = 1
+
+Ring = tuple[list[float], int]  # entries in ring order, the slot the next entry overwrites
 
 
 def check_policy(policy: Any) -> None:
@@ -58,22 +63,48 @@ def check_policy(policy: Any) -> None:
 def check_window(window: Any) -> None:
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise ValueError(
-            f"predictive_window must be an int >= 1, got {window!r}; it is the number of steps "
-            "a measured spike or an overflow is remembered (default: growth_interval)"
+            f"predictive_window must be an int >= 1, got {window!r}; it is the number of recent "
+            f"steps whose largest gradient sets the scale (default {DEFAULT_WINDOW})"
         )
 
 
-def tail_words(window: int) -> int:
+def tail_words(window: int, memory: int) -> int:
     """Words the predictive state adds to the scale state's device buffer."""
-    return TAIL_WINDOW + window
+    return TAIL_RINGS + memory + window
 
 
 def _as_number(value: Any) -> Any:
     return value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
 
 
-def from_state_dict(state: Mapping[str, Any]) -> tuple[list[float], int] | None:
-    """The window and position in ``state``; None when it has none (the window starts empty).
+def _ring(state: Mapping[str, Any], name: str) -> Ring:
+    entries, pos = state[f"predictive_{name}"], _as_number(state[f"_predictive_{name}_pos"])
+    if isinstance(entries, (list, tuple)):
+        try:
+            entries = torch.tensor(entries, dtype=torch.float32)
+        except (TypeError, ValueError):
+            pass
+    if (
+        not isinstance(entries, torch.Tensor)
+        or entries.dim() != 1
+        or entries.numel() < 1
+        or not bool(torch.isfinite(entries).all())
+        or bool((entries < 0).any())
+    ):
+        raise ValueError(
+            f"state_dict: predictive_{name} must be a non-empty list of finite values >= 0, "
+            f"got {_short(entries)}"
+        )
+    if isinstance(pos, bool) or not isinstance(pos, int) or not 0 <= pos < entries.numel():
+        raise ValueError(
+            f"state_dict: _predictive_{name}_pos must be an int in [0, {entries.numel()}), "
+            f"got {pos!r}"
+        )
+    return [float(v) for v in entries.float().tolist()], pos
+
+
+def from_state_dict(state: Mapping[str, Any]) -> dict[str, Ring] | None:
+    """The rings in ``state``; None when it has none (the rings then start empty).
 
     Raises:
         ValueError: naming the key when a predictive key holds a bad value.
@@ -81,26 +112,7 @@ def from_state_dict(state: Mapping[str, Any]) -> tuple[list[float], int] | None:
     version = _as_number(state.get("dscale_format_version", 1))
     if version < FORMAT_VERSION or not all(k in state for k in KEYS):
         return None
-    window, pos = state[KEYS[0]], _as_number(state[KEYS[1]])
-    if isinstance(window, (list, tuple)):
-        window = torch.tensor(window, dtype=torch.float32)
-    if (
-        not isinstance(window, torch.Tensor)
-        or window.dim() != 1
-        or window.numel() < 1
-        or not bool(torch.isfinite(window).all())
-        or bool((window < 0).any())
-    ):
-        raise ValueError(
-            "state_dict: predictive_window must be a non-empty list of finite values >= 0, got "
-            f"{_short(window)}"
-        )
-    if isinstance(pos, bool) or not isinstance(pos, int) or not 0 <= pos < window.numel():
-        raise ValueError(
-            f"state_dict: _predictive_window_pos must be an int in [0, {window.numel()}), "
-            f"got {pos!r}"
-        )
-    return [float(v) for v in window.float().tolist()], pos
+    return {name: _ring(state, name) for name in RINGS}
 
 
 def _short(value: Any) -> str:
@@ -108,8 +120,9 @@ def _short(value: Any) -> str:
     return text if len(text) <= 200 else text[:200] + "..."
 
 
-def _resized(slots: list[float], pos: int, length: int) -> tuple[list[float], int]:
-    """A window of ``length`` slots holding the newest entries of ``slots``, oldest first."""
+def _resized(ring: Ring, length: int) -> Ring:
+    """A ring of ``length`` slots holding the newest entries of ``ring``."""
+    slots, pos = ring
     n = len(slots)
     ordered = [slots[(pos + k) % n] for k in range(n)]  # oldest to newest
     kept = ordered[-length:]
@@ -128,16 +141,19 @@ def note_ignored(state: Mapping[str, Any]) -> None:
 
 
 class PredictiveScaling:
-    """The measurement, the window and the telemetry of one predictive GradScaler."""
+    """The measurement, the two rings and the telemetry of one predictive GradScaler."""
 
-    def __init__(self, window: int) -> None:
-        self.length = window
+    def __init__(self, window: int, memory: int) -> None:
+        self.lengths = {"window": window, "memory": memory}
         self.measure = GradMeasure()
-        self.host: Window | None = Window([0.0] * window, 0)  # the authority while not None
-        self.pos = 0  # the device window's next slot (while host is None)
+        # The authority while not None (plain steps); then the device tail.
+        self.host: dict[str, Window] | None = {
+            name: Window([0.0] * n, 0) for name, n in self.lengths.items()
+        }
+        self.pos = {"window": 0, "memory": 0}  # the device rings' next slots (host None)
         self.telemetry = Telemetry()  # host form's; replaced whole (scrapes read it)
         self._budget: torch.Tensor | None = None
-        self._tail: torch.Tensor | None = None  # the device window's buffer, once it is there
+        self._tail: torch.Tensor | None = None  # the device tail, once the rings are there
         # This iteration's agreed measurement: host numbers when the host read the vectors.
         self._host_values: tuple[float, float] | None = None
         self._device_values: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -162,25 +178,37 @@ class PredictiveScaling:
         """The host form of the rule (plain steps: no device op)."""
         assert self._host_values is not None and self.host is not None  # noqa: S101
         measured, underflow = self._host_values
-        new, entry = _predictive.next_host_state(policy, before, after, self.host, found, measured)
-        window_max = self.host.max
-        t = self.telemetry
-        self.telemetry = Telemetry(
-            grad_max_abs=t.grad_max_abs if found else entry,
-            window_max=window_max,
-            target_scale=(
-                _predictive.target_scale(policy, window_max)
-                if window_max > _predictive.TINY
-                else math.nan
-            ),
-            underflow_fraction=underflow - 1.0 if underflow > 0 else t.underflow_fraction,
+        window, memory = self.host["window"], self.host["memory"]
+        new, entry = _predictive.next_host_state(
+            policy, before, after, window, memory, found, measured
+        )
+        self.telemetry = self._telemetry(
+            policy,
+            grad_max_abs=self.telemetry.grad_max_abs if found else entry,
+            largest=max(window.max, memory.max),
+            underflow=underflow - 1.0 if underflow > 0 else self.telemetry.underflow_fraction,
         )
         self._end()
         return new
 
+    @staticmethod
+    def _telemetry(
+        policy: ScalePolicy | None, *, grad_max_abs: float, largest: float, underflow: float
+    ) -> Telemetry:
+        target = math.nan
+        if policy is not None and largest > _predictive.TINY:
+            target = _predictive.target_scale(policy, largest)
+        return Telemetry(grad_max_abs, largest, target, underflow)
+
     def is_lean(self, policy: ScalePolicy) -> bool:
         """Whether the device update runs without the dynamic rule (``_predictive.is_lean``)."""
         return _predictive.is_lean(policy)
+
+    def _views(self, tail: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(both rings, the window, the memory) in the device tail."""
+        rings = tail[TAIL_RINGS:]
+        memory = self.lengths["memory"]
+        return rings, rings[memory:], rings[:memory]
 
     def update_(
         self,
@@ -202,23 +230,27 @@ class PredictiveScaling:
         budget = self._budget
         if budget is None or budget.device != tail.device:
             budget = self._budget = torch.full((), _predictive.BUDGET, device=tail.device)
-        window = tail[TAIL_WINDOW:]
-        _predictive.update_(policy, window, self.pos, scale, before, found_inf, measured, budget)
-        self.pos = (self.pos + 1) % self.length
+        rings, window, memory = self._views(tail)
+        pos = (self.pos["window"], self.pos["memory"])
+        _predictive.update_(
+            policy, rings, window, memory, pos, scale, before, found_inf, measured, budget
+        )
+        self.pos = {name: (self.pos[name] + 1) % n for name, n in self.lengths.items()}
         if self.measure.sampling:  # the only steps whose vector carries a share
             tail[TAIL_UNDERFLOW].copy_(underflow)
         self._end()
 
     def _to_device(self, tail: torch.Tensor) -> None:
-        """Hand the window to the device buffer (once, after plain steps; no host sync)."""
+        """Hand the rings to the device buffer (once, after plain steps; no host sync)."""
         host = self.host
         if host is None:
             return
         underflow = self.telemetry.underflow_fraction
-        values = [0.0 if math.isnan(underflow) else underflow + 1.0, *host.slots]
+        values = [0.0 if math.isnan(underflow) else underflow + 1.0]
+        values += host["memory"].slots + host["window"].slots
         # non_blocking: a blocking host-to-device copy waits for the GPU (a sync on CUDA).
         tail.copy_(torch.tensor(values, dtype=torch.float32).to(tail.device, non_blocking=True))
-        self.pos = host.pos
+        self.pos = {name: ring.pos for name, ring in host.items()}
         self.host = None
 
     def _end(self) -> None:
@@ -230,50 +262,48 @@ class PredictiveScaling:
         self._end()
 
     # ------------------------------------------------------------ reading it back
-    def window(self) -> tuple[list[float], int]:
-        """The window in ring order and its position; waits for the GPU after device updates."""
+    def rings(self) -> dict[str, Ring]:
+        """Both rings in ring order with their positions; waits for the GPU after device updates."""
         if self.host is not None:
-            return list(self.host.slots), self.host.pos
+            return {name: (list(r.slots), r.pos) for name, r in self.host.items()}
         assert self._tail is not None  # noqa: S101 - host None only after a device update
-        return self._tail[TAIL_WINDOW:].tolist(), self.pos
+        _, window, memory = self._views(self._tail)
+        return {
+            "window": (window.tolist(), self.pos["window"]),
+            "memory": (memory.tolist(), self.pos["memory"]),
+        }
 
     def telemetry_from(
-        self, words: torch.Tensor | None, rows: int, pos: int, policy: ScalePolicy | None
+        self, words: torch.Tensor | None, rows: int, pos: Any, policy: ScalePolicy | None
     ) -> Telemetry:
         """Telemetry from a host copy of the scale state's buffer (after device updates)."""
         if self.host is not None or words is None or policy is None:
             return self.telemetry
         tail = words[_device_state.WORDS :]
-        window = tail[TAIL_WINDOW:]
-        window_max = float(window.max())
-        newest = float(window[(pos - 1) % self.length])
+        rings, window, _ = self._views(tail)
+        window_pos = self.pos["window"] if pos is None else pos
+        newest = float(window[(window_pos - 1) % self.lengths["window"]])
         last_row = _device_state.LOG + _device_state.ROW * (rows - 1)
         overflowed = rows > 0 and float(words[last_row]) > 0
-        underflow = float(tail[TAIL_UNDERFLOW])
-        return Telemetry(
+        share = float(tail[TAIL_UNDERFLOW])
+        return self._telemetry(
+            policy,
             grad_max_abs=math.nan if overflowed else newest,
-            window_max=window_max,
-            target_scale=(
-                _predictive.target_scale(policy, window_max)
-                if window_max > _predictive.TINY
-                else math.nan
-            ),
-            underflow_fraction=underflow - 1.0 if underflow > 0 else math.nan,
+            largest=float(rings.max()),
+            underflow=share - 1.0 if share > 0 else math.nan,
         )
 
     # ------------------------------------------------------------ state dict
     def state_dict(self) -> dict[str, Any]:
         """The keys this policy adds (see the module docstring)."""
-        slots, pos = self.window()
-        return {
-            "dscale_format_version": FORMAT_VERSION,
-            "policy": "predictive",
-            "predictive_window": slots,
-            "_predictive_window_pos": pos,
-        }
+        state: dict[str, Any] = {"dscale_format_version": FORMAT_VERSION, "policy": "predictive"}
+        for name, (slots, pos) in self.rings().items():
+            state[f"predictive_{name}"] = slots
+            state[f"_predictive_{name}_pos"] = pos
+        return state
 
-    def load(self, loaded: tuple[list[float], int] | None) -> None:
-        """Replace the window (``from_state_dict``'s result); None empties it and says so."""
+    def load(self, loaded: dict[str, Ring] | None) -> None:
+        """Replace the rings (``from_state_dict``'s result); None empties them and says so."""
         if loaded is None:
             logger.warning(
                 "the loaded GradScaler state dict has no predictive window (saved by torch, by "
@@ -281,21 +311,25 @@ class PredictiveScaling:
                 "starts empty; the next clean step sets the scale from the measured gradients",
                 FORMAT_VERSION,
             )
-            loaded = ([0.0] * self.length, 0)
-        slots, pos = loaded
-        if len(slots) != self.length:
-            logger.warning(
-                "the loaded predictive window has %d entries, this scaler's predictive_window "
-                "is %d: kept the newest %d",
-                len(slots),
-                self.length,
-                min(len(slots), self.length),
-            )
-            slots, pos = _resized(slots, pos, self.length)
-        self.host = Window(list(slots), pos)
-        self.pos = pos
-        window_max = self.host.max
-        self.telemetry = Telemetry(window_max=window_max)
+            loaded = {name: ([0.0] * n, 0) for name, n in self.lengths.items()}
+        host = {}
+        for name, n in self.lengths.items():
+            ring = loaded[name]
+            if len(ring[0]) != n:
+                logger.warning(
+                    "the loaded predictive_%s has %d entries, this scaler's has %d: kept the "
+                    "newest %d",
+                    name,
+                    len(ring[0]),
+                    n,
+                    min(len(ring[0]), n),
+                )
+                ring = _resized(ring, n)
+            host[name] = Window(list(ring[0]), ring[1])
+        self.host = host
+        self.pos = {name: ring.pos for name, ring in host.items()}
+        largest = max(ring.max for ring in host.values())
+        self.telemetry = Telemetry(window_max=largest)
 
     def snapshot(self, telemetry: Telemetry) -> dict[str, float | int]:
         """Telemetry fields of ``GradScaler.snapshot()``."""
@@ -308,13 +342,12 @@ class PredictiveScaling:
 
     def __getstate__(self) -> dict[str, Any]:
         # Device tensors are not pickled (as torch's scaler): the copy starts on the host.
-        slots, pos = self.window()
         underflow = self.telemetry.underflow_fraction
         if self.host is None and self._tail is not None:
             share = float(self._tail[TAIL_UNDERFLOW])
             underflow = share - 1.0 if share > 0 else math.nan
-        fresh = PredictiveScaling(self.length)
-        fresh.load((slots, pos))
+        fresh = PredictiveScaling(self.lengths["window"], self.lengths["memory"])
+        fresh.load(self.rings())
         fresh.telemetry = Telemetry(
             window_max=fresh.telemetry.window_max, underflow_fraction=underflow
         )

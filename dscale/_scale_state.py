@@ -239,7 +239,7 @@ class ScaleState:
         torch.cat([flag.reshape(1), self.words[: _device_state.HYSTERESIS]], out=row)
         self._rows += 1
         self.host = None
-        self._publish(None if predictive is None else predictive.pos)
+        self._publish(None if predictive is None else predictive.pos["window"])
 
     def set_scale(self, new_scale: float | torch.Tensor) -> None:
         """``update(new_scale=...)``: a float keeps the host copy, a tensor moves to the device.

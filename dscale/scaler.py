@@ -128,9 +128,9 @@ class GradScaler(TorchGradScalerSurface):
         policy: "dynamic" (torch's rule: search for the scale by overflowing) or "predictive"
             (set it from the measured gradient range; see ``dscale._predictive``). A predictive
             scaler's first step runs at ``min(init_scale, 1.0)`` to measure, then jumps.
-        predictive_window: policy="predictive": the steps a measured spike or an overflow is
-            remembered (default: ``growth_interval``, as long as the dynamic rule stays backed
-            off after an overflow).
+        predictive_window: policy="predictive": the number of recent steps whose largest
+            gradient sets the scale (default 32); an overflow is remembered for
+            ``growth_interval`` steps, as long as the dynamic rule stays backed off.
         spike_signals: the spike gate, off when empty: skip (on every rank) a step whose
             "loss" and/or "grad_norm" is more than ``spike_sigma`` standard deviations above
             the mean of the last ``spike_window`` applied steps, once ``spike_warmup`` values
@@ -220,11 +220,11 @@ class GradScaler(TorchGradScalerSurface):
         self._predictive = None
         tail = 0
         if policy == "predictive":
-            # As long as the dynamic rule stays backed off: never worse at remembering.
-            window = growth_interval if predictive_window is None else predictive_window
-            self._predictive = _predictive_state.PredictiveScaling(window)
+            window = predictive_window or _predictive_state.DEFAULT_WINDOW
+            # Overflows are remembered as long as the dynamic rule stays backed off.
+            self._predictive = _predictive_state.PredictiveScaling(window, growth_interval)
             init_scale = _predictive.first_scale(init_scale, min_scale, max_scale)
-            tail = _predictive_state.tail_words(window)
+            tail = _predictive_state.tail_words(window, growth_interval)
         self._book = ScaleState(fresh_host_state(float(init_scale), hysteresis), tail)
         self._placed_init_scale = float(init_scale)  # torch's _init_scale, once placed
         self._per_optimizer_states: dict[int, _OptimizerState] = {}
@@ -410,7 +410,7 @@ class GradScaler(TorchGradScalerSurface):
             # MAX, not +: torch's fused kernels skip only where found_inf == 1 exactly.
             for other in (report.flag, state.user_found):
                 if other is not None:
-                    other = copy_to(other, device)
+                    other = (copy_to(other, device) > 0).float()  # a user's flag may say 2
                     torch.maximum(flag, other, out=flag)
                     if self._predictive is not None:
                         mark_overflow(
@@ -738,7 +738,7 @@ class GradScaler(TorchGradScalerSurface):
     def _found(self, states: list[_OptimizerState]) -> torch.Tensor:
         """The iteration's agreed flag on the scale's device (> 0: some step overflowed)."""
         flags = [self._agreed_flag(s) for s in states]
-        return flags[0] if len(flags) == 1 else torch.stack(flags).sum()
+        return flags[0] if len(flags) == 1 else torch.stack(flags).amax()  # stays 0 or 1
 
     def _watch_for_collapse(self) -> None:
         """Act on a scale stuck at min_scale; after device-side updates, checks every N steps."""
@@ -891,14 +891,16 @@ class GradScaler(TorchGradScalerSurface):
         values = _snapshot_dict(self._book.read() if wait else self._book.latest())
         predictive = self._predictive
         if predictive is not None:  # grad_max_abs, target_scale, margin_log2, underflow
-            raw = self._book.words_now(predictive.pos) if wait else self._book.latest_words()
+            raw = (
+                self._book.words_now(predictive.pos["window"])
+                if wait
+                else self._book.latest_words()
+            )
             if raw is None:
                 telemetry = predictive.telemetry
             else:
                 words, rows, policy, pos = raw
-                telemetry = predictive.telemetry_from(
-                    words, rows, predictive.pos if pos is None else pos, policy
-                )
+                telemetry = predictive.telemetry_from(words, rows, pos, policy)
             values.update(predictive.snapshot(telemetry))
         if self._spike is not None:  # spike_skipped_steps, _in_a_row, _window_values, values
             values.update(self._spike.snapshot(wait=wait))

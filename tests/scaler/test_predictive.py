@@ -326,7 +326,7 @@ def test_a_resumed_predictive_scaler_continues_exactly() -> None:
     model = _mlp(5)
     head = _trained(first, range(4), model)
     saved = copy.deepcopy(first.state_dict())
-    assert saved["dscale_format_version"] == 3 and saved["policy"] == "predictive"
+    assert saved["dscale_format_version"] == 4 and saved["policy"] == "predictive"
     assert len(saved["predictive_window"]) == 2 and saved["_predictive_window_pos"] == 0
     resumed = dscale.GradScaler("cpu", **kwargs)
     resumed.load_state_dict(saved)
@@ -362,7 +362,7 @@ def test_state_dicts_load_across_policies_and_say_what_was_reset(caplog) -> None
     }
     with caplog.at_level(logging.WARNING, logger="dscale"):
         target.load_state_dict(old)
-    assert "before format version 3" in caplog.text and target.get_scale() == dynamic.get_scale()
+    assert "before format version 4" in caplog.text and target.get_scale() == dynamic.get_scale()
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="dscale"):
         short = dscale.GradScaler("cpu", policy="predictive", predictive_window=1)
