@@ -17,8 +17,8 @@ Both policies send the scale fields only on every :data:`RANGE_EVERY`-th iterati
 included) and the flag (and measurement) alone in between: on gloo a one-element all-reduce takes
 a third or less of the time a three-element one does (``tests/scaler/measure_flag_allreduce.py``:
 about 0.5 ms against 1.5-2 ms on 2 ranks of a 2-core machine), and the scale range is for a check
-that runs every hundred steps. The schedule counts ``update()`` calls, which every rank makes alike, so
-every rank sends a vector of the same length.
+that runs every hundred steps. The schedule counts ``update()`` calls, which every rank makes
+alike, so every rank sends a vector of the same length.
 """
 
 from __future__ import annotations

@@ -11,10 +11,10 @@ entries (0 for a clean step). It sets the scale to the largest power of two that
 entry of either, times ``2**MARGIN_LOG2``, within fp16's largest finite value (:data:`BUDGET` /
 ``max``), clamped to ``[min_scale, max_scale]``:
 
-* **Clean step:** ``e = g / s``, the largest unscaled magnitude. The measurement window (32 steps
-  by default) is short, so the scale follows gradients that shrink (a warm-up, a model that
-  learns) within a few dozen steps, while one batch with small gradients does not lift it (Transformer
-  Engine's delayed scaling for FP8 keeps an amax history the same way).
+* **Clean step:** ``e = g / s``, the largest unscaled magnitude. The measurement window (32
+  steps by default) is short, so the scale follows gradients that shrink (a warm-up, a model
+  that learns) within a few dozen steps, while one batch with small gradients does not lift it
+  (Transformer Engine's delayed scaling for FP8 keeps an amax history the same way).
 * **Overflow:** ``e = OVERFLOW_MARK / s``, which sets the scale to ``s / 2``: torch's back-off.
   It enters both rings, so it is remembered for ``memory`` steps (``growth_interval``: as long as
   the dynamic rule stays backed off), and a spike that overflowed once finds a scale with room

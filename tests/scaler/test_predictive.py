@@ -46,12 +46,12 @@ def test_target_is_the_largest_power_of_two_keeping_twice_the_window_max_in_fp16
         m = _f32(m)  # the window holds fp32 values
         assert _predictive.target_scale(policy, m) == _brute_force_target(m), m
         # The device form: the same bits.
-        window = torch.tensor([0.0, m, 0.0])
+        rings = torch.tensor([0.0, m, 0.0])  # the window (2), then the memory (1)
         scale = torch.tensor(1.0)
         budget = torch.tensor(_predictive.BUDGET)
-        _predictive.update_(
-            policy, window, 0, scale, None, torch.tensor(0.0), torch.tensor(0.0), budget
-        )
+        zero = torch.tensor(0.0)
+        window, memory = rings[:2], rings[2:]
+        _predictive.update_(policy, rings, window, memory, (0, 0), scale, None, zero, zero, budget)
         assert scale.item() == _brute_force_target(m), m
 
 
@@ -70,11 +70,13 @@ def test_host_and_device_rules_agree_bit_for_bit_over_long_runs() -> None:
     rng = random.Random(1)
     magnitudes = [0.0, 2.0**-40, 1e-7, 3e-4, 0.01, 0.5, 1.0, 65504.0 / 2**17, 7.0, 1e5]
     for policy in _policy_matrix():
-        window = rng.choice([1, 3, 8])
+        window, memory = rng.choice([1, 3, 8]), rng.choice([1, 5, 12])
         first = _f32(min(max(1.0, policy.min_scale or 0.0), policy.max_scale or math.inf))
         start = HostState(first, 0, policy.hysteresis, (0,) * _policy.NUM_COUNTERS)
-        host_book, device_book = ScaleState(start, 1 + window), ScaleState(start, 1 + window)
-        host_p, device_p = PredictiveScaling(window), PredictiveScaling(window)
+        tail = 1 + window + memory
+        host_book, device_book = ScaleState(start, tail), ScaleState(start, tail)
+        host_p = PredictiveScaling(window, memory)
+        device_p = PredictiveScaling(window, memory)
         host_book.place(torch.device("cpu"))
         device_book.place(torch.device("cpu"))
         for step in range(40):
@@ -95,18 +97,19 @@ def test_host_and_device_rules_agree_bit_for_bit_over_long_runs() -> None:
                 d.growth_tracker,
                 d.hysteresis_tracker,
             ), case
-            assert host_p.window() == device_p.window(), case
+            assert host_p.rings() == device_p.rings(), case
 
 
-def _reference_rule(window: int):
+def _reference_rule(window: int, memory: int):
     """policy="predictive" written out from its definition, for the scaler to be held to."""
     entries: list[float] = []
+    overflows: list[float] = []
 
     def next_scale(scale: float, overflowed: bool, largest: float) -> float:
-        entries.append(65504.0 / scale if overflowed else largest)
-        if len(entries) > window:
-            entries.pop(0)
-        top = max(entries)
+        entry = 65504.0 / scale if overflowed else largest
+        entries.append(entry)
+        overflows.append(entry if overflowed else 0.0)
+        top = max(entries[-window:] + overflows[-memory:])
         return scale if top == 0 else _brute_force_target(top)
 
     return next_scale
@@ -203,9 +206,11 @@ def test_plain_fused_and_sync_free_steps_follow_the_same_scale_trajectory() -> N
 
 def test_training_follows_the_rule_as_written_from_its_definition() -> None:
     """The oracle: the window rule computed in the test from the grads each step leaves."""
-    window = 5
-    scaler = dscale.GradScaler("cpu", policy="predictive", predictive_window=window)
-    reference = _reference_rule(window)
+    window, memory = 5, 9
+    scaler = dscale.GradScaler(
+        "cpu", policy="predictive", predictive_window=window, growth_interval=memory
+    )
+    reference = _reference_rule(window, memory)
     model = _mlp(9)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     expected = scaler.get_scale()
@@ -227,9 +232,11 @@ def test_training_follows_the_rule_as_written_from_its_definition() -> None:
     assert scaler.snapshot()["skipped_steps"] >= 2
 
 
-def test_an_overflow_backs_off_and_is_remembered_for_the_window() -> None:
-    window = 6
-    scaler = dscale.GradScaler("cpu", policy="predictive", predictive_window=window)
+def test_an_overflow_backs_off_and_is_remembered_for_growth_interval_steps() -> None:
+    window = 6  # growth_interval: as long as the dynamic rule stays backed off
+    scaler = dscale.GradScaler(
+        "cpu", policy="predictive", predictive_window=2, growth_interval=window
+    )
     model = _mlp(2)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)  # the same grads every step
     scales = []
@@ -327,7 +334,8 @@ def test_a_resumed_predictive_scaler_continues_exactly() -> None:
     head = _trained(first, range(4), model)
     saved = copy.deepcopy(first.state_dict())
     assert saved["dscale_format_version"] == 4 and saved["policy"] == "predictive"
-    assert len(saved["predictive_window"]) == 2 and saved["_predictive_window_pos"] == 0
+    assert len(saved["predictive_window"]) == 32 and len(saved["predictive_memory"]) == 2
+    assert saved["_predictive_window_pos"] == 4 and saved["_predictive_memory_pos"] == 0
     resumed = dscale.GradScaler("cpu", **kwargs)
     resumed.load_state_dict(saved)
     assert head + _trained(resumed, range(4, 10), model) == whole
@@ -367,7 +375,7 @@ def test_state_dicts_load_across_policies_and_say_what_was_reset(caplog) -> None
     with caplog.at_level(logging.WARNING, logger="dscale"):
         short = dscale.GradScaler("cpu", policy="predictive", predictive_window=1)
         short.load_state_dict(predictive.state_dict())
-    assert "has 2000 entries" in caplog.text and "kept the newest 1" in caplog.text
+    assert "predictive_window has 32 entries, this scaler's has 1" in caplog.text
     newest = predictive.state_dict()["predictive_window"][
         predictive.state_dict()["_predictive_window_pos"] - 1
     ]
@@ -386,7 +394,7 @@ def test_state_dicts_load_across_policies_and_say_what_was_reset(caplog) -> None
     for key, value, message in (
         ("predictive_window", [1.0, math.nan], "predictive_window must be a non-empty list"),
         ("predictive_window", [], "predictive_window must be a non-empty list"),
-        ("_predictive_window_pos", 2000, r"_predictive_window_pos must be an int in \[0, 2000\)"),
+        ("_predictive_window_pos", 32, r"_predictive_window_pos must be an int in \[0, 32\)"),
     ):
         with pytest.raises(ValueError, match=message):
             target.load_state_dict(dict(predictive.state_dict(), **{key: value}))
@@ -411,8 +419,9 @@ def test_snapshot_and_metrics_expose_the_measurement_and_the_target() -> None:
     scaler.update()
     snap = scaler.snapshot()
     assert snap["grad_max_abs"] == largest
-    window = scaler.state_dict()["predictive_window"]
-    assert snap["target_scale"] == _brute_force_target(max(window)) == scaler.get_scale()
+    saved = scaler.state_dict()
+    largest = max(saved["predictive_window"] + saved["predictive_memory"])
+    assert snap["target_scale"] == _brute_force_target(largest) == scaler.get_scale()
     assert 0.0 <= snap["underflow_fraction"] < 1.0  # step 0 was a sample
     registry = CollectorRegistry()
     labels = {"rank": "0", "local_rank": "0", "node": "n", "job_name": "j"}
@@ -433,7 +442,7 @@ def test_predictive_state_survives_a_dcp_checkpoint_and_loads_across_policies(
     scaler = dscale.GradScaler("cpu", policy="predictive")
     _trained(scaler, range(6), model)  # the x40 step backs off: its entry is in the window
     saved = scaler.state_dict()
-    assert max(saved["predictive_window"]) == 65504.0 / scaler.get_scale() / 2
+    assert max(saved["predictive_memory"]) == 65504.0 / scaler.get_scale() / 2
     CheckpointManager(tmp_path / "p").save(6, model=model, scaler=scaler)
     dynamic = dscale.GradScaler("cpu")
     _trained(dynamic, range(2), _mlp(8))
@@ -450,7 +459,7 @@ def test_predictive_state_survives_a_dcp_checkpoint_and_loads_across_policies(
     assert plain.get_scale() == scaler.get_scale()
     assert "ignored ['predictive_window'" in caplog.text
     assert fresh.get_scale() == dynamic.get_scale()
-    assert max(fresh.state_dict()["predictive_window"]) == 0.0
+    assert max(fresh.state_dict()["predictive_memory"]) == 0.0
     assert "window starts empty" in caplog.text
 
 

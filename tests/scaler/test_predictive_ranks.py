@@ -22,7 +22,13 @@ def _local_max(model: torch.nn.Module, scale: float) -> float:
 
 
 def _train(
-    rank: int, parallel: str | None, *, attach: bool, reduce: bool, steps: int = 5
+    rank: int,
+    parallel: str | None,
+    *,
+    attach: bool,
+    reduce: bool,
+    steps: int = 5,
+    abandon: bool = False,
 ) -> dict[str, Any]:
     import dscale
     import dscale._agreement as agreement
@@ -46,6 +52,9 @@ def _train(
     try:
         for step in range(steps):
             opt.zero_grad()
+            if abandon and step == 2:  # a loss-spike filter: backward, then drop the batch
+                scaler.scale(model(batch(rank, 99)).square().mean() * 300.0).backward()
+                opt.zero_grad()
             # Rank 1's loss is 16x rank 0's: without DDP its grads are 16x larger.
             loss = model(batch(rank, step)).square().mean() * (16.0 if rank == 1 else 1.0)
             scale = scaler.get_scale()
@@ -56,9 +65,9 @@ def _train(
             both = [None, None]
             dist.all_gather_object(both, local[0])
             # The rule, written out: the largest power of two keeping twice the largest
-            # magnitude of the window (growth_interval = 2 steps) within fp16's range.
+            # magnitude of the window (32 steps) within fp16's range.
             entries.append(max(both))
-            largest = max(entries[-2:])
+            largest = max(entries[-32:])
             if largest > 0:  # (attach: the hooks unscaled the grads; no oracle there)
                 expected.append(math.ldexp(1.0, math.frexp(65504.0 / 2 / largest)[1] - 1))
             scaler.step(opt)
@@ -82,6 +91,8 @@ def _scenarios(rank: int, world_size: int) -> dict[str, Any]:
         "ddp": _train(rank, "ddp", attach=False, reduce=True),
         "ddp/attach": _train(rank, "ddp", attach=True, reduce=True),
         "fsdp2/attach": _train(rank, "fsdp2", attach=True, reduce=True),
+        "ddp/abandon": _train(rank, "ddp", attach=False, reduce=True, abandon=True),
+        "ddp/attach/abandon": _train(rank, "ddp", attach=True, reduce=True, abandon=True),
     }
 
 
@@ -111,6 +122,11 @@ def test_every_rank_sets_the_same_scale_from_the_largest_magnitude_over_ranks() 
     assert torch.equal(e["params"], g["params"])
     assert g["sizes"] == []  # DDP's own reduction made the vector global: no scaler collective
     # FSDP2 with attach(): the reduce-scatter output is measured in the hook; ranks agree.
+    # An abandoned backward (no step) leaves nothing for the next step with attach(): the same
+    # scales and weights as without it (the oracle), on both ranks.
+    k, m = r0["ddp/abandon"], r0["ddp/attach/abandon"]
+    assert k["scales"] == m["scales"] == r1["ddp/attach/abandon"]["scales"]
+    assert torch.equal(k["params"], m["params"])
     i, j = r0["fsdp2/attach"], r1["fsdp2/attach"]
     assert i["sizes"] == j["sizes"] == [5, 3, 3, 3, 3]
     assert i["scales"] == j["scales"] == e["scales"]
