@@ -21,9 +21,9 @@ entry of either, times ``2**MARGIN_LOG2``, within fp16's largest finite value (:
   for it when it comes again. A policy other than torch's rule (hysteresis, a back-off factor
   other than 0.5, min/max) runs the dynamic rule first and enters ``BUDGET / s_dynamic``: the
   scale it chose, remembered.
-* **Nothing measured** (every grad zero, or none): ``e = 0``, which asks nothing; with nothing
-  but zeros in both rings (the first step, a phase without gradients longer than the window)
-  the scale holds where it is instead of rising.
+* **Nothing measured** (every grad zero, or none): ``e = BUDGET / s``, which asks for the scale
+  it has: through a phase without gradients the scale holds, and the phase does not empty the
+  window of the measurements before it (their maximum would otherwise drop as they leave).
 
 The rings replace the last-step rule with its widening and relaxing margin, which forgot a
 periodic spike before it came again, and read "nothing measured" as "the target is the maximum",
@@ -46,14 +46,20 @@ import torch
 from dscale._policy import BACKOFFS, GROWTHS, HostState, ScalePolicy, f32, is_torch_rule
 
 FP16_MAX = 65504.0
-#: The headroom kept above the largest magnitude in the window: 2**1.
-MARGIN_LOG2 = 1
-#: fp16's largest value over the margin: the scale is the largest power of two <= BUDGET / max.
-BUDGET = FP16_MAX * 2.0**-MARGIN_LOG2
-#: What an overflowed rank reports as its measurement (scaled units): BUDGET / (MARK / s) = s / 2.
+#: The headroom kept above the largest magnitude in the rings: 2**0.5. With the power of two
+#: rounded down below it, the scale keeps between 1.41x and 2.83x: enough for gradients that
+#: drift up a few percent a step (the zoo's ``drift`` and ``warmup``), where 2x sat 4x below the
+#: largest safe scale on a quarter of the warm-up's probes.
+MARGIN_LOG2 = 0.5
+#: fp16's largest value over the margin, as float32: the scale is the largest power of two
+#: <= BUDGET / max.
+BUDGET = f32(FP16_MAX * 2.0**-MARGIN_LOG2)
+#: What an overflowed rank reports as its measurement (scaled units): the largest power of two
+#: <= BUDGET / (MARK / s) is s / 2, torch's back-off.
 OVERFLOW_MARK = FP16_MAX
-#: A window whose largest entry is at most this holds the scale (the target would pass 2**100).
-TINY = BUDGET * 2.0**-100
+#: The smallest entry the rule takes: the target stays at most 2**100 (a finite float32 whose
+#: reciprocal is normal), however small the gradients. A constant word next to the rings.
+FLOOR = BUDGET * 2.0**-100
 #: The first step's scale (at most): scaling by 1 cannot make the backward overflow.
 FIRST_SCALE = 1.0
 #: The float32 exponent bits: a normal float with its mantissa cleared is a power of two.
@@ -83,9 +89,20 @@ def pow2_floor(value: float) -> float:
     return float(_F32.unpack(_I32.pack(bits & _EXPONENT_BITS))[0])
 
 
+def div32(a: float, b: float) -> float:
+    """``a / b`` as float32 division gives it, inf (or NaN) for b == 0 instead of an error.
+
+    After about 110 overflows in a row the scale underflows to 0, as torch's does after about
+    150; the rule then goes on as the device form does rather than raising.
+    """
+    if b == 0.0:
+        return math.nan if a == 0.0 or math.isnan(a) else math.copysign(math.inf, a)
+    return f32(a / b)
+
+
 def target_scale(policy: ScalePolicy, window_max: float) -> float:
     """The scale the window asks for: the largest power of two within BUDGET / ``window_max``."""
-    target = pow2_floor(f32(BUDGET / window_max))
+    target = pow2_floor(div32(BUDGET, window_max))
     if policy.min_scale is not None:
         target = max(target, f32(policy.min_scale))
     if policy.max_scale is not None:
@@ -135,7 +152,8 @@ class Window:
 class Telemetry:
     """What the last update measured and decided (NaN until known); replaced whole each update.
 
-    ``grad_max_abs``: the largest unscaled magnitude of the last clean step, agreed over ranks;
+    ``grad_max_abs``: the largest unscaled magnitude the last step measured, agreed over ranks
+    (NaN when it overflowed, 0 when it measured nothing);
     ``window_max``: the largest entry in the window; ``target_scale``: the scale it asks for;
     ``underflow_fraction``: the largest share over ranks of grad elements below fp16's smallest
     normal number at the scale, from the last sampled step.
@@ -162,9 +180,9 @@ def next_host_state(
     measurement in scaled units (``OVERFLOW_MARK`` where a rank overflowed).
     """
     s = before.scale
+    asked = div32(measured if measured > 0 else BUDGET, s)  # nothing measured: hold s
     if is_lean(policy):
-        entry = f32(measured / s)
-        hold = s
+        entry = asked
         # The dynamic rule does not run here: its trackers keep the values the device log gives.
         tracker = before.growth_tracker
         hyst = before.hysteresis_tracker
@@ -173,11 +191,10 @@ def next_host_state(
         elif policy.hysteresis_refill == "on_clean_step" or tracker == 0:
             hyst = policy.hysteresis
     else:
-        entry = f32(BUDGET / after.scale) if found else f32(measured / s)
-        hold = after.scale
+        entry = div32(BUDGET, after.scale) if found else asked
         tracker, hyst = after.growth_tracker, after.hysteresis_tracker
-    window_max = max(window.add(entry), memory.add(entry if found else 0.0))
-    new = target_scale(policy, window_max) if window_max > TINY else hold
+    window_max = max(window.add(entry), memory.add(entry if found else 0.0), FLOOR)
+    new = target_scale(policy, window_max)
     counters = list(after.counters)
     counters[GROWTHS] = before.counters[GROWTHS] + int(new > s and not found)
     counters[BACKOFFS] = before.counters[BACKOFFS] + int(new < s)
@@ -199,21 +216,25 @@ def update_(
 ) -> None:
     """:func:`next_host_state` as device tensor ops, in place on the rings and ``scale``.
 
-    ``rings``: both rings, contiguous (``window`` and ``memory`` are views of it); ``pos``: the
-    slot each ring overwrites. ``scale`` holds the step's scale (lean policy) or the dynamic
-    rule's result, and then ``before`` the step's scale. ``found`` is 0 or 1. ``budget`` is
-    :data:`BUDGET` as a tensor on the device. No host sync; seven ops for the lean policy.
+    ``rings``: both rings and the :data:`FLOOR` word, contiguous (``window`` and ``memory`` are
+    views of it); ``pos``: the slot each ring overwrites. ``scale`` holds the step's scale (lean
+    policy) or the dynamic rule's result, and then ``before`` the step's scale. ``found`` is 0
+    or 1. ``budget`` is :data:`BUDGET` as a tensor on the device. No host sync; seven ops for
+    the lean policy.
     """
     slot = window[pos[0]]
+    asked = torch.where(measured > 0, measured, budget)  # nothing measured: hold the scale
     if before is None:
-        torch.div(measured, scale, out=slot)
+        torch.div(asked, scale, out=slot)
     else:
         backed = torch.div(budget, scale)
-        torch.where(found > 0, backed, torch.div(measured, before), out=slot)
+        torch.where(found > 0, backed, torch.div(asked, before), out=slot)
     torch.mul(slot, found, out=memory[pos[1]])  # the entry of an overflow, else 0
     window_max = rings.amax()
+    if policy.min_scale is None and policy.max_scale is None:
+        torch.div(budget, window_max, out=scale)
+        scale.view(torch.int32).bitwise_and_(_EXPONENT_BITS)
+        return
     target = torch.div(budget, window_max)
     target.view(torch.int32).bitwise_and_(_EXPONENT_BITS)
-    if policy.min_scale is not None or policy.max_scale is not None:
-        target = target.clamp(policy.min_scale, policy.max_scale)
-    torch.where(window_max > TINY, target, scale, out=scale)
+    scale.copy_(target.clamp(policy.min_scale, policy.max_scale))

@@ -5,7 +5,7 @@ Like the scale (``_scale_state``), the rings stay on the host while every decisi
 of the scale state's own buffer, so the device update needs no extra copy to publish them.
 
 Device tail layout (float32 words after the scale state's): ``[underflow share + 1 (0: never
-sampled), memory ring..., window ring...]`` (``_predictive`` says what each ring holds).
+sampled), FLOOR, memory ring..., window ring...]`` (``_predictive`` says what each holds).
 
 State-dict keys (format version 4; a dynamic scaler's dict stays version 1):
     policy: "predictive" (informational; the constructor's ``policy`` decides).
@@ -45,7 +45,8 @@ OLD_KEYS = ("predictive_margin_log2", "_predictive_rise_tracker", "_predictive_m
 #: The measurement window's default length (``GradScaler(predictive_window=...)``).
 DEFAULT_WINDOW = 32
 TAIL_UNDERFLOW = 0
-TAIL_RINGS = 1
+TAIL_FLOOR = 1
+TAIL_RINGS = 2
 
 Ring = tuple[list[float], int]  # entries in ring order, the slot the next entry overwrites
 
@@ -159,18 +160,33 @@ class PredictiveScaling:
         self._device_values: tuple[torch.Tensor, torch.Tensor] | None = None
 
     # ------------------------------------------------------------ one iteration
-    def begin(self, agreed: list[torch.Tensor], on_host: list[list[float]] | None, at: int) -> None:
+    def begin(
+        self,
+        agreed: list[torch.Tensor],
+        on_host: list[list[float]] | None,
+        at: int,
+        *,
+        spiked: list[torch.Tensor] | None = None,
+        spiked_on_host: bool = False,
+    ) -> None:
         """Take this iteration's agreed vectors (MAX over optimizers as over ranks).
 
-        ``at``: the index of the measurement in them (``_agreement.measured_at``).
+        ``at``: the index of the measurement in them (``_agreement.measured_at``). ``spiked``:
+        the spike gate's decisions (> 0: skipped for a spike; ``spiked_on_host`` as known on
+        the host), which make the step one that measured nothing.
         """
         if on_host is not None:
-            self._host_values = (max(v[at] for v in on_host), max(v[at + 1] for v in on_host))
+            measured = 0.0 if spiked_on_host else max(v[at] for v in on_host)
+            self._host_values = (measured, max(v[at + 1] for v in on_host))
         if len(agreed) == 1:
-            self._device_values = (agreed[0][at], agreed[0][at + 1])
+            values = (agreed[0][at], agreed[0][at + 1])
         else:
             stacked = torch.stack([a[at : at + 2] for a in agreed]).amax(0)
-            self._device_values = (stacked[0], stacked[1])
+            values = (stacked[0], stacked[1])
+        if spiked:  # the spike gate is on: a few ops more
+            spike = spiked[0] if len(spiked) == 1 else torch.stack(spiked).amax()
+            values = (torch.where(spike > 0, 0.0, values[0]), values[1])
+        self._device_values = values
 
     def next_host_state(
         self, policy: ScalePolicy, before: HostState, after: HostState, found: bool
@@ -184,7 +200,7 @@ class PredictiveScaling:
         )
         self.telemetry = self._telemetry(
             policy,
-            grad_max_abs=self.telemetry.grad_max_abs if found else entry,
+            grad_max_abs=math.nan if found else entry if measured > 0 else 0.0,
             largest=max(window.max, memory.max),
             underflow=underflow - 1.0 if underflow > 0 else self.telemetry.underflow_fraction,
         )
@@ -196,8 +212,8 @@ class PredictiveScaling:
         policy: ScalePolicy | None, *, grad_max_abs: float, largest: float, underflow: float
     ) -> Telemetry:
         target = math.nan
-        if policy is not None and largest > _predictive.TINY:
-            target = _predictive.target_scale(policy, largest)
+        if policy is not None and largest > 0:
+            target = _predictive.target_scale(policy, max(largest, _predictive.FLOOR))
         return Telemetry(grad_max_abs, largest, target, underflow)
 
     def is_lean(self, policy: ScalePolicy) -> bool:
@@ -205,10 +221,10 @@ class PredictiveScaling:
         return _predictive.is_lean(policy)
 
     def _views(self, tail: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(both rings, the window, the memory) in the device tail."""
+        """(the floor and both rings, the window, the memory) in the device tail."""
         rings = tail[TAIL_RINGS:]
         memory = self.lengths["memory"]
-        return rings, rings[memory:], rings[:memory]
+        return tail[TAIL_FLOOR:], rings[memory:], rings[:memory]
 
     def update_(
         self,
@@ -246,7 +262,7 @@ class PredictiveScaling:
         if host is None:
             return
         underflow = self.telemetry.underflow_fraction
-        values = [0.0 if math.isnan(underflow) else underflow + 1.0]
+        values = [0.0 if math.isnan(underflow) else underflow + 1.0, _predictive.FLOOR]
         values += host["memory"].slots + host["window"].slots
         # non_blocking: a blocking host-to-device copy waits for the GPU (a sync on CUDA).
         tail.copy_(torch.tensor(values, dtype=torch.float32).to(tail.device, non_blocking=True))
@@ -285,6 +301,10 @@ class PredictiveScaling:
         newest = float(window[(window_pos - 1) % self.lengths["window"]])
         last_row = _device_state.LOG + _device_state.ROW * (rows - 1)
         overflowed = rows > 0 and float(words[last_row]) > 0
+        # The step's scale: the row before's, or the scale at the last fold.
+        before = last_row - _device_state.ROW + 1 if rows > 1 else _device_state.FOLD_SCALE
+        if newest == _predictive.div32(_predictive.BUDGET, float(words[before])):
+            newest = 0.0  # the hold entry of a step that measured nothing
         share = float(tail[TAIL_UNDERFLOW])
         return self._telemetry(
             policy,
@@ -330,6 +350,22 @@ class PredictiveScaling:
         self.pos = {name: ring.pos for name, ring in host.items()}
         largest = max(ring.max for ring in host.values())
         self.telemetry = Telemetry(window_max=largest)
+
+    def note_interval(self, growth_interval: int) -> None:
+        """Say so when a loaded growth_interval differs from the overflow memory's length.
+
+        The memory lives in the device buffer sized at construction: it keeps its length.
+        """
+        if growth_interval != self.lengths["memory"]:
+            logger.warning(
+                "the loaded growth_interval=%d differs from the one this predictive GradScaler "
+                "was built with (%d): overflows stay remembered for %d steps; build the scaler "
+                "with growth_interval=%d to remember them for as long",
+                growth_interval,
+                self.lengths["memory"],
+                self.lengths["memory"],
+                growth_interval,
+            )
 
     def snapshot(self, telemetry: Telemetry) -> dict[str, float | int]:
         """Telemetry fields of ``GradScaler.snapshot()``."""

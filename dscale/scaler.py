@@ -710,7 +710,15 @@ class GradScaler(TorchGradScalerSurface):
             host_values = [s.host_agreed for s in states]
             on_host = None if any(v is None for v in host_values) else host_values
             at = _agreement.measured_at(self._carries_range())
-            self._predictive.begin([self._agreed(s) for s in states], on_host, at)  # type: ignore[arg-type]
+            # A step the spike gate skipped measures nothing: its spike stays out of the window.
+            spiked = [s.spike for s in states if s.spike is not None]
+            self._predictive.begin(
+                [self._agreed(s) for s in states],
+                on_host,  # type: ignore[arg-type]
+                at,
+                spiked=spiked,
+                spiked_on_host=any(s.applied is False and not s.overflowed for s in states),
+            )
         self._book.update(self._policy, found, skipped, self._predictive)
         self._per_optimizer_states = {}
         self._hooks.reset()
@@ -997,6 +1005,7 @@ class GradScaler(TorchGradScalerSurface):
             self._spike.load(spike)
         if self._predictive is not None:
             self._predictive.load(predictive)
+            self._predictive.note_interval(policy.growth_interval)
         else:
             _predictive_state.note_ignored(state_dict)
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import dscale
-from dscale import _policy, _predictive
+from dscale import _policy, _predictive, _predictive_state
 from dscale._policy import HostState, ScalePolicy
 from dscale._predictive_state import PredictiveScaling
 from dscale._scale_state import ScaleState
@@ -21,10 +21,11 @@ from tests.scaler._setup import decide_on_device
 
 
 def _brute_force_target(window_max: float) -> float:
-    """The largest 2**t with window_max * 2 * 2**t <= 65504, by trying every t (exact)."""
+    """The largest 2**t with window_max * 2**t <= BUDGET (65504 / 2**0.5 in float32), by
+    trying every t (exact)."""
     best = 2.0**-100
     for t in range(-100, 101):
-        if window_max * 2.0 * 2.0**t <= 65504.0:
+        if window_max * 2.0**t <= _predictive.BUDGET:
             best = 2.0**t
     return best
 
@@ -33,9 +34,9 @@ def _f32(value: float) -> float:
     return float(torch.tensor(value, dtype=torch.float32))
 
 
-def test_target_is_the_largest_power_of_two_keeping_twice_the_window_max_in_fp16() -> None:
+def test_target_is_the_largest_power_of_two_keeping_the_window_max_with_its_margin() -> None:
     rng = random.Random(0)
-    top = 65504.0 / 2**17
+    top = _predictive.BUDGET / 2**16
     values = [2.0**e for e in range(-30, 20)]
     values += [top * 2.0**e for e in range(-20, 5)]  # the boundary itself
     values += [math.nextafter(top, 1.0) * 2.0**e for e in range(-20, 5)]  # just above it
@@ -46,12 +47,14 @@ def test_target_is_the_largest_power_of_two_keeping_twice_the_window_max_in_fp16
         m = _f32(m)  # the window holds fp32 values
         assert _predictive.target_scale(policy, m) == _brute_force_target(m), m
         # The device form: the same bits.
-        rings = torch.tensor([0.0, m, 0.0])  # the window (2), then the memory (1)
+        rings = torch.tensor([_predictive.FLOOR, 0.0, 0.0, 0.0])  # floor, memory, window (2)
         scale = torch.tensor(1.0)
         budget = torch.tensor(_predictive.BUDGET)
-        zero = torch.tensor(0.0)
-        window, memory = rings[:2], rings[2:]
-        _predictive.update_(policy, rings, window, memory, (0, 0), scale, None, zero, zero, budget)
+        zero, measured = torch.tensor(0.0), torch.tensor(m)
+        memory, window = rings[1:2], rings[2:]
+        _predictive.update_(
+            policy, rings, window, memory, (0, 0), scale, None, zero, measured, budget
+        )
         assert scale.item() == _brute_force_target(m), m
 
 
@@ -73,7 +76,7 @@ def test_host_and_device_rules_agree_bit_for_bit_over_long_runs() -> None:
         window, memory = rng.choice([1, 3, 8]), rng.choice([1, 5, 12])
         first = _f32(min(max(1.0, policy.min_scale or 0.0), policy.max_scale or math.inf))
         start = HostState(first, 0, policy.hysteresis, (0,) * _policy.NUM_COUNTERS)
-        tail = 1 + window + memory
+        tail = _predictive_state.tail_words(window, memory)
         host_book, device_book = ScaleState(start, tail), ScaleState(start, tail)
         host_p = PredictiveScaling(window, memory)
         device_p = PredictiveScaling(window, memory)
@@ -106,11 +109,11 @@ def _reference_rule(window: int, memory: int):
     overflows: list[float] = []
 
     def next_scale(scale: float, overflowed: bool, largest: float) -> float:
-        entry = 65504.0 / scale if overflowed else largest
-        entries.append(entry)
+        budget = _predictive.BUDGET
+        entry = 65504.0 / scale if overflowed else largest if largest > 0 else budget / scale
+        entries.append(entry)  # nothing measured asks for the scale it has
         overflows.append(entry if overflowed else 0.0)
-        top = max(entries[-window:] + overflows[-memory:])
-        return scale if top == 0 else _brute_force_target(top)
+        return _brute_force_target(max(entries[-window:] + overflows[-memory:]))
 
     return next_scale
 
@@ -485,3 +488,60 @@ def test_a_checkpoint_with_a_bad_predictive_value_is_refused_before_the_model_ch
         CheckpointManager(tmp_path).resume("auto", model=target, scaler=resumed)
     assert all(torch.equal(p, q) for p, q in zip(target.parameters(), before, strict=True))
     assert resumed.state_dict() == state_before
+
+
+def _forms(steps: int, poison, weight=lambda step: 1.0, **kwargs) -> list[list[tuple]]:
+    """The host and device forms (fused SGD, decided on the device) over the same run."""
+    out = []
+    for device_form in (False, True):
+        scaler = dscale.GradScaler("cpu", policy="predictive", **kwargs)
+        if device_form:
+            decide_on_device(scaler)
+        model = _mlp(11)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, fused=device_form)
+        trace = []
+        for step in range(steps):
+            scaler.scale(_loss(model, step) * weight(step)).backward()
+            if poison(step):
+                next(model.parameters()).grad.view(-1)[0] = math.nan
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            snap = scaler.snapshot()
+            trace.append((scaler.get_scale(), snap["grad_max_abs"], snap["skipped_steps"]))
+        out.append(trace)
+    return out
+
+
+def _same(a: list[tuple], b: list[tuple]) -> bool:
+    def key(row: tuple) -> tuple:
+        return tuple("nan" if isinstance(v, float) and math.isnan(v) else v for v in row)
+
+    return [key(r) for r in a] == [key(r) for r in b]
+
+
+def test_an_overflow_every_step_runs_the_scale_down_like_torch_without_raising() -> None:
+    host, device = _forms(160, lambda step: step >= 2)
+    assert _same(host, device)
+    assert host[-1][0] == 0.0 and host[-1][2] == 158  # underflowed to 0, as torch's does
+    assert math.isnan(host[-1][1])  # an overflowed step measured nothing usable
+
+
+def test_telemetry_agrees_across_forms_after_overflows_and_empty_steps() -> None:
+    host, device = _forms(12, lambda step: step == 5, weight=lambda step: 0.0 if step == 8 else 1)
+    assert _same(host, device)
+    assert math.isnan(host[5][1]) and host[8][1] == 0.0 and host[9][1] > 0
+
+
+def test_a_step_the_spike_gate_skips_stays_out_of_the_window() -> None:
+    # max_scale leaves room for a 20x loss that does not overflow: a spike, not an overflow.
+    spike = {"init_scale": 2.0**10, "max_scale": 2.0**10}
+    gate = {"spike_signals": ("loss",), "spike_warmup": 4, "spike_window": 8}
+    host, device = _forms(
+        14, lambda step: False, weight=lambda s: 20 if s == 10 else 1, **spike, **gate
+    )
+    assert _same(host, device)
+    assert host[10][2] == 0  # not an overflow
+    assert host[10][1] == 0.0  # the spike's measurement was left out of the window
+    ungated, _ = _forms(14, lambda step: False, weight=lambda s: 20 if s == 10 else 1, **spike)
+    assert ungated[10][1] > 10 * ungated[9][1]  # without the gate it enters
