@@ -7,16 +7,18 @@ and, negated back, the smallest scale over the ranks: the rank-agreement check c
 collective and, being part of the step, cannot be called on some ranks only). A new field (for
 example a max grad magnitude) is one more entry whose MAX over ranks is what it needs.
 
-``policy="predictive"`` appends two fields (``_grad_measure``): the largest finite gradient
-magnitude and the sampled underflow share; MAX gives the largest over the ranks, so every rank
-sets the same next scale, and sends all five every step.
+``policy="predictive"`` appends two fields (``_grad_measure``): the largest gradient magnitude
+(scaled; ``OVERFLOW_MARK`` from a rank that overflowed) and the sampled underflow share plus one
+(0: not sampled); MAX gives the largest over the ranks, so every rank sets the same next scale.
+They follow the flag and the scale fields (:func:`measured_at`); the spike gate's fields come after
+them.
 
-A dynamic scaler sends the scale fields only on every :data:`RANGE_EVERY`-th iteration (the first
-included) and the flag alone in between: on gloo a one-element all-reduce takes a third or less of
-the time a three-element one does (``tests/scaler/measure_flag_allreduce.py``: about 0.5 ms
-against 1.5-2 ms on 2 ranks of a 2-core machine), and the scale range is for a check that runs
-every hundred steps. The schedule counts ``update()`` calls, which every rank makes alike, so
-every rank sends a vector of the same length.
+Both policies send the scale fields only on every :data:`RANGE_EVERY`-th iteration (the first
+included) and the flag (and measurement) alone in between: on gloo a one-element all-reduce takes
+a third or less of the time a three-element one does (``tests/scaler/measure_flag_allreduce.py``:
+about 0.5 ms against 1.5-2 ms on 2 ranks of a 2-core machine), and the scale range is for a check
+that runs every hundred steps. The schedule counts ``update()`` calls, which every rank makes
+alike, so every rank sends a vector of the same length.
 """
 
 from __future__ import annotations
@@ -29,17 +31,23 @@ import torch.distributed as dist
 
 from dscale._unscale import copy_to
 
-#: The agreement vector's fields, in order.
+#: The agreement vector's fields, in order; the scale fields only on range iterations, the
+#: measurement with policy="predictive" only (then the spike gate's, ``_spike_gate``).
 FIELDS = ("overflow", "scale", "neg_scale", "grad_max_abs", "underflow")
-OVERFLOW, SCALE, NEG_SCALE, GRAD_MAX_ABS, UNDERFLOW = range(len(FIELDS))
+OVERFLOW, SCALE, NEG_SCALE = range(3)
 
 
-#: A dynamic scaler's vector carries the scale fields on iterations 0, RANGE_EVERY, 2 x ...
+def measured_at(with_range: bool) -> int:
+    """Index of policy="predictive"'s first field (grad_max_abs; underflow follows)."""
+    return 3 if with_range else 1
+
+
+#: The vector carries the scale fields on iterations 0, RANGE_EVERY, 2 x ...
 RANGE_EVERY = 16
 
 
 def carries_range(iteration: int) -> bool:
-    """Whether a dynamic scaler's vector carries the scale fields at ``iteration`` (0-based)."""
+    """Whether the vector carries the scale fields at ``iteration`` (0-based)."""
     return iteration % RANGE_EVERY == 0
 
 
@@ -59,52 +67,53 @@ def agreement_vector(
 ) -> torch.Tensor:
     """This rank's vector: ``flag``, ``scale`` (and ``measured``), on one device, FIELDS order.
 
-    ``measured`` is ``[grad_max_abs, underflow]`` (predictive policy); without it the vector
-    stops after ``neg_scale``, and without ``with_range`` it is the flag alone.
+    ``measured`` is ``[grad_max_abs, underflow]`` (predictive policy); without ``with_range``
+    the scale fields are left out.
     """
-    if not with_range and measured is None:
-        return flag.reshape(1).float()
-    scale = scale.reshape(()).float()
-    vector = torch.stack([flag.reshape(()).float(), scale, -scale])
-    return vector if measured is None else torch.cat([vector, measured.float().reshape(2)])
+    parts = [flag.reshape(1).float()]
+    if with_range:
+        scale = scale.reshape(1).float()
+        parts += [scale, -scale]
+    if measured is not None:
+        parts.append(measured.float().reshape(2))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def blank_vector(
     scale: torch.Tensor,
     host_scale: float | None,
     device: torch.device,
-    measured: torch.Tensor | None = None,
     *,
+    measured: bool = False,
     with_range: bool = True,
 ) -> torch.Tensor:
-    """This rank's vector with the overflow field 0, for the check to write its flag into.
+    """This rank's vector with the flag (and measurement) fields 0, for the check to write into.
 
     ``host_scale`` is the scale's value when the host knows it: on the CPU the vector is then
-    made from Python numbers in one call instead of a few tensor ops. Without ``with_range``
-    (and ``measured``) it is the flag alone.
+    made from Python numbers in one call instead of a few tensor ops.
     """
-    if not with_range and measured is None:
-        return torch.zeros(1, dtype=torch.float32, device=device)
+    extra = 2 if measured else 0
+    if not with_range:
+        return torch.zeros(1 + extra, dtype=torch.float32, device=device)
     if host_scale is not None and device.type == "cpu":
-        vector = _cpu_template(host_scale).clone()
-        return vector if measured is None else torch.cat([vector, measured.float().reshape(2)])
-    zero = torch.zeros((), dtype=torch.float32, device=device)
-    return agreement_vector(zero, copy_to(scale, device), measured)
+        return _cpu_template(host_scale, extra).clone()
+    # [0, 1, -1, 0...] * scale: the whole vector in one op (the scale is finite, never inf).
+    return _pattern(device, extra) * copy_to(scale, device).reshape(()).float()
+
+
+@functools.lru_cache(maxsize=8)
+def _pattern(device: torch.device, extra: int) -> torch.Tensor:
+    return torch.tensor([0.0, 1.0, -1.0] + [0.0] * extra, dtype=torch.float32).to(device)
 
 
 @functools.lru_cache(maxsize=4)
-def _cpu_template(host_scale: float) -> torch.Tensor:
-    """``[0, scale, -scale]`` for a scale value (it changes rarely): a copy is one cheap op."""
-    return torch.tensor([0.0, host_scale, -host_scale], dtype=torch.float32)
+def _cpu_template(host_scale: float, extra: int) -> torch.Tensor:
+    """``[0, scale, -scale]`` (and ``extra`` zeros) for a scale value (it changes rarely)."""
+    return torch.tensor([0.0, host_scale, -host_scale] + [0.0] * extra, dtype=torch.float32)
 
 
-def scale_range(agreed: torch.Tensor) -> ScaleRange | None:
-    """Min and max of the scale over the ranks, read from an agreed vector (no host sync).
-
-    None when the vector is the flag alone (an iteration that did not carry the range).
-    """
-    if agreed.numel() <= NEG_SCALE:
-        return None
+def scale_range(agreed: torch.Tensor) -> ScaleRange:
+    """Min and max of the scale over the ranks, from a vector that carried them (no host sync)."""
     return ScaleRange(-agreed[NEG_SCALE], agreed[SCALE])
 
 

@@ -1,88 +1,128 @@
-"""What ``policy="predictive"`` measures on each rank: the largest finite gradient magnitude.
+"""What ``policy="predictive"`` measures on each rank: the largest gradient magnitude of the step.
 
-One extra read of the gradients per step: ``torch._foreach_norm(ord=inf)`` gives every tensor's
-largest magnitude in one fused kernel per (device, dtype); tensors holding an inf or NaN are left
-out, so the value is the largest magnitude among the tensors that stayed finite. Every
-``sample_every`` steps it also counts the share of gradient elements that underflow in fp16 at the
-current scale (zero or below fp16's smallest normal number, as ``dscale.stats`` counts them).
+The measurement reads the grad groups the check pass already builds, one
+``torch._foreach_norm(ord=inf)`` per (device, dtype) group, and writes its result straight into
+the agreement vector (``_agreement``), in scaled units (the grads as the backward left them). A
+rank whose grads hold an inf or NaN writes ``OVERFLOW_MARK`` instead, which is what the rule
+needs from an overflowed step (``_predictive``). Four ops for one group, whatever the number of
+parameters.
 
-Everything stays in device tensors: no host sync. The values join the agreement vector
-(``_agreement``) and are reduced with MAX with the overflow flag.
+Every ``sample_every`` steps it also writes ``1 +`` the share of gradient elements that underflow
+in fp16 at the step's scale (below fp16's smallest normal number, as ``dscale.stats`` counts
+them); 0 means "not sampled", so MAX over ranks keeps a real share and a fresh zero vector needs
+no fill.
+
+The reduction hooks of ``attach()`` measure the buckets and shards they reduce (unscaled by then)
+into a small accumulator of their own (:func:`measure_reduced`), reset with their overflow flag.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
+import math
 
 import torch
 
-from dscale._unscale import copy_to
+from dscale._predictive import OVERFLOW_MARK
+from dscale._unscale import GradGroups, copy_to
 
 #: fp16's smallest normal number. Scaled grads below it lose precision (subnormal) or flush to 0.
 FP16_MIN_NORMAL = 2.0**-14
 #: Steps between underflow samples (the count reads every element, as the check pass does).
 UNDERFLOW_SAMPLE_EVERY = 100
-#: The underflow field when this step was not sampled; MAX keeps a real share over it.
-NOT_SAMPLED = -1.0
+
+
+def _largest(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The largest magnitude over ``tensors`` (inf/NaN if any holds one), one 0-d fp32 tensor."""
+    if 0 in map(torch.Tensor.numel, tensors):  # the inf-norm of an empty tensor is an error
+        tensors = [t for t in tensors if t.numel()]
+        if not tensors:
+            return torch.zeros((), dtype=torch.float32)
+    norms = torch._foreach_norm(tensors, math.inf, dtype=torch.float32)
+    return norms[0] if len(norms) == 1 else torch.stack(norms).amax()
+
+
+def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    # A per-tensor view; only on sampled steps (one in UNDERFLOW_SAMPLE_EVERY).
+    return torch.cat([t.reshape(-1) for t in tensors])
 
 
 class GradMeasure:
-    """Accumulates one iteration's measurements from the check pass and the reduction hooks."""
+    """The sampling schedule and the measurement of the check pass's grad groups."""
 
     def __init__(self, sample_every: int = UNDERFLOW_SAMPLE_EVERY) -> None:
         self.sample_every = sample_every
         self.iteration = 0  # update() calls: the same on every rank, so ranks sample alike
-        # device -> [largest unscaled magnitude, underflowing elements, elements]
-        self._acc: dict[torch.device, torch.Tensor] = {}
 
     @property
     def sampling(self) -> bool:
         """Whether this iteration counts underflowing elements."""
         return self.iteration % self.sample_every == 0
 
-    def add(self, grads: list[torch.Tensor], carried: torch.Tensor, scale: torch.Tensor) -> None:
-        """Measure ``grads``, whose values carry the factor ``carried`` (the scale, or 1).
+    def write(
+        self,
+        vector: torch.Tensor,
+        at: int,
+        groups: GradGroups,
+        hooks: torch.Tensor | None = None,
+    ) -> None:
+        """Measure ``groups`` (scaled grads) into ``vector[at]`` and ``vector[at + 1]``.
 
-        ``scale`` is the loss scale of this step: an element underflows when its value at that
-        scale is below fp16's smallest normal number.
+        ``hooks``: what the reduction hooks measured, ``[largest scaled magnitude, underflowing
+        elements, elements]`` on ``vector``'s device. With neither, the fields stay 0 (nothing
+        measured).
         """
-        by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
-        for grad in grads:
-            if grad.numel():
-                by_device[grad.device].append(grad.detach())
-        for device, tensors in by_device.items():
-            acc = self._acc.get(device)
-            if acc is None:
-                acc = self._acc[device] = torch.zeros(3, dtype=torch.float32, device=device)
-            here = carried.to(device, non_blocking=True).float().reshape(())
-            norms = torch.stack(torch._foreach_norm(tensors, float("inf"), dtype=torch.float32))
-            finite = torch.where(torch.isfinite(norms), norms, torch.zeros_like(norms)).max()
-            acc[0] = torch.maximum(acc[0], finite / here)
-            if self.sampling:
-                limit = FP16_MIN_NORMAL * here / scale.to(device, non_blocking=True).float()
-                small = torch.stack([(t.abs() < limit).sum() for t in tensors]).sum()
-                acc[1] += small
-                acc[2] += float(sum(t.numel() for t in tensors))
-
-    def take(self, device: torch.device) -> torch.Tensor:
-        """``[grad_max_abs, underflow share or NOT_SAMPLED]`` on ``device``; starts afresh."""
-        out = torch.zeros(2, dtype=torch.float32, device=device)
-        out[1].fill_(NOT_SAMPLED)  # a fill: `out[1] = x` copies a CPU scalar (a sync on CUDA)
-        for acc in self._acc.values():
-            _used_on_current_stream(acc)  # the hooks may have made it on a reduce stream
-            acc = copy_to(acc, device)
-            share = torch.where(acc[2] > 0, acc[1] / acc[2].clamp(min=1.0), out[1])
-            out = torch.stack([torch.maximum(out[0], acc[0]), torch.maximum(out[1], share)])
-        self._acc = {}
-        return out
+        device = vector.device
+        largest = [
+            copy_to(_largest(tensors), device)
+            for per_dtype in groups.values()
+            for tensors in per_dtype.values()
+        ]
+        if hooks is not None:
+            largest.append(hooks[0])
+        if not largest:
+            return
+        value = largest[0] if len(largest) == 1 else torch.stack(largest).amax()
+        torch.nan_to_num(value, nan=OVERFLOW_MARK, posinf=OVERFLOW_MARK, out=vector[at])
+        if self.sampling:
+            small = [
+                copy_to((_flat(tensors).abs() < FP16_MIN_NORMAL).sum().float(), device)
+                for per_dtype in groups.values()
+                for tensors in per_dtype.values()
+            ]
+            elements = float(sum(t.numel() for d in groups.values() for g in d.values() for t in g))
+            if hooks is not None:
+                small.append(hooks[1])
+            total = torch.stack(small).sum() if small else torch.zeros((), device=device)
+            count = hooks[2] + elements if hooks is not None else torch.tensor(elements)
+            share = total / copy_to(torch.as_tensor(count, dtype=torch.float32), device).clamp(
+                min=1.0
+            )
+            vector[at + 1].copy_(share + 1.0)
 
     def next_iteration(self) -> None:
         """Called by update(): the next step may be a sample."""
         self.iteration += 1
-        self._acc = {}
 
 
-def _used_on_current_stream(tensor: torch.Tensor) -> None:
-    """Keep the allocator from reusing ``tensor`` before this stream's kernels have read it."""
-    if tensor.is_cuda:
-        tensor.record_stream(torch.cuda.current_stream(tensor.device))
+def mark_overflow(vector: torch.Tensor, at: int, flag: torch.Tensor) -> None:
+    """Another source's overflow flag joins the vector's: its measurement reads as overflowed."""
+    torch.maximum(vector[at], (flag > 0).float() * OVERFLOW_MARK, out=vector[at])
+
+
+def measure_reduced(
+    acc: torch.Tensor | None, tensors: list[torch.Tensor], scale: torch.Tensor, sampling: bool
+) -> torch.Tensor:
+    """Add reduced, unscaled grads to a hook's ``[scaled max, small, elements]`` accumulator."""
+    device = tensors[0].device
+    if acc is None:
+        acc = torch.zeros(3, dtype=torch.float32, device=device)
+    scale = scale.to(device).float().reshape(())
+    scaled = torch.nan_to_num(
+        _largest(tensors).to(device) * scale, nan=OVERFLOW_MARK, posinf=OVERFLOW_MARK
+    )
+    torch.maximum(acc[0], scaled, out=acc[0])
+    if sampling:
+        flat = _flat(tensors)
+        acc[1] += (flat.abs() * scale < FP16_MIN_NORMAL).sum()
+        acc[2] += float(flat.numel())
+    return acc

@@ -1,95 +1,71 @@
-"""``policy="predictive"``: set the scale from the measured gradient range instead of searching.
+"""``policy="predictive"``: set the scale from a window of measured gradient magnitudes.
 
-Every rank measures the largest finite gradient magnitude of the step (``_grad_measure``); the
-value rides on the step's one MAX all-reduce, so every rank computes the same next scale here.
+Every rank measures the largest gradient magnitude of its step, in scaled units (``g``: the grads
+as the backward left them, carrying the scale ``s``; ``_grad_measure``); a rank whose grads hold
+an inf or NaN reports :data:`OVERFLOW_MARK` instead. The value rides on the step's one MAX
+all-reduce, so every rank computes the same next scale here.
 
-The rule, after the reactive (dynamic) rule of ``_policy`` has run:
+The rule keeps what each step asks of the scale, as an unscaled magnitude ``e``, in two rings:
+the last ``window`` steps' entries (the measurements), and the last ``memory`` steps' overflow
+entries (0 for a clean step). It sets the scale to the largest power of two that keeps the largest
+entry of either, times ``2**MARGIN_LOG2``, within fp16's largest finite value (:data:`BUDGET` /
+``max``), clamped to ``[min_scale, max_scale]``:
 
-* **Overflow:** the dynamic rule stands: the step is skipped and the scale backs off (with
-  hysteresis and ``min_scale``). When it backs off, the safety margin doubles
-  (``margin_log2 += 1``, at most ``MAX_MARGIN_LOG2``): the gradients inside the backward pass ran
-  higher, relative to the parameter gradients we measure, than the margin allowed for.
-* **Clean step:** the target is the largest power of two ``2**t`` with
-  ``grad_max_abs * 2**margin_log2 * 2**t <= 65504`` (fp16's largest finite value), clamped to
-  ``[min_scale, max_scale]``. The scale moves toward it with these limits:
+* **Clean step:** ``e = g / s``, the largest unscaled magnitude. The measurement window (32
+  steps by default) is short, so the scale follows gradients that shrink (a warm-up, a model
+  that learns) within a few dozen steps, while one batch with small gradients does not lift it
+  (Transformer Engine's delayed scaling for FP8 keeps an amax history the same way).
+* **Overflow:** ``e = OVERFLOW_MARK / s``, which sets the scale to ``s / 2``: torch's back-off.
+  It enters both rings, so it is remembered for ``memory`` steps (``growth_interval``: as long as
+  the dynamic rule stays backed off), and a spike that overflowed once finds a scale with room
+  for it when it comes again. A policy other than torch's rule (hysteresis, a back-off factor
+  other than 0.5, min/max) runs the dynamic rule first and enters ``BUDGET / s_dynamic``: the
+  scale it chose, remembered.
+* **Nothing measured** (every grad zero, or none): ``e = BUDGET / s``, which asks for the scale
+  it has: through a phase without gradients the scale holds, and the phase does not empty the
+  window of the measurements before it (their maximum would otherwise drop as they leave).
 
-  - *down at once:* a lower scale never overflows; waiting would risk a skipped step.
-  - *up by at most one power of two per step, and only after the target has stayed above the
-    scale for* ``RISE_AFTER`` *clean steps in a row:* one batch with unusually small gradients
-    must not lift the scale by several powers of two that the next ordinary batch overflows.
-  - *the first measurement jumps:* a new scaler runs its first step at ``min(init_scale, 1.0)``
-    (scaling cannot overflow there) and its first clean, measured step sets the target directly.
-  - *the margin relaxes slowly:* after ``growth_interval`` clean steps in a row (where the dynamic
-    rule would grow the scale) the margin halves, down to ``MIN_MARGIN_LOG2``: the same rate at
-    which the dynamic rule probes upward, so the predictive rule overflows no more often.
+The rings replace the last-step rule with its widening and relaxing margin, which forgot a
+periodic spike before it came again, and read "nothing measured" as "the target is the maximum",
+doubling the scale through a phase of zero gradients.
 
-Growth and back-off counters count every rise and fall of the scale.
-
-Both forms below (host arithmetic, device tensor ops) compute bit-identical results; the target is
-computed from the exact binary exponent (``frexp``), never from a rounded ``log2``.
+Growth and back-off counters count every rise (on a clean step) and fall of the scale. The host
+and device forms below compute bit-identical results: the same float32 divisions, and the power
+of two taken from the exponent bits of a normal float32.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import collections
 import math
+import struct
 from dataclasses import dataclass
 
 import torch
 
-from dscale._policy import BACKOFFS, GROWTHS, HostState, ScalePolicy, f32
+from dscale._policy import BACKOFFS, GROWTHS, HostState, ScalePolicy, f32, is_torch_rule
 
 FP16_MAX = 65504.0
-#: The largest fp16 value as a share of 2**16: a mantissa (frexp) above it cannot take 2**16.
-_TOP_MANTISSA = FP16_MAX / 2.0**16
+#: The headroom kept above the largest magnitude in the rings: 2**0.5. With the power of two
+#: rounded down below it, the scale keeps between 1.41x and 2.83x: enough for gradients that
+#: drift up a few percent a step (the zoo's ``drift`` and ``warmup``), where 2x sat 4x below the
+#: largest safe scale on a quarter of the warm-up's probes.
+MARGIN_LOG2 = 0.5
+#: fp16's largest value over the margin, as float32: the scale is the largest power of two
+#: <= BUDGET / max.
+BUDGET = f32(FP16_MAX * 2.0**-MARGIN_LOG2)
+#: What an overflowed rank reports as its measurement (scaled units): the largest power of two
+#: <= BUDGET / (MARK / s) is s / 2, torch's back-off.
+OVERFLOW_MARK = FP16_MAX
+#: The smallest entry the rule takes: the target stays at most 2**100 (a finite float32 whose
+#: reciprocal is normal), however small the gradients. A constant word next to the rings.
+FLOOR = BUDGET * 2.0**-100
 #: The first step's scale (at most): scaling by 1 cannot make the backward overflow.
 FIRST_SCALE = 1.0
-#: The initial safety margin, 2**1: the measured magnitude may double before the next step
-#: overflows. Enough for the launcher's GPT and MLP, whose largest gradients are parameter grads.
-INITIAL_MARGIN_LOG2 = 1
-MIN_MARGIN_LOG2 = 0
-MAX_MARGIN_LOG2 = 24
-#: Clean steps in a row with the target above the scale before the scale may double.
-RISE_AFTER = 2
-#: Bounds of the target's exponent: the scale and its reciprocal stay normal fp32 numbers.
-MIN_TARGET_LOG2 = -100
-MAX_TARGET_LOG2 = 100
-
-
-@dataclass(frozen=True)
-class PredictiveHost:
-    """The predictive rule's state as Python numbers.
-
-    ``margin_log2``, ``rise_tracker`` and ``measured`` are what a resume needs (state dict);
-    ``grad_max_abs`` (unscaled, agreed over ranks, from the last clean step), ``target_scale``
-    and ``underflow_fraction`` (largest over ranks, last sample) are telemetry; NaN until known.
-    """
-
-    margin_log2: int = INITIAL_MARGIN_LOG2
-    rise_tracker: int = 0
-    measured: bool = False
-    grad_max_abs: float = math.nan
-    target_scale: float = math.nan
-    underflow_fraction: float = math.nan
-
-    def as_list(self) -> list[float]:
-        """The order of the device vector."""
-        return [
-            float(self.margin_log2),
-            float(self.rise_tracker),
-            float(self.measured),
-            self.grad_max_abs,
-            self.target_scale,
-            self.underflow_fraction,
-        ]
-
-    @staticmethod
-    def from_list(values: list[float]) -> PredictiveHost:
-        margin, rise, measured, grad_max_abs, target, underflow = values
-        return PredictiveHost(int(margin), int(rise), measured > 0, grad_max_abs, target, underflow)
-
-
-MARGIN, RISE, MEASURED, GRAD_MAX_ABS, TARGET, UNDERFLOW = range(6)
+#: The float32 exponent bits: a normal float with its mantissa cleared is a power of two.
+_EXPONENT_BITS = 0x7F800000
+_F32 = struct.Struct("<f")
+_I32 = struct.Struct("<i")
 
 
 def first_scale(init_scale: float, min_scale: float | None, max_scale: float | None) -> float:
@@ -102,126 +78,163 @@ def first_scale(init_scale: float, min_scale: float | None, max_scale: float | N
     return scale
 
 
-def target_log2(grad_max_abs: float, margin_log2: int) -> int:
-    """Exponent of the largest power of two keeping ``grad_max_abs * 2**margin_log2`` in fp16.
+def is_lean(policy: ScalePolicy) -> bool:
+    """torch's rule with a back-off of 0.5: the window alone decides (no dynamic rule runs)."""
+    return is_torch_rule(policy) and policy.backoff_factor == 0.5
 
-    ``grad_max_abs`` must be finite and > 0.
+
+def pow2_floor(value: float) -> float:
+    """The largest power of two <= ``value`` (positive, normal float32), from its exponent bits."""
+    (bits,) = _I32.unpack(_F32.pack(value))
+    return float(_F32.unpack(_I32.pack(bits & _EXPONENT_BITS))[0])
+
+
+def div32(a: float, b: float) -> float:
+    """``a / b`` as float32 division gives it, inf (or NaN) for b == 0 instead of an error.
+
+    After about 110 overflows in a row the scale underflows to 0, as torch's does after about
+    150; the rule then goes on as the device form does rather than raising.
     """
-    mantissa, exponent = math.frexp(grad_max_abs)  # value = mantissa * 2**exponent, exact
-    top = 16 if mantissa <= _TOP_MANTISSA else 15
-    return min(max(top - exponent - margin_log2, MIN_TARGET_LOG2), MAX_TARGET_LOG2)
+    if b == 0.0:
+        return math.nan if a == 0.0 or math.isnan(a) else math.copysign(math.inf, a)
+    return f32(a / b)
 
 
-def _clamp(value: float, policy: ScalePolicy) -> float:
-    if policy.max_scale is not None:
-        value = min(value, f32(policy.max_scale))
+def target_scale(policy: ScalePolicy, window_max: float) -> float:
+    """The scale the window asks for: the largest power of two within BUDGET / ``window_max``."""
+    target = pow2_floor(div32(BUDGET, window_max))
     if policy.min_scale is not None:
-        value = max(value, f32(policy.min_scale))
-    return value
+        target = max(target, f32(policy.min_scale))
+    if policy.max_scale is not None:
+        target = min(target, f32(policy.max_scale))
+    return target
+
+
+class Window:
+    """The ring of entries on the host, with its maximum kept in O(1) per step.
+
+    ``slots`` is the ring as the device holds it (``pos``: the slot the next entry overwrites);
+    the deque holds (step, entry) pairs with decreasing entries, so its front is the maximum
+    over the last ``len(slots)`` steps.
+    """
+
+    def __init__(self, slots: list[float], pos: int) -> None:
+        self.slots = slots
+        self.pos = pos
+        self.step = 0
+        self._max: collections.deque[tuple[int, float]] = collections.deque()
+        n = len(slots)
+        for k in range(n):  # oldest (at pos) to newest
+            self._push(slots[(pos + k) % n])
+
+    def _push(self, entry: float) -> None:
+        while self._max and self._max[-1][1] <= entry:
+            self._max.pop()
+        self._max.append((self.step, entry))
+        self.step += 1
+        while self._max[0][0] <= self.step - 1 - len(self.slots):
+            self._max.popleft()
+
+    @property
+    def max(self) -> float:
+        """The largest entry (0.0 for an empty window)."""
+        return self._max[0][1] if self._max else 0.0
+
+    def add(self, entry: float) -> float:
+        """Overwrite the oldest entry with ``entry``; return the new maximum."""
+        self.slots[self.pos] = entry
+        self.pos = (self.pos + 1) % len(self.slots)
+        self._push(entry)
+        return self._max[0][1]
+
+
+@dataclass(frozen=True)
+class Telemetry:
+    """What the last update measured and decided (NaN until known); replaced whole each update.
+
+    ``grad_max_abs``: the largest unscaled magnitude the last step measured, agreed over ranks
+    (NaN when it overflowed, 0 when it measured nothing);
+    ``window_max``: the largest entry in the window; ``target_scale``: the scale it asks for;
+    ``underflow_fraction``: the largest share over ranks of grad elements below fp16's smallest
+    normal number at the scale, from the last sampled step.
+    """
+
+    grad_max_abs: float = math.nan
+    window_max: float = math.nan
+    target_scale: float = math.nan
+    underflow_fraction: float = math.nan
 
 
 def next_host_state(
     policy: ScalePolicy,
     before: HostState,
     after: HostState,
-    p: PredictiveHost,
+    window: Window,
+    memory: Window,
     found: bool,
-    grad_max_abs: float,
-    underflow: float,
-) -> tuple[HostState, PredictiveHost]:
-    """Adjust the dynamic rule's result ``after`` (from ``before``) by the predictive rule."""
-    if underflow >= 0:
-        p = dataclasses.replace(p, underflow_fraction=underflow)
-    if found:
-        backed_off = after.counters[BACKOFFS] > before.counters[BACKOFFS]
-        margin = min(p.margin_log2 + int(backed_off), MAX_MARGIN_LOG2)
-        return after, dataclasses.replace(p, margin_log2=margin, rise_tracker=0)
-    margin = p.margin_log2
-    if after.growth_tracker == 0:  # growth_interval clean steps in a row: relax the margin
-        margin = max(margin - 1, MIN_MARGIN_LOG2)
-    has_value = grad_max_abs > 0
-    log2 = target_log2(grad_max_abs, margin) if has_value else MAX_TARGET_LOG2
-    target = _clamp(math.ldexp(1.0, log2), policy)
-    scale, rise = before.scale, 0
-    if (not p.measured and has_value) or target <= scale:
-        new = target
+    measured: float,
+) -> tuple[HostState, float]:
+    """The host form: adds this step's entry to both rings; returns the new state and the entry.
+
+    ``after`` is the dynamic rule's result from ``before``; ``measured`` is the agreed
+    measurement in scaled units (``OVERFLOW_MARK`` where a rank overflowed).
+    """
+    s = before.scale
+    asked = div32(measured if measured > 0 else BUDGET, s)  # nothing measured: hold s
+    if is_lean(policy):
+        entry = asked
+        # The dynamic rule does not run here: its trackers keep the values the device log gives.
+        tracker = before.growth_tracker
+        hyst = before.hysteresis_tracker
+        if found:
+            hyst = 0
+        elif policy.hysteresis_refill == "on_clean_step" or tracker == 0:
+            hyst = policy.hysteresis
     else:
-        rise = p.rise_tracker + 1
-        new = scale
-        if rise >= RISE_AFTER:
-            new, rise = min(target, math.ldexp(1.0, math.frexp(scale)[1])), 0
-    new = f32(new)
+        entry = div32(BUDGET, after.scale) if found else asked
+        tracker, hyst = after.growth_tracker, after.hysteresis_tracker
+    window_max = max(window.add(entry), memory.add(entry if found else 0.0), FLOOR)
+    new = target_scale(policy, window_max)
     counters = list(after.counters)
-    counters[GROWTHS] = before.counters[GROWTHS] + int(new > scale)
-    counters[BACKOFFS] = before.counters[BACKOFFS] + int(new < scale)
-    host = dataclasses.replace(after, scale=new, counters=tuple(counters))
-    return host, PredictiveHost(
-        margin_log2=margin,
-        rise_tracker=rise,
-        measured=p.measured or has_value,
-        grad_max_abs=grad_max_abs,
-        target_scale=target,
-        underflow_fraction=p.underflow_fraction,
-    )
-
-
-def _pow2(log2: torch.Tensor) -> torch.Tensor:
-    """``2.0**log2`` as fp32, exactly: the exponent bits written directly (|log2| <= 126)."""
-    bits = torch.bitwise_left_shift(log2.to(torch.int32) + 127, 23)
-    return bits.view(torch.float32)
+    counters[GROWTHS] = before.counters[GROWTHS] + int(new > s and not found)
+    counters[BACKOFFS] = before.counters[BACKOFFS] + int(new < s)
+    host = HostState(new, tracker, hyst, tuple(counters))
+    return host, entry
 
 
 def update_(
     policy: ScalePolicy,
-    p: torch.Tensor,
-    before_scale: torch.Tensor,
+    rings: torch.Tensor,
+    window: torch.Tensor,
+    memory: torch.Tensor,
+    pos: tuple[int, int],
     scale: torch.Tensor,
-    growth_tracker: torch.Tensor,
-    found_inf: torch.Tensor,
-    grad_max_abs: torch.Tensor,
-    underflow: torch.Tensor,
+    before: torch.Tensor | None,
+    found: torch.Tensor,
+    measured: torch.Tensor,
+    budget: torch.Tensor,
 ) -> None:
-    """:func:`next_host_state` as device tensor ops, in place on ``p`` and ``scale``.
+    """:func:`next_host_state` as device tensor ops, in place on the rings and ``scale``.
 
-    ``scale`` and ``growth_tracker`` hold the dynamic rule's result; ``p`` is the float32 vector
-    of :meth:`PredictiveHost.as_list`. No host sync. The growth and back-off counters need no
-    op here: the device state counts every rise and fall of the scale from its update log.
+    ``rings``: both rings and the :data:`FLOOR` word, contiguous (``window`` and ``memory`` are
+    views of it); ``pos``: the slot each ring overwrites. ``scale`` holds the step's scale (lean
+    policy) or the dynamic rule's result, and then ``before`` the step's scale. ``found`` is 0
+    or 1. ``budget`` is :data:`BUDGET` as a tensor on the device. No host sync; seven ops for
+    the lean policy.
     """
-    found = found_inf.to(scale.device).reshape(()) > 0
-    clean = ~found
-    m = grad_max_abs.to(scale.device).float().reshape(())
-    u = underflow.to(scale.device).float().reshape(())
-    p[UNDERFLOW] = torch.where(u >= 0, u, p[UNDERFLOW])
-    backed_off = scale < before_scale
-    margin = p[MARGIN]
-    margin_up = (margin + backed_off.float()).clamp(max=MAX_MARGIN_LOG2)
-    margin_down = torch.where(growth_tracker == 0, (margin - 1).clamp(min=MIN_MARGIN_LOG2), margin)
-    margin = torch.where(found, margin_up, margin_down)
-
-    has_value = m > 0
-    mantissa, exponent = torch.frexp(torch.where(has_value, m, torch.ones_like(m)))
-    top = torch.where(mantissa <= _TOP_MANTISSA, 16, 15).to(torch.int32)
-    log2 = (top - exponent.to(torch.int32) - margin.to(torch.int32)).clamp(
-        MIN_TARGET_LOG2, MAX_TARGET_LOG2
-    )
-    log2 = torch.where(has_value, log2, torch.full_like(log2, MAX_TARGET_LOG2))
-    target = _pow2(log2)
-    if policy.max_scale is not None:
-        target = target.clamp(max=policy.max_scale)
-    if policy.min_scale is not None:
-        target = target.clamp(min=policy.min_scale)
-
-    old = before_scale.reshape(())
-    settle = ((p[MEASURED] <= 0) & has_value) | (target <= old)
-    rise = torch.where(settle, torch.zeros_like(p[RISE]), p[RISE] + 1)
-    doubles = rise >= RISE_AFTER
-    up = _pow2(torch.frexp(old)[1])
-    new = torch.where(settle, target, torch.where(doubles, torch.minimum(target, up), old))
-    rise = torch.where(doubles, torch.zeros_like(rise), rise)
-
-    scale.copy_(torch.where(clean, new, scale))
-    p[MARGIN] = margin
-    p[RISE] = torch.where(clean, rise, torch.zeros_like(rise))
-    p[MEASURED] = torch.where(clean & has_value, torch.ones_like(p[MEASURED]), p[MEASURED])
-    p[GRAD_MAX_ABS] = torch.where(clean, m, p[GRAD_MAX_ABS])
-    p[TARGET] = torch.where(clean, target, p[TARGET])
+    slot = window[pos[0]]
+    asked = torch.where(measured > 0, measured, budget)  # nothing measured: hold the scale
+    if before is None:
+        torch.div(asked, scale, out=slot)
+    else:
+        backed = torch.div(budget, scale)
+        torch.where(found > 0, backed, torch.div(asked, before), out=slot)
+    torch.mul(slot, found, out=memory[pos[1]])  # the entry of an overflow, else 0
+    window_max = rings.amax()
+    if policy.min_scale is None and policy.max_scale is None:
+        torch.div(budget, window_max, out=scale)
+        scale.view(torch.int32).bitwise_and_(_EXPONENT_BITS)
+        return
+    target = torch.div(budget, window_max)
+    target.view(torch.int32).bitwise_and_(_EXPONENT_BITS)
+    scale.copy_(target.clamp(policy.min_scale, policy.max_scale))

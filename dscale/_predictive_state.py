@@ -1,38 +1,54 @@
-"""A predictive GradScaler's own state: where it lives, its state-dict keys, cross-policy loads.
+"""A predictive GradScaler's own state: its two rings, where they live, its state-dict keys.
 
-Like the scale (``_scale_state``), the rule's state stays on the host while every decision is known
-there (plain optimizer steps) and moves to a small device vector after fused or ``sync_free`` steps,
-so no step waits for the GPU.
+Like the scale (``_scale_state``), the rings stay on the host while every decision is known there
+(plain optimizer steps) and move to the device after a fused or ``sync_free`` step, into the tail
+of the scale state's own buffer, so the device update needs no extra copy to publish them.
 
-State-dict keys (format version 2; a dynamic scaler's dict stays version 1):
+Device tail layout (float32 words after the scale state's): ``[underflow share + 1 (0: never
+sampled), FLOOR, memory ring..., window ring...]`` (``_predictive`` says what each holds).
+
+State-dict keys (format version 4; a dynamic scaler's dict stays version 1):
     policy: "predictive" (informational; the constructor's ``policy`` decides).
-    predictive_margin_log2: the safety margin's exponent (int).
-    _predictive_rise_tracker: clean steps in a row with the target above the scale (int).
-    _predictive_measured: whether a measurement has set the scale yet (bool).
+    predictive_window, predictive_memory: the rings' entries (lists of float32 values, ring
+        order; 1-D tensors in a ``dscale.checkpoint`` checkpoint).
+    _predictive_window_pos, _predictive_memory_pos: the slot each ring overwrites next (int).
 
-A predictive scaler loading a dict without these keys (torch's, or a dynamic scaler's) resets them
-and logs a warning saying so; a dynamic scaler loading a predictive dict ignores them and says so.
+A predictive scaler loading a dict without these keys (torch's, a dynamic scaler's, or one from
+before version 4, of the earlier margin rule) starts with empty rings and logs a warning saying
+so; a ring of another length keeps its newest entries, and says so; a dynamic scaler loading a
+predictive dict ignores the keys and says so.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Mapping
 from typing import Any, Literal
 
 import torch
 
-from dscale import _predictive
-from dscale._grad_measure import NOT_SAMPLED, GradMeasure
+from dscale import _device_state, _predictive
+from dscale._grad_measure import GradMeasure
 from dscale._policy import HostState, ScalePolicy
-from dscale._predictive import PredictiveHost
+from dscale._predictive import Telemetry, Window
 
 logger = logging.getLogger(__name__)
 
 Policy = Literal["dynamic", "predictive"]
 POLICIES = ("dynamic", "predictive")
-FORMAT_VERSION = 2
-KEYS = ("predictive_margin_log2", "_predictive_rise_tracker", "_predictive_measured")
+FORMAT_VERSION = 4
+RINGS = ("window", "memory")
+KEYS = tuple(k for r in RINGS for k in (f"predictive_{r}", f"_predictive_{r}_pos"))
+#: Keys of the version 2 (margin rule) dicts: read as "no rings", and said so.
+OLD_KEYS = ("predictive_margin_log2", "_predictive_rise_tracker", "_predictive_measured")
+#: The measurement window's default length (``GradScaler(predictive_window=...)``).
+DEFAULT_WINDOW = 32
+TAIL_UNDERFLOW = 0
+TAIL_FLOOR = 1
+TAIL_RINGS = 2
+
+Ring = tuple[list[float], int]  # entries in ring order, the slot the next entry overwrites
 
 
 def check_policy(policy: Any) -> None:
@@ -45,12 +61,51 @@ def check_policy(policy: Any) -> None:
         )
 
 
+def check_window(window: Any) -> None:
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(
+            f"predictive_window must be an int >= 1, got {window!r}; it is the number of recent "
+            f"steps whose largest gradient sets the scale (default {DEFAULT_WINDOW})"
+        )
+
+
+def tail_words(window: int, memory: int) -> int:
+    """Words the predictive state adds to the scale state's device buffer."""
+    return TAIL_RINGS + memory + window
+
+
 def _as_number(value: Any) -> Any:
-    return value.item() if isinstance(value, torch.Tensor) else value
+    return value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
 
 
-def from_state_dict(state: Mapping[str, Any]) -> PredictiveHost | None:
-    """The predictive state in ``state``; None when it has none (it is then reset).
+def _ring(state: Mapping[str, Any], name: str) -> Ring:
+    entries, pos = state[f"predictive_{name}"], _as_number(state[f"_predictive_{name}_pos"])
+    if isinstance(entries, (list, tuple)):
+        try:
+            entries = torch.tensor(entries, dtype=torch.float32)
+        except (TypeError, ValueError):
+            pass
+    if (
+        not isinstance(entries, torch.Tensor)
+        or entries.dim() != 1
+        or entries.numel() < 1
+        or not bool(torch.isfinite(entries).all())
+        or bool((entries < 0).any())
+    ):
+        raise ValueError(
+            f"state_dict: predictive_{name} must be a non-empty list of finite values >= 0, "
+            f"got {_short(entries)}"
+        )
+    if isinstance(pos, bool) or not isinstance(pos, int) or not 0 <= pos < entries.numel():
+        raise ValueError(
+            f"state_dict: _predictive_{name}_pos must be an int in [0, {entries.numel()}), "
+            f"got {pos!r}"
+        )
+    return [float(v) for v in entries.float().tolist()], pos
+
+
+def from_state_dict(state: Mapping[str, Any]) -> dict[str, Ring] | None:
+    """The rings in ``state``; None when it has none (the rings then start empty).
 
     Raises:
         ValueError: naming the key when a predictive key holds a bad value.
@@ -58,27 +113,26 @@ def from_state_dict(state: Mapping[str, Any]) -> PredictiveHost | None:
     version = _as_number(state.get("dscale_format_version", 1))
     if version < FORMAT_VERSION or not all(k in state for k in KEYS):
         return None
-    margin, rise, measured = (_as_number(state[k]) for k in KEYS)
-    limits = (_predictive.MIN_MARGIN_LOG2, _predictive.MAX_MARGIN_LOG2)
-    if (
-        isinstance(margin, bool)
-        or not isinstance(margin, int)
-        or not (limits[0] <= margin <= limits[1])
-    ):
-        raise ValueError(
-            f"state_dict: predictive_margin_log2 must be an int in [{limits[0]}, {limits[1]}], "
-            f"got {margin!r}"
-        )
-    if isinstance(rise, bool) or not isinstance(rise, int) or rise < 0:
-        raise ValueError(f"state_dict: _predictive_rise_tracker must be an int >= 0, got {rise!r}")
-    if measured not in (0, 1, True, False):
-        raise ValueError(f"state_dict: _predictive_measured must be a bool, got {measured!r}")
-    return PredictiveHost(margin_log2=margin, rise_tracker=rise, measured=bool(measured))
+    return {name: _ring(state, name) for name in RINGS}
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 200 else text[:200] + "..."
+
+
+def _resized(ring: Ring, length: int) -> Ring:
+    """A ring of ``length`` slots holding the newest entries of ``ring``."""
+    slots, pos = ring
+    n = len(slots)
+    ordered = [slots[(pos + k) % n] for k in range(n)]  # oldest to newest
+    kept = ordered[-length:]
+    return [0.0] * (length - len(kept)) + kept, 0
 
 
 def note_ignored(state: Mapping[str, Any]) -> None:
     """A dynamic scaler loading a predictive dict: say what it leaves out."""
-    present = [k for k in KEYS if k in state]
+    present = [k for k in (*KEYS, *OLD_KEYS) if k in state]
     if present:
         logger.warning(
             "loaded a state dict saved with policy='predictive' into a policy='dynamic' "
@@ -88,69 +142,132 @@ def note_ignored(state: Mapping[str, Any]) -> None:
 
 
 class PredictiveScaling:
-    """The measurement and the rule's state of one predictive GradScaler."""
+    """The measurement, the two rings and the telemetry of one predictive GradScaler."""
 
-    def __init__(self) -> None:
+    def __init__(self, window: int, memory: int) -> None:
+        self.lengths = {"window": window, "memory": memory}
         self.measure = GradMeasure()
-        self.host: PredictiveHost | None = PredictiveHost()  # the authority while not None
-        self.vector: torch.Tensor | None = None  # float32, PredictiveHost.as_list() order
-        self._in_flight: tuple[torch.Tensor, Any | None] | None = None
-        self._published = PredictiveHost()
+        # The authority while not None (plain steps); then the device tail.
+        self.host: dict[str, Window] | None = {
+            name: Window([0.0] * n, 0) for name, n in self.lengths.items()
+        }
+        self.pos = {"window": 0, "memory": 0}  # the device rings' next slots (host None)
+        self.telemetry = Telemetry()  # host form's; replaced whole (scrapes read it)
+        self._budget: torch.Tensor | None = None
+        self._tail: torch.Tensor | None = None  # the device tail, once the rings are there
         # This iteration's agreed measurement: host numbers when the host read the vectors.
         self._host_values: tuple[float, float] | None = None
         self._device_values: tuple[torch.Tensor, torch.Tensor] | None = None
 
     # ------------------------------------------------------------ one iteration
-    def begin(self, agreed: list[torch.Tensor], on_host: list[list[float]] | None) -> None:
-        """Take this iteration's agreed vectors (MAX over optimizers as over ranks)."""
-        from dscale._agreement import GRAD_MAX_ABS, UNDERFLOW
+    def begin(
+        self,
+        agreed: list[torch.Tensor],
+        on_host: list[list[float]] | None,
+        at: int,
+        *,
+        spiked: list[torch.Tensor] | None = None,
+        spiked_on_host: bool = False,
+    ) -> None:
+        """Take this iteration's agreed vectors (MAX over optimizers as over ranks).
 
+        ``at``: the index of the measurement in them (``_agreement.measured_at``). ``spiked``:
+        the spike gate's decisions (> 0: skipped for a spike; ``spiked_on_host`` as known on
+        the host), which make the step one that measured nothing.
+        """
         if on_host is not None:
-            self._host_values = (
-                max(v[GRAD_MAX_ABS] for v in on_host),
-                max(v[UNDERFLOW] for v in on_host),
-            )
-        stacked = torch.stack([a[GRAD_MAX_ABS : UNDERFLOW + 1] for a in agreed]).amax(0)
-        self._device_values = (stacked[0], stacked[1])
+            measured = 0.0 if spiked_on_host else max(v[at] for v in on_host)
+            self._host_values = (measured, max(v[at + 1] for v in on_host))
+        if len(agreed) == 1:
+            values = (agreed[0][at], agreed[0][at + 1])
+        else:
+            stacked = torch.stack([a[at : at + 2] for a in agreed]).amax(0)
+            values = (stacked[0], stacked[1])
+        if spiked:  # the spike gate is on: a few ops more
+            spike = spiked[0] if len(spiked) == 1 else torch.stack(spiked).amax()
+            values = (torch.where(spike > 0, 0.0, values[0]), values[1])
+        self._device_values = values
 
     def next_host_state(
         self, policy: ScalePolicy, before: HostState, after: HostState, found: bool
     ) -> HostState:
         """The host form of the rule (plain steps: no device op)."""
-        assert self._host_values is not None  # noqa: S101 - begin() got the host vectors
-        new, self.host = _predictive.next_host_state(
-            policy, before, after, self.read(), found, *self._host_values
+        assert self._host_values is not None and self.host is not None  # noqa: S101
+        measured, underflow = self._host_values
+        window, memory = self.host["window"], self.host["memory"]
+        new, entry = _predictive.next_host_state(
+            policy, before, after, window, memory, found, measured
+        )
+        self.telemetry = self._telemetry(
+            policy,
+            grad_max_abs=math.nan if found else entry if measured > 0 else 0.0,
+            largest=max(window.max, memory.max),
+            underflow=underflow - 1.0 if underflow > 0 else self.telemetry.underflow_fraction,
         )
         self._end()
         return new
 
-    def before_(self, scale: torch.Tensor) -> torch.Tensor:
-        """The scale before the dynamic rule runs (a copy), which the device form needs."""
-        return scale.clone()
+    @staticmethod
+    def _telemetry(
+        policy: ScalePolicy | None, *, grad_max_abs: float, largest: float, underflow: float
+    ) -> Telemetry:
+        target = math.nan
+        if policy is not None and largest > 0:
+            target = _predictive.target_scale(policy, max(largest, _predictive.FLOOR))
+        return Telemetry(grad_max_abs, largest, target, underflow)
+
+    def is_lean(self, policy: ScalePolicy) -> bool:
+        """Whether the device update runs without the dynamic rule (``_predictive.is_lean``)."""
+        return _predictive.is_lean(policy)
+
+    def _views(self, tail: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(the floor and both rings, the window, the memory) in the device tail."""
+        rings = tail[TAIL_RINGS:]
+        memory = self.lengths["memory"]
+        return tail[TAIL_FLOOR:], rings[memory:], rings[:memory]
 
     def update_(
         self,
         policy: ScalePolicy,
-        before_scale: torch.Tensor,
+        tail: torch.Tensor,
         scale: torch.Tensor,
-        growth_tracker: torch.Tensor,
+        before: torch.Tensor | None,
         found_inf: torch.Tensor,
     ) -> None:
-        """The device form of the rule (fused and sync-free steps: no host sync)."""
+        """The device form of the rule (fused and sync-free steps: no host sync).
+
+        ``tail``: this state's words in the scale state's buffer; ``before``: the step's scale
+        when ``scale`` already holds the dynamic rule's result (None for the lean rule).
+        """
         assert self._device_values is not None  # noqa: S101 - begin() ran
-        vector = self._on(scale.device)
+        measured, underflow = self._device_values
+        self._to_device(tail)
+        self._tail = tail
+        budget = self._budget
+        if budget is None or budget.device != tail.device:
+            budget = self._budget = torch.full((), _predictive.BUDGET, device=tail.device)
+        rings, window, memory = self._views(tail)
+        pos = (self.pos["window"], self.pos["memory"])
         _predictive.update_(
-            policy,
-            vector,
-            before_scale,
-            scale,
-            growth_tracker,
-            found_inf,
-            *self._device_values,
+            policy, rings, window, memory, pos, scale, before, found_inf, measured, budget
         )
-        self.host = None
-        self._publish(vector)
+        self.pos = {name: (self.pos[name] + 1) % n for name, n in self.lengths.items()}
+        if self.measure.sampling:  # the only steps whose vector carries a share
+            tail[TAIL_UNDERFLOW].copy_(underflow)
         self._end()
+
+    def _to_device(self, tail: torch.Tensor) -> None:
+        """Hand the rings to the device buffer (once, after plain steps; no host sync)."""
+        host = self.host
+        if host is None:
+            return
+        underflow = self.telemetry.underflow_fraction
+        values = [0.0 if math.isnan(underflow) else underflow + 1.0, _predictive.FLOOR]
+        values += host["memory"].slots + host["window"].slots
+        # non_blocking: a blocking host-to-device copy waits for the GPU (a sync on CUDA).
+        tail.copy_(torch.tensor(values, dtype=torch.float32).to(tail.device, non_blocking=True))
+        self.pos = {name: ring.pos for name, ring in host.items()}
+        self.host = None
 
     def _end(self) -> None:
         self._host_values = self._device_values = None
@@ -160,92 +277,119 @@ class PredictiveScaling:
         """update(new_scale=...): no rule ran, but the iteration is over."""
         self._end()
 
-    # ------------------------------------------------------------ where the state lives
-    def _on(self, device: torch.device) -> torch.Tensor:
-        host = self.host
-        if host is not None or self.vector is None:
-            values = (host or PredictiveHost()).as_list()
-            # non_blocking: a blocking host-to-device copy waits for the GPU (a sync on CUDA).
-            self.vector = torch.tensor(values, dtype=torch.float32).to(device, non_blocking=True)
-        elif self.vector.device != device:
-            self.vector = self.vector.to(device)
-        return self.vector
-
-    def read(self) -> PredictiveHost:
-        """The state as numbers; waits for the GPU only after device-side updates."""
+    # ------------------------------------------------------------ reading it back
+    def rings(self) -> dict[str, Ring]:
+        """Both rings in ring order with their positions; waits for the GPU after device updates."""
         if self.host is not None:
-            return self.host
-        assert self.vector is not None  # noqa: S101 - host None only after a device update
-        return PredictiveHost.from_list(self.vector.tolist())
+            return {name: (list(r.slots), r.pos) for name, r in self.host.items()}
+        assert self._tail is not None  # noqa: S101 - host None only after a device update
+        _, window, memory = self._views(self._tail)
+        return {
+            "window": (window.tolist(), self.pos["window"]),
+            "memory": (memory.tolist(), self.pos["memory"]),
+        }
 
-    def latest(self) -> PredictiveHost:
-        """The newest state the host holds, never waiting (scrape threads)."""
-        if self.host is not None:
-            return self.host
-        in_flight = self._in_flight
-        if in_flight is not None and (in_flight[1] is None or in_flight[1].query()):
-            return PredictiveHost.from_list(in_flight[0].tolist())
-        return self._published
-
-    def _publish(self, vector: torch.Tensor) -> None:
-        if vector.device.type != "cuda":
-            self._in_flight = (vector.clone(), None)
-            return
-        previous = self._in_flight
-        if previous is not None and (previous[1] is None or previous[1].query()):
-            self._published = PredictiveHost.from_list(previous[0].tolist())
-        buffer = torch.empty(vector.shape, dtype=vector.dtype, pin_memory=True)
-        buffer.copy_(vector, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        self._in_flight = (buffer, event)  # read only once `event` has completed
+    def telemetry_from(
+        self, words: torch.Tensor | None, rows: int, pos: Any, policy: ScalePolicy | None
+    ) -> Telemetry:
+        """Telemetry from a host copy of the scale state's buffer (after device updates)."""
+        if self.host is not None or words is None or policy is None:
+            return self.telemetry
+        tail = words[_device_state.WORDS :]
+        rings, window, _ = self._views(tail)
+        window_pos = self.pos["window"] if pos is None else pos
+        newest = float(window[(window_pos - 1) % self.lengths["window"]])
+        last_row = _device_state.LOG + _device_state.ROW * (rows - 1)
+        overflowed = rows > 0 and float(words[last_row]) > 0
+        # The step's scale: the row before's, or the scale at the last fold.
+        before = last_row - _device_state.ROW + 1 if rows > 1 else _device_state.FOLD_SCALE
+        if newest == _predictive.div32(_predictive.BUDGET, float(words[before])):
+            newest = 0.0  # the hold entry of a step that measured nothing
+        share = float(tail[TAIL_UNDERFLOW])
+        return self._telemetry(
+            policy,
+            grad_max_abs=math.nan if overflowed else newest,
+            largest=float(rings.max()),
+            underflow=share - 1.0 if share > 0 else math.nan,
+        )
 
     # ------------------------------------------------------------ state dict
     def state_dict(self) -> dict[str, Any]:
         """The keys this policy adds (see the module docstring)."""
-        p = self.read()
-        return {
-            "dscale_format_version": FORMAT_VERSION,
-            "policy": "predictive",
-            "predictive_margin_log2": p.margin_log2,
-            "_predictive_rise_tracker": p.rise_tracker,
-            "_predictive_measured": p.measured,
-        }
+        state: dict[str, Any] = {"dscale_format_version": FORMAT_VERSION, "policy": "predictive"}
+        for name, (slots, pos) in self.rings().items():
+            state[f"predictive_{name}"] = slots
+            state[f"_predictive_{name}_pos"] = pos
+        return state
 
-    def load(self, loaded: PredictiveHost | None) -> None:
-        """Replace the state (``from_state_dict``'s result); None resets it and says so."""
+    def load(self, loaded: dict[str, Ring] | None) -> None:
+        """Replace the rings (``from_state_dict``'s result); None empties them and says so."""
         if loaded is None:
             logger.warning(
-                "the loaded GradScaler state dict has no predictive state (saved by torch or "
-                "by a policy='dynamic' scaler): reset %s to their initial values; the next "
-                "clean step sets the scale from the measured gradients",
-                list(KEYS),
+                "the loaded GradScaler state dict has no predictive window (saved by torch, by "
+                "a policy='dynamic' scaler or by dscale before format version %d): the window "
+                "starts empty; the next clean step sets the scale from the measured gradients",
+                FORMAT_VERSION,
             )
-            loaded = PredictiveHost()
-        self.host = loaded
-        self._published = loaded
-        self._in_flight = None
-        self.vector = None
+            loaded = {name: ([0.0] * n, 0) for name, n in self.lengths.items()}
+        host = {}
+        for name, n in self.lengths.items():
+            ring = loaded[name]
+            if len(ring[0]) != n:
+                logger.warning(
+                    "the loaded predictive_%s has %d entries, this scaler's has %d: kept the "
+                    "newest %d",
+                    name,
+                    len(ring[0]),
+                    n,
+                    min(len(ring[0]), n),
+                )
+                ring = _resized(ring, n)
+            host[name] = Window(list(ring[0]), ring[1])
+        self.host = host
+        self.pos = {name: ring.pos for name, ring in host.items()}
+        largest = max(ring.max for ring in host.values())
+        self.telemetry = Telemetry(window_max=largest)
 
-    def snapshot(self, *, wait: bool) -> dict[str, float | int]:
-        """Telemetry for ``GradScaler.snapshot()``."""
-        p = self.read() if wait else self.latest()
-        underflow = p.underflow_fraction
+    def note_interval(self, growth_interval: int) -> None:
+        """Say so when a loaded growth_interval differs from the overflow memory's length.
+
+        The memory lives in the device buffer sized at construction: it keeps its length.
+        """
+        if growth_interval != self.lengths["memory"]:
+            logger.warning(
+                "the loaded growth_interval=%d differs from the one this predictive GradScaler "
+                "was built with (%d): overflows stay remembered for %d steps; build the scaler "
+                "with growth_interval=%d to remember them for as long",
+                growth_interval,
+                self.lengths["memory"],
+                self.lengths["memory"],
+                growth_interval,
+            )
+
+    def snapshot(self, telemetry: Telemetry) -> dict[str, float | int]:
+        """Telemetry fields of ``GradScaler.snapshot()``."""
         return {
-            "grad_max_abs": p.grad_max_abs,
-            "target_scale": p.target_scale,
-            "margin_log2": p.margin_log2,
-            "underflow_fraction": underflow if underflow != NOT_SAMPLED else float("nan"),
+            "grad_max_abs": telemetry.grad_max_abs,
+            "target_scale": telemetry.target_scale,
+            "margin_log2": _predictive.MARGIN_LOG2,
+            "underflow_fraction": telemetry.underflow_fraction,
         }
 
     def __getstate__(self) -> dict[str, Any]:
-        host = self.read()
-        fresh = PredictiveScaling()
-        state = dict(fresh.__dict__)
-        state.update(host=host, _published=host)
-        state["measure"] = GradMeasure(self.measure.sample_every)
-        state["measure"].iteration = self.measure.iteration
-        return state
+        # Device tensors are not pickled (as torch's scaler): the copy starts on the host.
+        underflow = self.telemetry.underflow_fraction
+        if self.host is None and self._tail is not None:
+            share = float(self._tail[TAIL_UNDERFLOW])
+            underflow = share - 1.0 if share > 0 else math.nan
+        fresh = PredictiveScaling(self.lengths["window"], self.lengths["memory"])
+        fresh.load(self.rings())
+        fresh.telemetry = Telemetry(
+            window_max=fresh.telemetry.window_max, underflow_fraction=underflow
+        )
+        fresh.measure.iteration = self.measure.iteration
+        fresh.measure.sample_every = self.measure.sample_every
+        return fresh.__dict__
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)

@@ -21,6 +21,8 @@ goes back to the scaler's pass, and a grad written after the reduction is refuse
 
 ``policy="predictive"`` passes a ``GradMeasure``: the hooks also take the largest magnitude of each
 reduced, unscaled bucket or shard, so the scaler's own pass measures only what they did not see.
+The measurement is kept and dropped with the flag: a backward that is abandoned (no step) leaves
+neither for the next one.
 """
 
 # No `from __future__ import annotations`: DDP compares the hook's annotations as objects.
@@ -34,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from dscale import _dist
-from dscale._grad_measure import GradMeasure
+from dscale._grad_measure import GradMeasure, measure_reduced
 from dscale._unscale import copy_to, local_tensor
 
 
@@ -44,13 +46,15 @@ class HookReport:
 
     ``flag``: their overflow flag (None: no hook ran); ``covered``: ids of the parameters whose
     grads they checked and unscaled, as they are now; ``is_global``: the flag is already the same
-    on every rank of the scaler's group; ``unscaled``: the covered grads are unscaled.
+    on every rank of the scaler's group; ``unscaled``: the covered grads are unscaled;
+    ``measured``: policy="predictive"'s ``[scaled max, underflowing elements, elements]``.
     """
 
     flag: torch.Tensor | None
     covered: frozenset[int]
     is_global: bool
     unscaled: bool
+    measured: torch.Tensor | None = None
 
 
 class AttachRefusal(RuntimeError):
@@ -74,13 +78,16 @@ class HookState:
     ) -> None:
         self.scale_of = scale_of
         self.scale_calls = scale_calls
-        self.measure = measure  # policy="predictive": also measure the reduced, unscaled grads
+        self.measurer = measure  # policy="predictive": also measure the reduced, unscaled grads
         self.params = params  # the parameters this model's hooks reduce
         self.ids = frozenset(id(p) for p in params)
         self.group = group
         self.world_size = dist.get_world_size(group) if group is not None else 1
         self.ddp = ddp
         self.found: dict[torch.device, torch.Tensor] = {}
+        # policy="predictive": [scaled max, underflowing elements, elements] per device, kept and
+        # dropped with `found`.
+        self.measured: dict[torch.device, torch.Tensor] = {}
         self.in_backward = False
         self.scale_calls_seen = 0
         # After each backward with hooks: id(param) -> (the grad, its version) as the hook left it.
@@ -112,6 +119,7 @@ class HookState:
         # reduces only this backward's part: an earlier flag stays unless its grads are gone.
         if self.ddp or all(p.grad is None for p in self.params):
             self.found = {}
+            self.measured = {}
         self.in_backward = True
         engine = torch.autograd.Variable._execution_engine
         # Queued from a callback so that it runs after DDP's and FSDP2's own final callbacks,
@@ -154,6 +162,22 @@ class HookState:
         self.found = {}
         _used_on_current_stream(*flags)  # made on a reduce stream, read on this one
         return flags
+
+    def take_measured(self) -> list[torch.Tensor]:
+        """policy="predictive": the accumulators recorded with those flags."""
+        measured = list(self.measured.values())
+        self.measured = {}
+        _used_on_current_stream(*measured)
+        return measured
+
+    def measure(self, tensors: list[torch.Tensor], scale: torch.Tensor) -> None:
+        """Add reduced, unscaled grads to this iteration's measurement (policy="predictive")."""
+        if self.measurer is None:
+            return
+        device = tensors[0].device
+        self.measured[device] = measure_reduced(
+            self.measured.get(device), tensors, scale, self.measurer.sampling
+        )
 
     def classify(self, grads_of: Iterable[torch.nn.Parameter]) -> tuple[set[int], set[int]]:
         """Split ``grads_of`` (parameters with grads) into (covered now, sent back to the pass)."""
@@ -207,8 +231,7 @@ def unscale_allreduce_hook(
     def finish(fut: torch.futures.Future[Any]) -> torch.Tensor:
         reduced = fut.value()[0]
         torch._amp_foreach_non_finite_check_and_unscale_([reduced], found, inv)
-        if state.measure is not None:  # policy="predictive": the reduced, unscaled grads
-            state.measure.add([reduced], torch.ones_like(scale), scale)
+        state.measure([reduced], scale)  # policy="predictive": the reduced, unscaled grads
         # NCCL runs this callback on its own stream: `inv`, `found` and `scale` were made on the
         # caller's, so the allocator must not reuse them before this stream's kernels read them.
         _used_on_current_stream(inv, found, scale)
@@ -224,8 +247,7 @@ def unscale_reduced_shard(state: HookState, reduce_output: torch.Tensor) -> None
     inv = scale.double().reciprocal().float()
     found = state.flag(reduce_output.device)
     torch._amp_foreach_non_finite_check_and_unscale_([reduce_output], found, inv)
-    if state.measure is not None:  # policy="predictive": the reduced, unscaled shard
-        state.measure.add([reduce_output], torch.ones_like(scale), scale)
+    state.measure([reduce_output], scale)  # policy="predictive": the reduced, unscaled shard
     _used_on_current_stream(inv, found, scale)  # FSDP2 calls this on its reduce stream
 
 
@@ -262,6 +284,7 @@ class ReductionHooks:
     def __init__(self) -> None:
         self.states: list[HookState] = []
         self._flag: torch.Tensor | None = None
+        self._measured: torch.Tensor | None = None
         self._taken = False
 
     def attach(
@@ -305,6 +328,8 @@ class ReductionHooks:
         if not self._taken:
             flags = [f for s in self.states for f in s.take_flags()]
             self._flag = torch.stack([copy_to(f, device) for f in flags]).amax() if flags else None
+            measured = [copy_to(m, device) for s in self.states for m in s.take_measured()]
+            self._measured = _combine(measured) if measured else None
             self._taken = True
         if self._flag is None:
             return NO_HOOKS
@@ -335,14 +360,30 @@ class ReductionHooks:
             )
             refusal.peers_agree = False
             raise refusal
-        return HookReport(self._flag, frozenset(covered), is_global=is_global, unscaled=True)
+        return HookReport(
+            self._flag,
+            frozenset(covered),
+            is_global=is_global,
+            unscaled=True,
+            measured=self._measured,
+        )
 
     def reset(self) -> None:
-        """Forget this iteration's flag (update() calls it)."""
+        """Forget this iteration's flag and measurement (update() calls it)."""
         self._flag = None
+        self._measured = None
         self._taken = False
         for state in self.states:
             state.found = {}
+            state.measured = {}
+
+
+def _combine(measured: list[torch.Tensor]) -> torch.Tensor:
+    """Several ``[max, small, elements]`` accumulators as one: the max, and the sums."""
+    if len(measured) == 1:
+        return measured[0]
+    stacked = torch.stack(measured)
+    return torch.cat([stacked[:, :1].amax(0), stacked[:, 1:].sum(0)])
 
 
 def _rescale_hook(state: HookState, param: torch.nn.Parameter) -> Callable[[torch.Tensor], None]:

@@ -30,8 +30,11 @@ def fresh_host_state(init_scale: float, hysteresis: int) -> HostState:
 class ScaleState:
     """The scale, growth and hysteresis trackers, and event counters of one GradScaler."""
 
-    def __init__(self, host: HostState) -> None:
+    def __init__(self, host: HostState, tail_words: int = 0) -> None:
         self.host: HostState | None = host  # the authority while not None
+        # Words after the state's own for policy="predictive" (dscale/_predictive_state.py):
+        # one buffer, so one copy publishes both.
+        self.tail_words = tail_words
         self._flushed: HostState | None = None  # the host state last written to the device
         # The device state (dscale/_device_state.py) and views of it; scale() reads `scale`.
         self.words: torch.Tensor | None = None
@@ -41,14 +44,22 @@ class ScaleState:
         self._rows = 0  # updates logged on the device since the last fold
         self._policy: _policy.ScalePolicy | None = None  # the rule the logged rows ran under
         self._clamped_interval: int | None = None  # see _clamp_tracker
-        # After device-side updates: the newest state that has reached the host, and a copy of a
-        # newer one that may still be in flight (buffer, event, rows, policy). Read by scrapes.
+        # After device-side updates: the newest copy of the buffer that has reached the host
+        # (buffer, rows, policy, tag), and a newer one that may still be in flight (buffer,
+        # event, rows, policy, tag); `tag` is the caller's (the predictive window's position).
+        # Read by scrapes.
         self._published: HostState = host
-        self._in_flight: tuple[torch.Tensor, Any | None, int, Any] | None = None
+        self._published_words: tuple[torch.Tensor, int, Any, Any] | None = None
+        self._in_flight: tuple[torch.Tensor, Any | None, int, Any, Any] | None = None
 
     @property
     def placed(self) -> bool:
         return self.scale is not None
+
+    @property
+    def tail(self) -> torch.Tensor | None:
+        """The predictive state's words of the device buffer (a view), once placed."""
+        return None if self.words is None else self.words[_device_state.WORDS :]
 
     @property
     def counters(self) -> torch.Tensor | None:
@@ -59,7 +70,9 @@ class ScaleState:
         """Create the device state (the first scale() call decides the device, as torch)."""
         host = self.host
         assert host is not None  # noqa: S101 - the host holds the state until it is placed
-        words = torch.zeros(_device_state.WORDS, dtype=torch.float32, device=device)
+        words = torch.zeros(
+            _device_state.WORDS + self.tail_words, dtype=torch.float32, device=device
+        )
         self.words = words
         self.scale = words[_device_state.SCALE]
         self.growth_tracker = _device_state.int32_at(words, _device_state.GROWTH)
@@ -119,28 +132,44 @@ class ScaleState:
         host = self.host
         if host is not None:
             return host
-        in_flight = self._in_flight
-        if in_flight is not None and (in_flight[1] is None or in_flight[1].query()):
-            return _device_state.fold_on_host(in_flight[0], in_flight[2], in_flight[3])
+        self._land()
         return self._published
 
-    def _publish(self) -> None:
+    def latest_words(self) -> tuple[torch.Tensor, int, Any, Any] | None:
+        """The newest host copy of the buffer (buffer, rows, policy, tag), never waiting."""
+        self._land()
+        return self._published_words
+
+    def words_now(self, tag: Any) -> tuple[torch.Tensor, int, Any, Any] | None:
+        """A host copy of the current buffer (waits for the GPU); None while the host holds it."""
+        if self.host is not None or self.words is None:
+            return None
+        return (self.words.cpu(), self._rows, self._policy, tag)
+
+    def _land(self) -> None:
+        """Take the in-flight copy as published once it has reached the host."""
+        in_flight = self._in_flight
+        if in_flight is not None and (in_flight[1] is None or in_flight[1].query()):
+            buffer, _, rows, policy, tag = in_flight
+            self._published = _device_state.fold_on_host(buffer, rows, policy)
+            self._published_words = (buffer, rows, policy, tag)
+            self._in_flight = None
+
+    def _publish(self, tag: Any = None) -> None:
         """Start copying the device state to the host (non-blocking); :meth:`latest` reads it."""
         words = self.words
         assert words is not None  # noqa: S101
         if words.device.type != "cuda":
             # On the host already; a copy, since the live buffer changes at the next update.
-            self._in_flight = (words.clone(), None, self._rows, self._policy)
+            self._in_flight = (words.clone(), None, self._rows, self._policy, tag)
             return
-        previous = self._in_flight
-        if previous is not None and (previous[1] is None or previous[1].query()):
-            self._published = _device_state.fold_on_host(previous[0], previous[2], previous[3])
+        self._land()
         buffer = torch.empty(words.shape, dtype=words.dtype, pin_memory=True)
         buffer.copy_(words, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
         # Read only once `event` has completed (latest() queries it, never waits on it).
-        self._in_flight = (buffer, event, self._rows, self._policy)
+        self._in_flight = (buffer, event, self._rows, self._policy, tag)
 
     def _clamp_tracker(self, policy: _policy.ScalePolicy) -> None:
         """Keep the tracker below the interval, once per interval (torch's kernel grows at ==).
@@ -187,8 +216,11 @@ class ScaleState:
             self.fold()  # rows are folded under the rule they ran under
             self._policy = policy
         flag = found_inf.to(self.scale.device).float().reshape(())
-        before = None if predictive is None else predictive.before_(self.scale)
-        if _policy.is_torch_rule(policy):
+        lean = predictive is not None and predictive.is_lean(policy)
+        before = self.scale.clone() if predictive is not None and not lean else None
+        if lean:
+            pass  # the predictive rule alone sets the scale (dscale/_predictive.py)
+        elif _policy.is_torch_rule(policy):
             self._clamp_tracker(policy)
             torch._amp_update_scale_(
                 self.scale,
@@ -200,13 +232,14 @@ class ScaleState:
             )
         else:
             _policy.update_(policy, self.scale, self.growth_tracker, self.hysteresis_tracker, flag)
-        if predictive is not None and before is not None:
-            predictive.update_(policy, before, self.scale, self.growth_tracker, flag)
+        if predictive is not None:
+            assert self.tail is not None  # noqa: S101 - the scaler sized it for the policy
+            predictive.update_(policy, self.tail, self.scale, before, flag)
         row = _device_state.row_view(self.words, self._rows)
         torch.cat([flag.reshape(1), self.words[: _device_state.HYSTERESIS]], out=row)
         self._rows += 1
         self.host = None
-        self._publish()
+        self._publish(None if predictive is None else predictive.pos["window"])
 
     def set_scale(self, new_scale: float | torch.Tensor) -> None:
         """``update(new_scale=...)``: a float keeps the host copy, a tensor moves to the device.
@@ -235,6 +268,7 @@ class ScaleState:
         """Replace the whole state (load_state_dict)."""
         self.host = host
         self._published = host
+        self._published_words = None
         self._in_flight = None
         self._flushed = None
         self._flush()
@@ -253,7 +287,9 @@ class ScaleState:
             "_policy": None,
             "_clamped_interval": None,
             "_published": state,
+            "_published_words": None,
             "_in_flight": None,
+            "tail_words": self.tail_words,
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -262,4 +298,6 @@ class ScaleState:
         for name, default in (("words", None), ("_rows", 0), ("_policy", None)):
             state.setdefault(name, default)
         state.setdefault("_clamped_interval", None)
+        state.setdefault("tail_words", 0)
+        state.setdefault("_published_words", None)
         self.__dict__.update(state)

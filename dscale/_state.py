@@ -37,8 +37,9 @@ logger = logging.getLogger(__name__)
 FORMAT_VERSION = 1
 #: Version 2 adds policy="predictive"'s keys (``dscale._predictive_state``); dynamic dicts stay 1.
 #: Version 3 adds a StepGuard's and the spike gate's keys; dicts without them keep 1 or 2.
+#: Version 4: policy="predictive"'s window replaces its margin keys.
 GUARD_FORMAT_VERSION = 3
-NEWEST_FORMAT_VERSION = 3
+NEWEST_FORMAT_VERSION = 4
 
 TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 COUNTER_KEYS = tuple(f"num_{name}" for name in COUNTER_NAMES)

@@ -15,6 +15,7 @@ from typing import Any, Literal, Protocol
 import torch
 
 from dscale import _agreement, _dist, _policy, _predictive, _predictive_state, _spike_gate, _state
+from dscale._grad_measure import mark_overflow
 from dscale._masked_step import (
     ids_with_state,
     masked_step,
@@ -127,6 +128,9 @@ class GradScaler(TorchGradScalerSurface):
         policy: "dynamic" (torch's rule: search for the scale by overflowing) or "predictive"
             (set it from the measured gradient range; see ``dscale._predictive``). A predictive
             scaler's first step runs at ``min(init_scale, 1.0)`` to measure, then jumps.
+        predictive_window: policy="predictive": the number of recent steps whose largest
+            gradient sets the scale (default 32); an overflow is remembered for
+            ``growth_interval`` steps, as long as the dynamic rule stays backed off.
         spike_signals: the spike gate, off when empty: skip (on every rank) a step whose
             "loss" and/or "grad_norm" is more than ``spike_sigma`` standard deviations above
             the mean of the last ``spike_window`` applied steps, once ``spike_warmup`` values
@@ -154,12 +158,15 @@ class GradScaler(TorchGradScalerSurface):
         stuck_patience: int = 100,
         sync_free: bool = False,
         policy: _predictive_state.Policy = "dynamic",
+        predictive_window: int | None = None,
         spike_signals: Sequence[str] = (),
         spike_sigma: float = 6.0,
         spike_window: int = 128,
         spike_warmup: int = 64,
     ) -> None:
         _predictive_state.check_policy(policy)
+        if predictive_window is not None:
+            _predictive_state.check_window(predictive_window)
         signals = _spike_gate.check_spike_args(
             spike_signals, spike_sigma, spike_window, spike_warmup
         )
@@ -210,10 +217,15 @@ class GradScaler(TorchGradScalerSurface):
         self._group_ranks = _dist.group_ranks(process_group)
         # The scale and trackers; on the host until the first scale() puts them on a device.
         # policy="predictive" (dscale/_predictive.py): its measurement and state, else None.
-        self._predictive = _predictive_state.PredictiveScaling() if policy == "predictive" else None
-        if self._predictive is not None:
+        self._predictive = None
+        tail = 0
+        if policy == "predictive":
+            window = predictive_window or _predictive_state.DEFAULT_WINDOW
+            # Overflows are remembered as long as the dynamic rule stays backed off.
+            self._predictive = _predictive_state.PredictiveScaling(window, growth_interval)
             init_scale = _predictive.first_scale(init_scale, min_scale, max_scale)
-        self._book = ScaleState(fresh_host_state(float(init_scale), hysteresis))
+            tail = _predictive_state.tail_words(window, growth_interval)
+        self._book = ScaleState(fresh_host_state(float(init_scale), hysteresis), tail)
         self._placed_init_scale = float(init_scale)  # torch's _init_scale, once placed
         self._per_optimizer_states: dict[int, _OptimizerState] = {}
         self._outcomes: dict[int, bool | torch.Tensor] = {}
@@ -347,7 +359,7 @@ class GradScaler(TorchGradScalerSurface):
                 refusal = _agreement.agreement_vector(
                     torch.ones((), device=device),
                     copy_to(scale, device),
-                    self._measured(device),
+                    self._refused_measurement(device),
                     with_range=self._carries_range(),
                 )
                 if self._spike is not None:  # as long as the peers' (our slots: -inf)
@@ -375,8 +387,6 @@ class GradScaler(TorchGradScalerSurface):
             unscale = True  # the scale is 1: checked grads are unscaled grads
         for observer in self._observers:
             observer.on_grads(optimizer, grads, scale)
-        if self._predictive is not None:  # policy="predictive": measure before the unscale
-            self._predictive.measure.add(grads, scale, scale)
         inv_scale = self._unscale_factor(scale) if unscale else self._unit(scale)
         if report.is_global and self._spike is None:
             # DDP's own all-reduce over a group covering ours made the flag global. (The spike
@@ -389,15 +399,23 @@ class GradScaler(TorchGradScalerSurface):
                 scale,
                 None if host is None else host.scale,
                 device,
-                self._measured(device),
+                measured=self._predictive is not None,
                 with_range=self._carries_range(),
             )
+            if self._predictive is not None:  # policy="predictive": measure before the unscale
+                at = _agreement.measured_at(self._carries_range())
+                self._predictive.measure.write(state.agreed, at, groups, report.measured)
             flag = state.agreed[_agreement.OVERFLOW]  # a view: the check writes the flag into it
             check_and_unscale_(groups, inv_scale, flag)
             # MAX, not +: torch's fused kernels skip only where found_inf == 1 exactly.
             for other in (report.flag, state.user_found):
                 if other is not None:
-                    torch.maximum(flag, copy_to(other, device), out=flag)
+                    other = (copy_to(other, device) > 0).float()  # a user's flag may say 2
+                    torch.maximum(flag, other, out=flag)
+                    if self._predictive is not None:
+                        mark_overflow(
+                            state.agreed, _agreement.measured_at(self._carries_range()), other
+                        )
             if self._spike is not None:  # this rank's loss and grad norm, in its own slots
                 every = optimizer_grads(optimizer) if report.covered else grads
                 carried = self._unit(scale) if unscale else scale
@@ -445,9 +463,11 @@ class GradScaler(TorchGradScalerSurface):
             self._one = torch.ones_like(scale)
         return self._one
 
-    def _measured(self, device: torch.device) -> torch.Tensor | None:
-        """policy="predictive": this rank's measurement for its agreement vector; else None."""
-        return None if self._predictive is None else self._predictive.measure.take(device)
+    def _refused_measurement(self, device: torch.device) -> torch.Tensor | None:
+        """policy="predictive": a refusing rank's measurement, an overflow's; else None."""
+        if self._predictive is None:
+            return None
+        return torch.tensor([_predictive.OVERFLOW_MARK, 0.0], device=device)
 
     # ----------------------------------------------------------------- reduction hooks
     def attach(self, model: torch.nn.Module) -> None:
@@ -689,7 +709,16 @@ class GradScaler(TorchGradScalerSurface):
         if self._predictive is not None:  # policy="predictive": this iteration's measurement
             host_values = [s.host_agreed for s in states]
             on_host = None if any(v is None for v in host_values) else host_values
-            self._predictive.begin([self._agreed(s) for s in states], on_host)  # type: ignore[arg-type]
+            at = _agreement.measured_at(self._carries_range())
+            # A step the spike gate skipped measures nothing: its spike stays out of the window.
+            spiked = [s.spike for s in states if s.spike is not None]
+            self._predictive.begin(
+                [self._agreed(s) for s in states],
+                on_host,  # type: ignore[arg-type]
+                at,
+                spiked=spiked,
+                spiked_on_host=any(s.applied is False and not s.overflowed for s in states),
+            )
         self._book.update(self._policy, found, skipped, self._predictive)
         self._per_optimizer_states = {}
         self._hooks.reset()
@@ -717,7 +746,7 @@ class GradScaler(TorchGradScalerSurface):
     def _found(self, states: list[_OptimizerState]) -> torch.Tensor:
         """The iteration's agreed flag on the scale's device (> 0: some step overflowed)."""
         flags = [self._agreed_flag(s) for s in states]
-        return flags[0] if len(flags) == 1 else torch.stack(flags).sum()
+        return flags[0] if len(flags) == 1 else torch.stack(flags).amax()  # stays 0 or 1
 
     def _watch_for_collapse(self) -> None:
         """Act on a scale stuck at min_scale; after device-side updates, checks every N steps."""
@@ -783,7 +812,7 @@ class GradScaler(TorchGradScalerSurface):
         """
         for state in states:
             if state.over_group:
-                return self._agreed(state)
+                return self._agreed(state) if self._carries_range() else None
         if self._process_group() is None:  # one process: its own scale is the whole range
             scale = self._require_scale("update")
             return _agreement.ScaleRange(scale, scale)
@@ -868,8 +897,19 @@ class GradScaler(TorchGradScalerSurface):
         copy has reached the host, which may be an update or two behind.
         """
         values = _snapshot_dict(self._book.read() if wait else self._book.latest())
-        if self._predictive is not None:  # grad_max_abs, target_scale, margin_log2, underflow
-            values.update(self._predictive.snapshot(wait=wait))
+        predictive = self._predictive
+        if predictive is not None:  # grad_max_abs, target_scale, margin_log2, underflow
+            raw = (
+                self._book.words_now(predictive.pos["window"])
+                if wait
+                else self._book.latest_words()
+            )
+            if raw is None:
+                telemetry = predictive.telemetry
+            else:
+                words, rows, policy, pos = raw
+                telemetry = predictive.telemetry_from(words, rows, pos, policy)
+            values.update(predictive.snapshot(telemetry))
         if self._spike is not None:  # spike_skipped_steps, _in_a_row, _window_values, values
             values.update(self._spike.snapshot(wait=wait))
         return values
@@ -933,7 +973,9 @@ class GradScaler(TorchGradScalerSurface):
         if self._spike is not None:
             state.update(self._spike.state_dict())
         if self._spike is not None or not self._loss_scaling:  # version 3: these keys
-            state["dscale_format_version"] = _state.GUARD_FORMAT_VERSION
+            state["dscale_format_version"] = max(
+                state["dscale_format_version"], _state.GUARD_FORMAT_VERSION
+            )
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -963,6 +1005,7 @@ class GradScaler(TorchGradScalerSurface):
             self._spike.load(spike)
         if self._predictive is not None:
             self._predictive.load(predictive)
+            self._predictive.note_interval(policy.growth_interval)
         else:
             _predictive_state.note_ignored(state_dict)
 

@@ -73,14 +73,17 @@ def test_tiny_scaling_benchmark_runs_every_arm(tmp_path) -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert "| predictive@2^32 |" in proc.stdout
-    result = json.loads(out.read_text())
-    arms = {r["arm"] for r in result["rows"]}
-    assert arms == {f"{a}@2^{e}" for a in ("torch", "dynamic", "predictive") for e in (16, 32)}
-    assert {r["model"] for r in result["rows"]} == {"gpt", "mlp", "wide"}
-    for run in result["runs"]:
-        for record in run["records"].values():
-            rec = ArmRecord(**record)
-            assert len(rec.scales) == len(rec.skipped) == result["cfg"]["steps"]
+    assert proc.stdout.count("targets met:") == 2  # the smooth models, then the zoo
+    smooth, zoo = json.loads(out.read_text())
+    for result, models in ((smooth, {"gpt", "mlp", "wide"}), (zoo, set(_scaling_models.ZOO))):
+        arms = {r["arm"] for r in result["rows"]}
+        assert arms == {f"{a}@2^{e}" for a in ("torch", "dynamic", "predictive") for e in (16, 32)}
+        assert {r["model"] for r in result["rows"]} == models
+        for run in result["runs"]:
+            for record in run["records"].values():
+                rec = ArmRecord(**record)
+                assert len(rec.scales) == len(rec.skipped) == result["cfg"]["steps"]
+        assert {t["model"] for t in result["targets"]} == models
     assert png.stat().st_size > 10_000
 
 

@@ -9,6 +9,16 @@ fixed gains of 1, 2**-10 and 2**-20 (fixed residual scaling, as SkipInit and Dee
 is about 1e-6), so the branches' weight gradients span about 20 binades for the whole run, and a
 loss weight that sweeps over 2**-4 .. 2**4 during the run (a loss-weight schedule, as for an
 auxiliary or KL term), so the whole gradient range shifts up and down by 8 binades.
+
+The zoo (``ZOO``) holds the runs on which a scaling rule tuned on smooth models can lose:
+
+* ``spiky``: the MLP with its first layer's weights scaled up 8x (wide activations), and every
+  97th batch's loss 4x (a periodic spike: the grads of steps 97, 194, 291 are 4x);
+* ``zero``: the GPT with a phase of 60 steps whose loss is multiplied by 0 (a fully masked batch,
+  a loss weight scheduled at 0): every grad is 0 there;
+* ``warmup``: the GPT under a linear LR warm-up to a high LR and a decay back, whose gradients
+  shrink while it learns and grow when the LR is high;
+* ``drift``: the MLP whose loss weight grows by 2**6 over the run (gradients that drift up).
 """
 
 from __future__ import annotations
@@ -122,22 +132,49 @@ class WideRange(nn.Module):
         return logits
 
 
+ZOO = ("spiky", "zero", "warmup", "drift")
+SPIKE_EVERY = 97
+ZERO_STEPS = range(40, 100)
+
+
 def loss_weight(model: str, step: int, steps: int) -> float:
-    """The wide model's loss weight at ``step``: 2**(4 sin(2 pi step / steps)); 1 otherwise."""
-    if model != "wide":
+    """The loss weight of ``model`` at ``step`` (see the module docstring); 1 for most."""
+    if model == "wide":
+        return 2.0 ** (4.0 * math.sin(2.0 * math.pi * step / steps))
+    if model == "spiky":
+        return 4.0 if step > 0 and step % SPIKE_EVERY == 0 else 1.0
+    if model == "zero":
+        return 0.0 if step in ZERO_STEPS else 1.0
+    if model == "drift":
+        return 2.0 ** (6.0 * step / steps)
+    return 1.0
+
+
+def lr_factor(model: str, step: int, steps: int) -> float:
+    """The LR multiplier at ``step``: ``warmup`` ramps to 10x over a third of the run, then back."""
+    if model != "warmup":
         return 1.0
-    return 2.0 ** (4.0 * math.sin(2.0 * math.pi * step / steps))
+    third = max(steps // 3, 1)
+    if step < third:
+        return 10.0 * (step + 1) / third
+    return 10.0 * max(1.0 - (step - third) / (steps - third), 0.05)
 
 
 def build(model: str, seq_len: int) -> nn.Module:
-    """The launcher's default ``gpt_small`` and ``mlp`` configs, or the wide-range model."""
-    if model == "gpt":
+    """The launcher's default ``gpt_small`` and ``mlp`` configs, the wide-range model, the zoo."""
+    if model in ("gpt", "zero", "warmup"):
         return GPT(vocab_size=256, d_model=64, n_layers=2, n_heads=4, seq_len=seq_len)
-    if model == "mlp":
+    if model in ("mlp", "drift"):
         return MLP(vocab_size=256, d_model=64, hidden=256, n_layers=2)
+    if model == "spiky":
+        mlp = MLP(vocab_size=256, d_model=64, hidden=256, n_layers=2)
+        first = next(m for m in mlp.modules() if isinstance(m, nn.Linear))
+        with torch.no_grad():
+            first.weight.mul_(8.0)  # wide activations
+        return mlp
     if model == "wide":
         return WideRange(vocab_size=256, d_model=64, hidden=256)
-    raise ValueError(f"model must be 'gpt', 'mlp' or 'wide', got {model!r}")
+    raise ValueError(f"model must be one of gpt, mlp, wide, {', '.join(ZOO)}; got {model!r}")
 
 
 def batches(

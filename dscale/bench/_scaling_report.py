@@ -8,11 +8,13 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
+from dscale.bench._scaling_models import ZOO
 from dscale.bench._scaling_runs import ArmRecord
 
 FIRST_STEPS = 100  # "skipped in the first 100 steps"
 WARMUP = 5  # steps left out of the cost comparison
 FINAL_STEPS = 10  # the final loss is the mean of the last this many steps' losses
+FAR_BELOW = 4.0  # "more than 4x below the largest safe scale"
 
 
 def steps_to_within_2x(rec: ArmRecord) -> int | None:
@@ -35,6 +37,7 @@ def run_metrics(rec: ArmRecord, every: int) -> dict[str, Any]:
     """
     regular = [s for s in sorted(rec.oracle) if s % every == 0 and s > 0 and rec.oracle[s] > 0]
     below = [rec.oracle[s] / rec.scales[s] for s in regular]
+    far = [b > FAR_BELOW for b in below]
     under = [rec.underflow[s] for s in regular if s in rec.underflow]
     return {
         "skipped_first_100": sum(rec.skipped[:FIRST_STEPS]),
@@ -44,6 +47,7 @@ def run_metrics(rec: ArmRecord, every: int) -> dict[str, Any]:
         "underflow_step_0": rec.underflow.get(0),
         "final_loss": statistics.fmean(rec.losses[-FINAL_STEPS:]),
         "oracle_over_scale_median": statistics.median(below) if below else None,
+        "far_below_share": statistics.fmean(far) if far else 0.0,
     }
 
 
@@ -73,6 +77,7 @@ def summarize(runs: list[dict[str, Any]], every: int) -> list[dict[str, Any]]:
         for key, rec in records.items():
             row = rows.setdefault((run["model"], key), {"model": run["model"], "arm": key})
             row.setdefault("runs", []).append(run_metrics(rec, every))
+            row.setdefault("per_seed", {})[run["seed"]] = row["runs"][-1]
             base = records["dynamic@" + key.split("@")[1]]
             row.setdefault("cost_ratios", []).extend(paired_cost(rec, base))
     out = []
@@ -96,10 +101,70 @@ def summarize(runs: list[dict[str, Any]], every: int) -> list[dict[str, Any]]:
                 "oracle_over_scale_median": statistics.median(below) if below else None,
                 "final_loss_mean": statistics.fmean(losses),
                 "final_loss_sd": statistics.stdev(losses) if len(losses) > 1 else 0.0,
+                "far_below_share_mean": statistics.fmean(r["far_below_share"] for r in per_run),
                 "cost_vs_dynamic": median_interval(ratios),
             }
         )
     return out
+
+
+def check_targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Issue 25's targets, predictive against dynamic at the same init, seed by seed.
+
+    On every model and seed: total skipped <= dynamic's; skipped in the first 100 steps <= 1;
+    the share of probes more than 4x below the largest safe scale <= dynamic's; over the seeds,
+    the final loss within seed noise (the difference of the means <= 2 sd of dynamic's, or
+    1% of it); on the smooth models (where predictive was below it before the zoo), the
+    underflow share <= dynamic's.
+    """
+    by_key = {(r["model"], r["arm"]): r for r in rows}
+    out = []
+    for (model, arm), row in by_key.items():
+        if not arm.startswith("predictive@"):
+            continue
+        base = by_key[(model, "dynamic@" + arm.split("@")[1])]
+        checks = []
+        for seed, mine in row["per_seed"].items():
+            theirs = base["per_seed"][seed]
+            checks += [
+                (f"seed {seed}: skipped total", mine["skipped_total"], theirs["skipped_total"]),
+                (f"seed {seed}: skipped, first 100", mine["skipped_first_100"], 1),
+                (
+                    f"seed {seed}: share > 4x below",
+                    mine["far_below_share"],
+                    theirs["far_below_share"],
+                ),
+            ]
+        noise = max(2.0 * base["final_loss_sd"], 0.01 * abs(base["final_loss_mean"]))
+        checks.append(
+            ("final loss - dynamic's", row["final_loss_mean"] - base["final_loss_mean"], noise)
+        )
+        smooth = model not in ZOO
+        if smooth and base["underflow_mean"] is not None and row["underflow_mean"] is not None:
+            checks.append(("underflow share", row["underflow_mean"], base["underflow_mean"]))
+        for name, value, limit in checks:
+            out.append(
+                {
+                    "model": model,
+                    "arm": arm,
+                    "target": name,
+                    "value": value,
+                    "limit": limit,
+                    "ok": value <= limit + 1e-12,
+                }
+            )
+    return out
+
+
+def render_targets(results: list[dict[str, Any]]) -> str:
+    """One line per target that failed, and a count of those met."""
+    failed = [r for r in results if not r["ok"]]
+    lines = [f"targets met: {len(results) - len(failed)} of {len(results)}"]
+    for r in failed:
+        lines.append(
+            f"  MISSED {r['model']} {r['arm']} {r['target']}: {r['value']:g} > {r['limit']:g}"
+        )
+    return "\n".join(lines)
 
 
 def render(rows: list[dict[str, Any]], cfg: dict[str, Any]) -> str:
@@ -107,10 +172,10 @@ def render(rows: list[dict[str, Any]], cfg: dict[str, Any]) -> str:
     head = (
         f"| model | scaler @ init | skipped, first {FIRST_STEPS} (max) | steps to within 2x "
         "(max) | skipped, total (mean) | largest safe / scale (median) | underflow share, "
-        "step 0 | underflow share (mean) | final loss (mean +- sd) | step time / dynamic "
-        "(median [95%]) |"
+        "step 0 | underflow share (mean) | final loss (mean +- sd) | probes > 4x below the "
+        "largest safe scale (mean share) | step time / dynamic (median [95%]) |"
     )
-    lines = [head, "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [head, "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         reach = r["steps_to_within_2x_max"]
         below = r["oracle_over_scale_median"]
@@ -124,10 +189,12 @@ def render(rows: list[dict[str, Any]], cfg: dict[str, Any]) -> str:
             f"{'-' if below is None else f'{below:g}'} | "
             f"{'-' if first is None else f'{first:.4f}'} | "
             f"{'-' if under is None else f'{under:.4f}'} | "
-            f"{r['final_loss_mean']:.4f} +- {r['final_loss_sd']:.4f} | {cost} |"
+            f"{r['final_loss_mean']:.4f} +- {r['final_loss_sd']:.4f} | "
+            f"{r['far_below_share_mean']:.2f} | {cost} |"
         )
     lines.append(
-        f"\n{cfg['steps']} steps, {rows[0]['seeds'] if rows else 0} seeds; probes (largest safe "
+        f"\n{cfg['steps']} steps per run of {', '.join(sorted({r['model'] for r in rows}))}, "
+        f"{rows[0]['seeds'] if rows else 0} seeds; probes (largest safe "
         f"scale, underflow) on steps < {cfg['early']} and every {cfg['every']}th step; "
         f"medians and means over the probes of every {cfg['every']}th step from "
         f"{cfg['every']} on; '-': overflowed (skipped) at step 0."

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 import dscale
-from dscale.bench._scaling_models import batches, build, loss_weight
+from dscale.bench._scaling_models import batches, build, loss_weight, lr_factor
 
 ARMS = ("torch", "dynamic", "predictive")
 FP16_MIN_NORMAL = 2.0**-14
@@ -136,7 +136,12 @@ def run_group(
         tokens = data(step)
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
         weight = loss_weight(model_name, step, steps)
-        probe = step < cfg["early"] or step % cfg["every"] == 0
+        lr = cfg["lr"] * lr_factor(model_name, step, steps)
+        for arm in arms:
+            for group in arm.opt.param_groups:
+                group["lr"] = lr
+        # A step whose loss weight is 0 has no largest safe scale to probe (any scale is safe).
+        probe = (step < cfg["early"] or step % cfg["every"] == 0) and weight != 0
         first = step % len(arms)
         for arm in arms[first:] + arms[:first]:
             _step(arm, inputs, targets, weight, step, probe)
@@ -173,7 +178,7 @@ def _step(
     rec.skipped.append(_skipped(scaler, rec.scales[-1]))
     if reference and not rec.skipped[-1]:  # untimed
         rec.underflow[step] = underflow_share(reference, rec.scales[-1])
-    rec.losses.append(loss.item() / weight)
+    rec.losses.append(loss.item() / weight if weight else math.nan)
 
 
 def _skipped(scaler: Any, scale_before: float) -> bool:

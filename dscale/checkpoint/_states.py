@@ -108,8 +108,9 @@ class ScalerState:
     """A GradScaler (dscale's or torch's) as a DCP Stateful.
 
     Saved keys: ``values.<key>`` for every numeric entry of ``scaler.state_dict()`` (float64,
-    int64 or bool scalars, and tensors such as the spike gate's window), and
-    ``per_rank.<key>`` for scale and trackers, one row per rank.
+    int64 or bool scalars, and tensors such as the spike gate's window; policy="predictive"'s
+    window, a list of floats, as a float32 tensor), and ``per_rank.<key>`` for scale and
+    trackers, one row per rank.
     Loading goes through :func:`scaler_update`, which checks before anything changes.
     """
 
@@ -128,6 +129,8 @@ class ScalerState:
                 values[key] = torch.tensor(value, dtype=torch.float64)
             elif isinstance(value, torch.Tensor):  # the spike gate's window
                 values[key] = value.detach().cpu()
+            elif isinstance(value, list) and value and all(isinstance(v, float) for v in value):
+                values[key] = torch.tensor(value, dtype=torch.float32)  # predictive_window
         per_rank = {
             key: _per_rank(values[key].to(torch.float64).reshape(1), self.group)
             for key in AGREEMENT_KEYS

@@ -48,7 +48,11 @@ _GAUGES = (
         "Largest finite unscaled gradient magnitude of the last clean step, max over ranks.",
     ),
     ("target_scale", "dscale_loss_scale_target", "Scale the predictive policy aims for."),
-    ("margin_log2", "dscale_loss_scale_margin_log2", "log2 of the predictive safety margin."),
+    (
+        "margin_log2",
+        "dscale_loss_scale_margin_log2",
+        "log2 of the predictive headroom kept above the largest recent gradient (constant).",
+    ),
     (
         "underflow_fraction",
         "dscale_grad_underflow_fraction_max",
