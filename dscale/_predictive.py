@@ -11,10 +11,11 @@ entries (0 for a clean step). It sets the scale to the largest power of two that
 entry of either, times ``2**MARGIN_LOG2``, within fp16's largest finite value (:data:`BUDGET` /
 ``max``), clamped to ``[min_scale, max_scale]``:
 
-* **Clean step:** ``e = g / s``, the largest unscaled magnitude. The measurement window (32
+* **Clean step:** ``e = g / s``, the largest unscaled magnitude. The measurement window (8
   steps by default) is short, so the scale follows gradients that shrink (a warm-up, a model
-  that learns) within a few dozen steps, while one batch with small gradients does not lift it
-  (Transformer Engine's delayed scaling for FP8 keeps an amax history the same way).
+  that learns, a loss weight that sweeps) within a few steps, while one batch with small
+  gradients does not lift it (Transformer Engine's delayed scaling for FP8 keeps an amax history
+  the same way).
 * **Overflow:** ``e = OVERFLOW_MARK / s``, which sets the scale to ``s / 2``: torch's back-off.
   It enters both rings, so it is remembered for ``memory`` steps (``growth_interval``: as long as
   the dynamic rule stays backed off), and a spike that overflowed once finds a scale with room
@@ -46,11 +47,10 @@ import torch
 from dscale._policy import BACKOFFS, GROWTHS, HostState, ScalePolicy, f32, is_torch_rule
 
 FP16_MAX = 65504.0
-#: The headroom kept above the largest magnitude in the rings: 2**0.5. With the power of two
-#: rounded down below it, the scale keeps between 1.41x and 2.83x: enough for gradients that
-#: drift up a few percent a step (the zoo's ``drift`` and ``warmup``), where 2x sat 4x below the
-#: largest safe scale on a quarter of the warm-up's probes.
-MARGIN_LOG2 = 0.5
+#: The headroom kept above the largest magnitude in the rings: 2**1. With the power of two
+#: rounded down below it, the scale keeps between 2x and 4x (a margin of 2**0.5 overflowed once
+#: on the zoo's ``spiky`` and the ``wide`` model where the dynamic rule from 2**16 did not).
+MARGIN_LOG2 = 1
 #: fp16's largest value over the margin, as float32: the scale is the largest power of two
 #: <= BUDGET / max.
 BUDGET = f32(FP16_MAX * 2.0**-MARGIN_LOG2)

@@ -43,7 +43,7 @@ KEYS = tuple(k for r in RINGS for k in (f"predictive_{r}", f"_predictive_{r}_pos
 #: Keys of the version 2 (margin rule) dicts: read as "no rings", and said so.
 OLD_KEYS = ("predictive_margin_log2", "_predictive_rise_tracker", "_predictive_measured")
 #: The measurement window's default length (``GradScaler(predictive_window=...)``).
-DEFAULT_WINDOW = 32
+DEFAULT_WINDOW = 8
 TAIL_UNDERFLOW = 0
 TAIL_FLOOR = 1
 TAIL_RINGS = 2

@@ -129,7 +129,7 @@ class GradScaler(TorchGradScalerSurface):
             (set it from the measured gradient range; see ``dscale._predictive``). A predictive
             scaler's first step runs at ``min(init_scale, 1.0)`` to measure, then jumps.
         predictive_window: policy="predictive": the number of recent steps whose largest
-            gradient sets the scale (default 32); an overflow is remembered for
+            gradient sets the scale (default 8); an overflow is remembered for
             ``growth_interval`` steps, as long as the dynamic rule stays backed off.
         spike_signals: the spike gate, off when empty: skip (on every rank) a step whose
             "loss" and/or "grad_norm" is more than ``spike_sigma`` standard deviations above

@@ -156,7 +156,7 @@ class ScalerConfig:
     stuck_patience: int = 100
     sync_free: bool = False
     policy: str = "dynamic"  # or "predictive": the scale from the measured gradient range
-    predictive_window: int | None = None  # predictive: steps of measurements (None: 32)
+    predictive_window: int | None = None  # predictive: steps of measurements (None: 8)
     # The spike gate, off while spike_signals is empty; e.g. scaler.spike_signals=[loss,grad_norm]
     spike_signals: list[str] = field(default_factory=list)
     spike_sigma: float = 6.0

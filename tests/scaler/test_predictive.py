@@ -21,7 +21,7 @@ from tests.scaler._setup import decide_on_device
 
 
 def _brute_force_target(window_max: float) -> float:
-    """The largest 2**t with window_max * 2**t <= BUDGET (65504 / 2**0.5 in float32), by
+    """The largest 2**t with window_max * 2**t <= BUDGET (65504 / the margin, in float32), by
     trying every t (exact)."""
     best = 2.0**-100
     for t in range(-100, 101):
@@ -337,7 +337,7 @@ def test_a_resumed_predictive_scaler_continues_exactly() -> None:
     head = _trained(first, range(4), model)
     saved = copy.deepcopy(first.state_dict())
     assert saved["dscale_format_version"] == 4 and saved["policy"] == "predictive"
-    assert len(saved["predictive_window"]) == 32 and len(saved["predictive_memory"]) == 2
+    assert len(saved["predictive_window"]) == 8 and len(saved["predictive_memory"]) == 2
     assert saved["_predictive_window_pos"] == 4 and saved["_predictive_memory_pos"] == 0
     resumed = dscale.GradScaler("cpu", **kwargs)
     resumed.load_state_dict(saved)
@@ -378,7 +378,7 @@ def test_state_dicts_load_across_policies_and_say_what_was_reset(caplog) -> None
     with caplog.at_level(logging.WARNING, logger="dscale"):
         short = dscale.GradScaler("cpu", policy="predictive", predictive_window=1)
         short.load_state_dict(predictive.state_dict())
-    assert "predictive_window has 32 entries, this scaler's has 1" in caplog.text
+    assert "predictive_window has 8 entries, this scaler's has 1" in caplog.text
     newest = predictive.state_dict()["predictive_window"][
         predictive.state_dict()["_predictive_window_pos"] - 1
     ]
@@ -397,7 +397,7 @@ def test_state_dicts_load_across_policies_and_say_what_was_reset(caplog) -> None
     for key, value, message in (
         ("predictive_window", [1.0, math.nan], "predictive_window must be a non-empty list"),
         ("predictive_window", [], "predictive_window must be a non-empty list"),
-        ("_predictive_window_pos", 32, r"_predictive_window_pos must be an int in \[0, 32\)"),
+        ("_predictive_window_pos", 8, r"_predictive_window_pos must be an int in \[0, 8\)"),
     ):
         with pytest.raises(ValueError, match=message):
             target.load_state_dict(dict(predictive.state_dict(), **{key: value}))

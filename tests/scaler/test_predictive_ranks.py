@@ -32,6 +32,7 @@ def _train(
 ) -> dict[str, Any]:
     import dscale
     import dscale._agreement as agreement
+    from dscale import _predictive
 
     model = tiny_model()
     if parallel is not None:
@@ -65,11 +66,12 @@ def _train(
             both = [None, None]
             dist.all_gather_object(both, local[0])
             # The rule, written out: the largest power of two keeping the largest magnitude
-            # of the window (32 steps) times 2**0.5 within fp16's range.
+            # of the window (8 steps) times the margin within fp16's range.
             entries.append(max(both))
-            largest = max(entries[-32:])
+            largest = max(entries[-8:])
             if largest > 0:  # (attach: the hooks unscaled the grads; no oracle there)
-                budget = float(torch.tensor(65504.0 / math.sqrt(2.0), dtype=torch.float32))
+                margin = 2.0**_predictive.MARGIN_LOG2
+                budget = float(torch.tensor(65504.0 / margin, dtype=torch.float32))
                 expected.append(math.ldexp(1.0, math.frexp(budget / largest)[1] - 1))
             scaler.step(opt)
             scaler.update()

@@ -62,9 +62,8 @@ def test_periodic_spikes_skip_no_more_steps_than_the_dynamic_rule() -> None:
         _, dynamic = _run("dynamic", weight, 120, seed)
         _, predictive = _run("predictive", weight, 120, seed)
         assert sum(predictive) <= sum(dynamic), (seed, predictive, dynamic)
-        # Once a spike has been seen (measured, or overflowed and backed off), the window
-        # remembers it: a later spike does not overflow again.
-        assert sum(predictive[s] for s in spikes[1:]) == 0, (seed, predictive)
+        # A spike that overflows is remembered (for growth_interval steps): at most one does.
+        assert sum(predictive[s] for s in spikes) <= 1, (seed, predictive)
 
 
 def test_a_zero_gradient_phase_holds_the_scale_and_costs_no_skip() -> None:
