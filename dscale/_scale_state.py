@@ -132,12 +132,18 @@ class ScaleState:
         host = self.host
         if host is not None:
             return host
-        self._land()
+        in_flight = self._in_flight
+        if in_flight is not None and (in_flight[1] is None or in_flight[1].query()):
+            return _device_state.fold_on_host(in_flight[0], in_flight[2], in_flight[3])
         return self._published
 
     def latest_words(self) -> tuple[torch.Tensor, int, Any, Any] | None:
-        """The newest host copy of the buffer (buffer, rows, policy, tag), never waiting."""
-        self._land()
+        """The newest host copy of the buffer (buffer, rows, policy, tag); like :meth:`latest`,
+        it never waits and never writes, so a scrape thread may call it."""
+        in_flight = self._in_flight
+        if in_flight is not None and (in_flight[1] is None or in_flight[1].query()):
+            buffer, _, rows, policy, tag = in_flight
+            return (buffer, rows, policy, tag)
         return self._published_words
 
     def words_now(self, tag: Any) -> tuple[torch.Tensor, int, Any, Any] | None:
@@ -147,7 +153,7 @@ class ScaleState:
         return (self.words.cpu(), self._rows, self._policy, tag)
 
     def _land(self) -> None:
-        """Take the in-flight copy as published once it has reached the host."""
+        """Take the in-flight copy as published once it has reached the host (training thread)."""
         in_flight = self._in_flight
         if in_flight is not None and (in_flight[1] is None or in_flight[1].query()):
             buffer, _, rows, policy, tag = in_flight
