@@ -822,9 +822,9 @@ class GradScaler(TorchGradScalerSurface):
         """(min, max) of the scale over the scaler's ranks in the last update(), as tensors.
 
         Carried on the step's own agreement collective, so it costs no collective of its own and
-        is known on every rank alike; reading it as numbers is a host sync on GPU. A dynamic
-        scaler carries it on every ``dscale._agreement.RANGE_EVERY``-th update (the first
-        included; every update with policy="predictive"). None before the first update(), after
+        is known on every rank alike; reading it as numbers is a host sync on GPU. The scaler
+        carries it on every ``dscale._agreement.RANGE_EVERY``-th update (the first included),
+        whatever its policy. None before the first update(), after
         an update whose collective did not carry it, and after an iteration in which no scaler
         collective ran (a DDP model under ``attach()`` whose reduction made the flag global).
         """
