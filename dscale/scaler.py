@@ -719,7 +719,9 @@ class GradScaler(TorchGradScalerSurface):
                 spiked=spiked,
                 spiked_on_host=any(s.applied is False and not s.overflowed for s in states),
             )
-        self._book.update(self._policy, found, skipped, self._predictive)
+        self._book.update(
+            self._policy, found, skipped, self._predictive, pinned=not self._loss_scaling
+        )
         self._per_optimizer_states = {}
         self._hooks.reset()
         self._iteration += 1

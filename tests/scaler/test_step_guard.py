@@ -209,3 +209,34 @@ def test_the_bf16_warning_points_to_step_guard() -> None:
     scaler = dscale.GradScaler("cpu")
     with pytest.warns(UserWarning, match="dscale.StepGuard"):
         scaler.scale(nn.Linear(2, 1).bfloat16()(torch.ones(1, 2).bfloat16()).sum())
+
+
+def test_the_device_path_keeps_the_same_state_as_the_host_path() -> None:
+    """A fused step (forced to the device-side decision) against a plain one, with overflows
+    and a short growth interval: the same state dict after every step."""
+    import math
+
+    from dscale.bench._ops import force_device_decision
+
+    def run(device_form: bool) -> list[dict]:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(8, 8)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, fused=device_form)
+        guard = dscale.StepGuard("cpu")
+        guard._growth_interval = 3  # the tracker wraps, as the clamped rule wraps it
+        if device_form:
+            force_device_decision(guard)
+        out = []
+        for step in range(40):
+            guard.scale(model(torch.randn(4, 8)).square().mean()).backward()
+            if step % 7 == 3:
+                model.weight.grad[0, 0] = math.inf
+            guard.step(opt)
+            guard.update()
+            opt.zero_grad()
+            out.append(guard.state_dict())
+        return out
+
+    host, device = run(False), run(True)
+    assert host == device
+    assert host[-1]["num_skipped_steps"] == 6 and host[-1]["scale"] == 1.0
