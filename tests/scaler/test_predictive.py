@@ -291,6 +291,12 @@ def test_min_max_scale_and_hysteresis_hold_under_the_predictive_policy(caplog) -
     assert hyst.snapshot()["backoffs"] == 2
 
 
+@pytest.mark.parametrize("window", [0, -3, 2.5, "8", True])
+def test_a_bad_predictive_window_is_a_value_error_naming_it(window) -> None:
+    with pytest.raises(ValueError, match=r"predictive_window must be an int >= 1, got"):
+        dscale.GradScaler("cpu", policy="predictive", predictive_window=window)
+
+
 def test_bad_policy_is_a_value_error_listing_both() -> None:
     with pytest.raises(ValueError, match=r"policy must be one of \('dynamic', 'predictive'\)"):
         dscale.GradScaler("cpu", policy="adaptive")  # type: ignore[arg-type]
