@@ -219,11 +219,12 @@ def update_(
     ``rings``: both rings and the :data:`FLOOR` word, contiguous (``window`` and ``memory`` are
     views of it); ``pos``: the slot each ring overwrites. ``scale`` holds the step's scale (lean
     policy) or the dynamic rule's result, and then ``before`` the step's scale. ``found`` is 0
-    or 1. ``budget`` is :data:`BUDGET` as a tensor on the device. No host sync; seven ops for
+    or 1. ``budget`` is :data:`BUDGET` as a tensor on the device. No host sync; six ops for
     the lean policy.
     """
     slot = window[pos[0]]
-    asked = torch.where(measured > 0, measured, budget)  # nothing measured: hold the scale
+    # Nothing measured (0) asks for BUDGET: hold the scale. One op: where(measured > 0, ...) is two.
+    asked = torch.nn.functional.threshold(measured, 0.0, BUDGET)
     if before is None:
         torch.div(asked, scale, out=slot)
     else:

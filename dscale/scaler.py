@@ -7,6 +7,7 @@ import inspect
 import logging
 import math
 import warnings
+import weakref
 from collections import abc
 from collections.abc import Callable, Sequence
 from enum import Enum
@@ -1056,12 +1057,28 @@ def _is_power_of_two(host: _policy.HostState | None) -> bool:
     return host is not None and math.frexp(host.scale)[0] == 0.5
 
 
+# step function -> whether it takes grad_scaler=: inspect.signature costs ~30 us, more than the
+# rest of a fused step's own work, so it is read once per function (weakly: a class can go).
+_TAKES_GRAD_SCALER: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+
+
 def _takes_grad_scaler(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer.step`` takes torch's older ``grad_scaler`` keyword."""
+    step = optimizer.step
+    function = getattr(step, "__func__", step)  # a bound method is new on every access
     try:
-        return "grad_scaler" in inspect.signature(optimizer.step).parameters
+        return _TAKES_GRAD_SCALER[function]
+    except (KeyError, TypeError):  # not seen yet, or not weakly referenceable
+        pass
+    try:
+        takes = "grad_scaler" in inspect.signature(step).parameters
     except (TypeError, ValueError):  # a builtin or an odd callable: no keyword to pass
-        return False
+        takes = False
+    try:
+        _TAKES_GRAD_SCALER[function] = takes
+    except TypeError:
+        pass
+    return takes
 
 
 def _is_torch_fused(optimizer: torch.optim.Optimizer) -> bool:

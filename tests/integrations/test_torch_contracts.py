@@ -150,6 +150,35 @@ def test_an_optimizer_passed_the_scaler_gets_it_and_no_attributes_as_from_torch(
     assert seen == {"scaler": scaler, "attributes": False}
 
 
+def test_the_grad_scaler_keyword_is_read_from_the_step_in_use_each_time() -> None:
+    # The signature is cached per step function: a step swapped on the instance (a wrapper, a
+    # monkeypatch) between iterations must be read afresh, in both directions.
+    seen: list[str] = []
+    model = _model()
+    opt = ReadsAttributes(model.parameters())
+    plain_step = opt.step
+
+    def passing(closure: Any = None, *, grad_scaler: Any = None) -> None:
+        seen.append("grad_scaler" if grad_scaler is not None else "none")
+        if grad_scaler is not None:
+            grad_scaler._check_inf_per_device(opt)
+
+    def reading(closure: Any = None) -> None:
+        seen.append("attributes" if hasattr(opt, "found_inf") else "none")
+        plain_step()
+
+    scaler = dscale.GradScaler("cpu")
+    for step in (reading, passing, reading, passing):
+        opt.step = step  # type: ignore[method-assign]
+        scaler.scale(_loss(model, 0, False)).backward()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # torch's, for grad_scaler=
+            scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    assert seen == ["attributes", "grad_scaler", "attributes", "grad_scaler"]
+
+
 def test_an_optimizer_passed_the_scaler_that_never_checks_is_an_error_naming_the_call() -> None:
     class Ignores(PassItself):
         def step(self, closure: Any = None, *, grad_scaler: Any = None) -> None:
