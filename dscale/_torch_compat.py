@@ -149,16 +149,23 @@ class TorchGradScalerSurface(torch.amp.GradScaler):
 
     @property  # type: ignore[override]
     def _per_optimizer_states(self) -> dict[int, Any]:
-        states: OptimizerStates = self.__dict__.setdefault(
-            "_dscale_optimizer_states", OptimizerStates(new_state=self._optimizer_state_type)
-        )
+        states: OptimizerStates | None = self.__dict__.get("_dscale_optimizer_states")
+        if states is None:  # read on every step and update: made only when missing
+            states = OptimizerStates(new_state=self._optimizer_state_type)
+            self.__dict__["_dscale_optimizer_states"] = states
         return states
 
     @_per_optimizer_states.setter
     def _per_optimizer_states(self, states: dict[int, Any]) -> None:
-        # dscale's own code resets this with a plain dict; keep torch's reading of it.
+        # Code written for torch's scaler may assign a dict; keep torch's reading of it.
         self.__dict__["_dscale_optimizer_states"] = OptimizerStates(
             states, new_state=self._optimizer_state_type
+        )
+
+    def _forget_optimizer_states(self) -> None:
+        """update()'s reset, without the setter's copy (it runs every iteration)."""
+        self.__dict__["_dscale_optimizer_states"] = OptimizerStates(
+            new_state=self._optimizer_state_type
         )
 
     # torch's scale before placement: a write before the first scale() has torch's meaning.
