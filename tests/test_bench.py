@@ -185,6 +185,16 @@ def test_scenario_runs_only_the_rows_asked_for(tmp_path, capsys) -> None:
     assert "torch_aa/torch" in capsys.readouterr().out  # the table with its A/A arm
 
 
+def test_device_path_runs_only_the_device_rows(tmp_path, capsys) -> None:
+    path = tmp_path / "device.json"
+    _cli.main(["--json", str(path), "--reps", "2", "--device-path"])
+    out = json.loads(path.read_text())
+    rows = [(s["count"], s["impl"]) for s in out["device_path"]]
+    assert rows == [(8, "fused"), (8, "foreach"), (200, "fused"), (200, "foreach")]
+    assert {"single", "phases", "unscale_pass", "sweep", "distributed"}.isdisjoint(out)
+    assert "dscale_device/torch" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("bad", ["8x4:sgd", "8:sgd:fused", "0x4:sgd:fused", "8x4:lamb:fused"])
 def test_a_malformed_scenario_is_refused_with_the_format(bad) -> None:
     with pytest.raises(SystemExit):

@@ -148,11 +148,12 @@ def run(
     distributed: bool = True,
     threads: int = 1,
     scenarios: Sequence[Scenario] = (),
+    device_path_only: bool = False,
 ) -> dict[str, Any]:
     """Run the benchmark in this process (plus spawned gloo ranks); returns the result dict.
 
     ``scenarios``: only these single-process step scenarios (no other section), to look at one
-    row again with more repetitions.
+    row again with more repetitions; ``device_path_only``: only the device-side rows.
     """
     if config not in CONFIGS:
         raise ValueError(f"config must be one of {sorted(CONFIGS)}, got {config!r}")
@@ -178,7 +179,9 @@ def run(
         with tempfile.TemporaryDirectory() as tmp:
             _single_rank_group(tmp)
             try:
-                if scenarios:
+                if device_path_only:
+                    result["device_path"] = _single.device_path(cfg["reps"], dev)
+                elif scenarios:
                     result["single"] = [
                         _single.step_overhead(count, numel, opt, impl, cfg["reps"], dev)
                         for count, numel, opt, impl in scenarios
@@ -187,7 +190,7 @@ def run(
                     result.update(run_single(cfg, dev))
             finally:
                 dist.destroy_process_group()
-        if distributed and not scenarios:
+        if distributed and not scenarios and not device_path_only:
             result["distributed"] = _ranks.run_spawned(_dist_cfg(cfg, reps))
     result["seconds"] = time.perf_counter() - start
     # Other work on the machine widens every interval: say how busy it was (1-minute averages).
@@ -245,6 +248,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         metavar="COUNTxNUMEL:OPT:IMPL",
         help="run only this single-process scenario (repeatable), e.g. 8x4194304:sgd:fused",
     )
+    parser.add_argument(
+        "--device-path",
+        action="store_true",
+        help="run only the device-side decision rows (8 and 200 Adam params, fused and foreach)",
+    )
     parser.add_argument("--config-for-tests", choices=sorted(CONFIGS), help=argparse.SUPPRESS)
     args = parser.parse_args(args_in)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -252,7 +260,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         config = args.config_for_tests or ("quick" if args.quick else "full")
         result = run(
-            config, args.reps, args.device, not args.no_distributed, args.threads, args.scenario
+            config,
+            args.reps,
+            args.device,
+            not args.no_distributed,
+            args.threads,
+            args.scenario,
+            args.device_path,
         )
         if dist.is_initialized() and dist.get_rank() != 0:
             return
