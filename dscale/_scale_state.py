@@ -38,6 +38,8 @@ class ScaleState:
         self._flushed: HostState | None = None  # the host state last written to the device
         # The device state (dscale/_device_state.py) and views of it; scale() reads `scale`.
         self.words: torch.Tensor | None = None
+        self._log_rows: list[torch.Tensor] | None = None  # views of the log's rows (place())
+        self._logged_words: torch.Tensor | None = None  # what a row logs: scale, growth tracker
         self.scale: torch.Tensor | None = None  # fp32, always current
         self.growth_tracker: torch.Tensor | None = None
         self.hysteresis_tracker: torch.Tensor | None = None
@@ -74,6 +76,9 @@ class ScaleState:
             _device_state.WORDS + self.tail_words, dtype=torch.float32, device=device
         )
         self.words = words
+        # Views made once: each is a dispatched call, and update() writes one row per step.
+        self._log_rows = [_device_state.row_view(words, r) for r in range(_device_state.LOG_ROWS)]
+        self._logged_words = words[: _device_state.HYSTERESIS]  # scale and growth tracker
         self.scale = words[_device_state.SCALE]
         self.growth_tracker = _device_state.int32_at(words, _device_state.GROWTH)
         self.hysteresis_tracker = _device_state.int32_at(words, _device_state.HYSTERESIS)
@@ -224,10 +229,14 @@ class ScaleState:
         assert found_inf is not None  # noqa: S101 - GradScaler passes it for this path
         assert self.words is not None and self.scale is not None  # noqa: S101
         assert self.growth_tracker is not None and self.hysteresis_tracker is not None  # noqa: S101
-        if policy != self._policy or self._rows == _device_state.LOG_ROWS:
+        if (policy is not self._policy and policy != self._policy) or (
+            self._rows == _device_state.LOG_ROWS
+        ):
             self.fold()  # rows are folded under the rule they ran under
             self._policy = policy
-        flag = found_inf.to(self.scale.device).float().reshape(())
+        flag = found_inf  # the agreed vector's field: 0-d fp32 on the scale's device, as a rule
+        if flag.dtype != torch.float32 or flag.dim() or flag.device != self.scale.device:
+            flag = flag.to(self.scale.device).float().reshape(())
         lean = predictive is not None and predictive.is_lean(policy)
         before = self.scale.clone() if predictive is not None and not lean else None
         if lean:
@@ -243,8 +252,8 @@ class ScaleState:
         if predictive is not None:
             assert self.tail is not None  # noqa: S101 - the scaler sized it for the policy
             predictive.update_(policy, self.tail, self.scale, before, flag)
-        row = _device_state.row_view(self.words, self._rows)
-        torch.cat([flag.reshape(1), self.words[: _device_state.HYSTERESIS]], out=row)
+        assert self._log_rows is not None and self._logged_words is not None  # noqa: S101
+        torch.cat([flag.reshape(1), self._logged_words], out=self._log_rows[self._rows])
         self._rows += 1
         self.host = None
         self._publish(None if predictive is None else predictive.pos["window"])
@@ -288,6 +297,8 @@ class ScaleState:
             "host": state,
             "_flushed": None,
             "words": None,
+            "_log_rows": None,
+            "_logged_words": None,
             "scale": None,
             "growth_tracker": None,
             "hysteresis_tracker": None,
@@ -303,7 +314,13 @@ class ScaleState:
     def __setstate__(self, state: dict[str, Any]) -> None:
         # Pickled before the state buffer existed: its tensors were not pickled either.
         state.pop("counters", None)  # now a view of the buffer
-        for name, default in (("words", None), ("_rows", 0), ("_policy", None)):
+        for name, default in (
+            ("words", None),
+            ("_log_rows", None),
+            ("_logged_words", None),
+            ("_rows", 0),
+            ("_policy", None),
+        ):
             state.setdefault(name, default)
         state.setdefault("_clamped_interval", None)
         state.setdefault("tail_words", 0)
