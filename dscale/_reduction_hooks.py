@@ -327,7 +327,10 @@ class ReductionHooks:
             return NO_HOOKS
         if not self._taken:
             flags = [f for s in self.states for f in s.take_flags()]
-            self._flag = torch.stack([copy_to(f, device) for f in flags]).amax() if flags else None
+            if len(flags) > 1:
+                self._flag = torch.stack([copy_to(f, device) for f in flags]).amax()
+            else:  # one bucket (or none): no stack and reduction of a single flag
+                self._flag = copy_to(flags[0], device) if flags else None
             measured = [copy_to(m, device) for s in self.states for m in s.take_measured()]
             self._measured = _combine(measured) if measured else None
             self._taken = True

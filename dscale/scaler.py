@@ -407,7 +407,6 @@ class GradScaler(TorchGradScalerSurface):
             unscale = True  # the scale is 1: checked grads are unscaled grads
         for observer in self._observers:
             observer.on_grads(optimizer, grads, scale)
-        inv_scale = self._unscale_factor(scale) if unscale else self._unit(scale)
         if report.is_global and self._spike is None:
             # DDP's own all-reduce over a group covering ours made the flag global. (The spike
             # gate still needs the loss and grad norm of every rank: it keeps the collective.)
@@ -426,12 +425,20 @@ class GradScaler(TorchGradScalerSurface):
                 at = _agreement.measured_at(self._carries_range())
                 self._predictive.measure.write(state.agreed, at, groups, report.measured)
             flag = state.agreed[_agreement.OVERFLOW]  # a view: the check writes the flag into it
-            check_and_unscale_(groups, inv_scale, flag)
-            # MAX, not +: torch's fused kernels skip only where found_inf == 1 exactly.
+            if groups:  # none left when attach()'s hooks checked every grad: no 1/scale either
+                inv_scale = self._unscale_factor(scale) if unscale else self._unit(scale)
+                check_and_unscale_(groups, inv_scale, flag)
+            written = bool(groups)  # whether the flag holds a check's result yet (else 0)
+            # MAX of flags as 0 or 1, not +: torch's fused kernels skip only where found_inf == 1
+            # exactly, and a user's flag may say 2 (or -1, which torch's update reads as found).
             for other in (report.flag, state.user_found):
                 if other is not None:
-                    other = (copy_to(other, device) > 0).float()  # a user's flag may say 2
-                    torch.maximum(flag, other, out=flag)
+                    other = copy_to(other, device).reshape(())
+                    if written:
+                        torch.maximum(flag, (other > 0).float(), out=flag)
+                    else:  # flag is 0: (other > 0) in one op (heaviside at 0 takes flag's 0)
+                        torch.heaviside(other.float(), flag, out=flag)
+                        written = True
                     if self._predictive is not None:
                         mark_overflow(
                             state.agreed, _agreement.measured_at(self._carries_range()), other

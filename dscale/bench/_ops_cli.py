@@ -106,6 +106,18 @@ def check_targets(table: dict[str, Any]) -> list[dict[str, Any]]:
         if impl == "fused":
             check(f"{name}: dynamic <= torch", dyn["kernels"] <= torch_k, _pair(dyn, arms))
             check(f"{name}: dynamic 0 host reads", dyn["host_reads"] == 0, _pair(dyn, arms))
+            if ATTACH in arms:  # step + update after attach()'s hooks checked every grad
+                attached = arms[ATTACH]
+                check(
+                    f"{name}: attach <= torch",
+                    attached["kernels"] <= torch_k,
+                    _pair(attached, arms),
+                )
+                check(
+                    f"{name}: attach 0 host reads",
+                    attached["host_reads"] == 0,
+                    _pair(attached, arms),
+                )
         check(
             f"{name}: sync_free <= 2x torch",
             sync_free["kernels"] <= 2 * torch_k,

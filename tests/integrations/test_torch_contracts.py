@@ -150,6 +150,32 @@ def test_an_optimizer_passed_the_scaler_gets_it_and_no_attributes_as_from_torch(
     assert seen == {"scaler": scaler, "attributes": False}
 
 
+@pytest.mark.parametrize("decide_on_device", [False, True], ids=["host", "device"])
+@pytest.mark.parametrize(
+    ("written", "found"), [(1.0, True), (2.0, True), (0.5, True), (0.0, False), (-1.0, False)]
+)
+def test_a_written_flag_with_no_grads_left_to_check_counts_as_found_when_above_zero(
+    decide_on_device, written, found
+) -> None:
+    # No grad for the check pass (as after attach()'s hooks checked them all): the flag written by
+    # torch-shaped code becomes the step's flag alone, as 0 or 1: skip and back-off agree on it.
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, fused=True)
+    before = [p.detach().clone() for p in model.parameters()]
+    scaler = dscale.GradScaler("cpu", init_scale=2.0**8)
+    scaler._read_host_flags = not decide_on_device
+    scaler.scale(_loss(model, 0, False))  # no backward: every grad stays None
+    state = scaler._per_optimizer_states[id(opt)]
+    state["stage"] = OptState.UNSCALED
+    state["found_inf_per_device"] = {torch.device("cpu"): torch.tensor(written)}
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.step_applied(opt) is not found
+    assert scaler.get_scale() == (2.0**7 if found else 2.0**8)
+    assert scaler.snapshot()["skipped_steps"] == int(found)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
 def test_the_grad_scaler_keyword_is_read_from_the_step_in_use_each_time() -> None:
     # The signature is cached per step function: a step swapped on the instance (a wrapper, a
     # monkeypatch) between iterations must be read afresh, in both directions.
