@@ -224,6 +224,8 @@ def update_(
     """
     slot = window[pos[0]]
     # Nothing measured (0) asks for BUDGET: hold the scale. One op: where(measured > 0, ...) is two.
+    # (NaN would stay NaN here, where the host form holds; every writer of `measured` passes it
+    # through nan_to_num, so it is never NaN.)
     asked = torch.nn.functional.threshold(measured, 0.0, BUDGET)
     if before is None:
         torch.div(asked, scale, out=slot)

@@ -6,6 +6,7 @@ import dataclasses
 import inspect
 import logging
 import math
+import types
 import warnings
 import weakref
 from collections import abc
@@ -1086,26 +1087,27 @@ def _is_power_of_two(host: _policy.HostState | None) -> bool:
 
 
 # step function -> whether it takes grad_scaler=: inspect.signature costs ~30 us, more than the
-# rest of a fused step's own work, so it is read once per function (weakly: a class can go).
-_TAKES_GRAD_SCALER: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+# rest of a fused step's own work, so it is read once per plain function (weakly: a class can go).
+# Functions hash by identity and their signature is fixed; any other callable (an object whose
+# class's __call__ may be patched, or that hashes by value) is read afresh every time.
+_TAKES_GRAD_SCALER: weakref.WeakKeyDictionary[types.FunctionType, bool] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def _takes_grad_scaler(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer.step`` takes torch's older ``grad_scaler`` keyword."""
     step = optimizer.step
-    function = getattr(step, "__func__", step)  # a bound method is new on every access
-    try:
+    function: Any = getattr(step, "__func__", step)  # a bound method is new on every access
+    cacheable = type(function) is types.FunctionType
+    if cacheable and function in _TAKES_GRAD_SCALER:
         return _TAKES_GRAD_SCALER[function]
-    except (KeyError, TypeError):  # not seen yet, or not weakly referenceable
-        pass
     try:
         takes = "grad_scaler" in inspect.signature(step).parameters
     except (TypeError, ValueError):  # a builtin or an odd callable: no keyword to pass
         takes = False
-    try:
+    if cacheable:
         _TAKES_GRAD_SCALER[function] = takes
-    except TypeError:
-        pass
     return takes
 
 

@@ -204,6 +204,24 @@ def test_the_grad_scaler_keyword_is_read_from_the_step_in_use_each_time() -> Non
         opt.zero_grad()
     assert seen == ["attributes", "grad_scaler", "attributes", "grad_scaler"]
 
+    # A callable object as the step: its class's __call__ may be patched in place (mock.patch
+    # does), so the same object must be read afresh too.
+    class StepObject:
+        def __call__(self, closure: Any = None, *, grad_scaler: Any = None) -> None:
+            passing(grad_scaler=grad_scaler)
+
+    opt.step = StepObject()  # type: ignore[method-assign]
+    for patched in (False, True):
+        if patched:
+            StepObject.__call__ = lambda self, closure=None: reading()  # type: ignore[method-assign]
+        scaler.scale(_loss(model, 0, False)).backward()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    assert seen[4:] == ["grad_scaler", "attributes"]
+
 
 def test_an_optimizer_passed_the_scaler_that_never_checks_is_an_error_naming_the_call() -> None:
     class Ignores(PassItself):
