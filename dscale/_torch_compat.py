@@ -246,7 +246,13 @@ class TorchGradScalerSurface(torch.amp.GradScaler):
             )
         return scale, tracker
 
+    _scale_for_step: torch.Tensor | None = None  # GradScaler: set while such a step runs
+
     def _get_scale_async(self) -> torch.Tensor | None:
+        """The scale tensor, or 1 to a step(grad_scaler=...) optimizer whose grads attach()'s
+        hooks unscaled already (it divides by what it reads)."""
+        if self._scale_for_step is not None:
+            return self._scale_for_step
         return self._scale
 
     def _get_growth_tracker(self) -> int:

@@ -73,6 +73,9 @@ class _OptimizerState:
     work: Any = None  # pending all-reduce
     over_group: bool = False  # whether `agreed` was reduced over the scaler's group
     lone: bool = False  # whether the scaler had no process group (one process) at the check
+    # Checked by step() before a step(grad_scaler=...) optimizer ran: its unscale_() then only
+    # marks the stage (the check ran, and unscaled what it had to).
+    prechecked: bool = False
     applied: bool | None = None  # known on the host when step() synced for its decision
     host_agreed: list[float] | None = None  # the agreed vector, read in that same sync
     # A rank-local flag written by code made for torch's scaler (["found_inf_per_device"]).
@@ -261,6 +264,9 @@ class GradScaler(TorchGradScalerSurface):
         # Decide fused and sync_free steps on the host when the agreed flag is in host memory.
         # Tests turn it off to run the device-side decision (the CUDA path) on the CPU.
         self._read_host_flags = True
+        # What _get_scale_async() answers a step(grad_scaler=...) optimizer whose grads are
+        # unscaled already (attach()'s hooks): 1, since it divides by what it reads.
+        self._scale_for_step: torch.Tensor | None = None
         self._inv_scale: tuple[float, torch.Tensor] | None = None  # (scale, 1/scale)
         self._one: torch.Tensor | None = None
         # False for a StepGuard (dscale/step_guard.py): the scale is 1 and never moves.
@@ -350,17 +356,24 @@ class GradScaler(TorchGradScalerSurface):
             )
         if state.stage is _Stage.STEPPED:
             raise RuntimeError("unscale_() is being called after step().")
-        self._check(optimizer, state, unscale=True)
+        if not state.prechecked:
+            self._check(optimizer, state, unscale=True)
         state.stage = _Stage.UNSCALED
 
     def _check(
-        self, optimizer: torch.optim.Optimizer, state: _OptimizerState, *, unscale: bool | None
+        self,
+        optimizer: torch.optim.Optimizer,
+        state: _OptimizerState,
+        *,
+        unscale: bool | None,
+        unscaled_by_caller: bool = False,
     ) -> bool:
         """Grads -> observers -> flag -> agree; True when the grads are unscaled afterwards.
 
         The hooks report which of ``optimizer``'s grads they already unscaled and checked (and
         whether their flag is global); this rank's pass takes the rest, and the agreement
         vector goes out once, unless the hooks' flag already covers everything on every rank.
+        ``unscaled_by_caller``: code written for torch's scaler unscaled the grads itself.
         """
         scale = self._require_scale("unscale_")
         group = self._process_group()
@@ -373,6 +386,18 @@ class GradScaler(TorchGradScalerSurface):
             )
         try:
             report = self._hooks.report(optimizer, group, scale.device)
+            if unscaled_by_caller and report.covered:
+                # torch's in-place unscale kernel leaves the grads' versions as they were, so
+                # the hooks cannot see this write: the stage says it.
+                twice = AttachRefusal(
+                    f"attach(): the grads of {len(report.covered)} parameter(s) were unscaled in "
+                    "the attached model's reduction, and code written for torch's scaler marked "
+                    "them unscaled itself (['stage'] = OptState.UNSCALED): it divided them a "
+                    "second time. Let the scaler unscale them (scaler.unscale_(optimizer)), or do "
+                    "not attach() this model"
+                )
+                twice.peers_agree = not report.is_global  # as the hooks' own refusals
+                raise twice
         except AttachRefusal as exc:
             if exc.peers_agree and group is not None:  # the peers skip rather than wait on us
                 device = _dist.flag_device(group, scale.device)
@@ -408,9 +433,11 @@ class GradScaler(TorchGradScalerSurface):
             unscale = True  # the scale is 1: checked grads are unscaled grads
         for observer in self._observers:
             observer.on_grads(optimizer, grads, scale)
-        if report.is_global and self._spike is None:
+        if report.is_global and self._spike is None and state.user_found is None:
             # DDP's own all-reduce over a group covering ours made the flag global. (The spike
-            # gate still needs the loss and grad norm of every rank: it keeps the collective.)
+            # gate still needs the loss and grad norm of every rank, and a flag written by
+            # torch-shaped code is this rank's own: they keep the collective. Every rank runs the
+            # same code, so every rank writes one, whatever its value.)
             group = None
         device = scale.device if group is None else _dist.flag_device(group, scale.device)
         host = self._book.host
@@ -602,7 +629,7 @@ class GradScaler(TorchGradScalerSurface):
             unscale = (None if _is_torch_fused(optimizer) else False) if fused else True
             was_unscaled = self._check(optimizer, state, unscale=unscale)
         elif state.agreed is None:  # marked UNSCALED by code that unscaled the grads itself
-            self._check(optimizer, state, unscale=False)
+            self._check(optimizer, state, unscale=False, unscaled_by_caller=True)
         agreed = self._agreed(state)
         on_host = self._decides_on_host(agreed)
 
@@ -669,8 +696,21 @@ class GradScaler(TorchGradScalerSurface):
             stacklevel=3,
         )
         before = ids_with_state(optimizer)
+        # attach(): the hooks unscaled grads in the reduction (and the check unscales the rest
+        # to match). Check now, whatever order the optimizer asks in, so that it reads a scale
+        # of 1 from _get_scale_async() instead of dividing a second time.
+        if (
+            self._hooks.states
+            and state.agreed is None
+            and self._check(optimizer, state, unscale=False)
+        ):
+            state.prechecked = True  # an unscale_() from the optimizer has nothing left to do
+            self._scale_for_step = self._unit(self._require_scale("step"))
         step: Any = optimizer.step  # takes grad_scaler= (checked by _takes_grad_scaler)
-        retval = step(*args, grad_scaler=self, **kwargs)
+        try:
+            retval = step(*args, grad_scaler=self, **kwargs)
+        finally:
+            self._scale_for_step = None
         if state.agreed is None:
             raise RuntimeError(
                 f"{type(optimizer).__name__}.step(grad_scaler=...) never checked its grads: it "
@@ -1059,6 +1099,7 @@ class GradScaler(TorchGradScalerSurface):
         state["_scale_range"] = None
         state["_inv_scale"] = None  # device tensors, made again on demand
         state["_one"] = None
+        state["_scale_for_step"] = None
         # Hooks are registered on live models; a copy must attach() again.
         state["_hooks"] = ReductionHooks()
         return state
@@ -1068,6 +1109,7 @@ class GradScaler(TorchGradScalerSurface):
             ("_read_host_flags", True),
             ("_inv_scale", None),
             ("_one", None),
+            ("_scale_for_step", None),
             ("_iteration", 0),
             ("_placed_init_scale", 2.0**16),
             ("_loss_scaling", True),

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.amp.grad_scaler import OptState
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from tests.multirank import run_ranks
@@ -42,6 +43,25 @@ def _poison_during_backward(model: nn.Module, name: str) -> Any:
     return p.register_hook(lambda g: g * float("inf"))
 
 
+class _PassesItself(torch.optim.Optimizer):
+    """torch's older contract (apex/Transformer Engine style): ``step(grad_scaler=...)`` divides
+    by ``_get_scale_async()`` itself, asked before the check, as Transformer Engine asks."""
+
+    _step_supports_amp_scaling = True
+
+    def __init__(self, params: Any) -> None:
+        super().__init__(params, {"lr": 0.1})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None, *, grad_scaler: Any = None) -> None:
+        params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
+        inv = grad_scaler._get_scale_async().double().reciprocal().float()
+        found = sum(grad_scaler._check_inf_per_device(self).values())
+        if float(found) == 0:
+            for p in params:
+                p.sub_(0.1 * p.grad * inv)
+
+
 def _train(rank: int, case: str, attach: bool) -> dict[str, Any]:
     import dscale
 
@@ -62,14 +82,17 @@ def _train(rank: int, case: str, attach: bool) -> dict[str, Any]:
     else:
         model = _ddp(base)
     name = "module.2.bias" if isinstance(model, DDP) else "2.bias"
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    if case == "passes_itself":
+        opt: torch.optim.Optimizer = _PassesItself(model.parameters())
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     scaler = dscale.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
     if attach:
         scaler.attach(model)
     params, scales = [], []
     for step in range(4):
         opt.zero_grad()
-        poisoned = step == 2 and rank == 1 and case != "abandoned"
+        poisoned = step == 2 and rank == 1 and case not in ("abandoned", "user_flag")
         handle = _poison_during_backward(model, name) if poisoned else None
         if case == "abandoned" and step == 1:
             # A batch given up after backward (its loss overflowed on rank 1): no step().
@@ -83,6 +106,9 @@ def _train(rank: int, case: str, attach: bool) -> dict[str, Any]:
             scaler.scale(model.module(batch(rank, 99 + step)).mean()).backward()
         if handle is not None:
             handle.remove()
+        if case == "user_flag":  # torch-shaped code's own flag, rank-local: 1 on rank 1 at step 2
+            flag = torch.tensor(1.0 if (step == 2 and rank == 1) else 0.0)
+            scaler._per_optimizer_states[id(opt)]["found_inf_per_device"] = {flag.device: flag}
         scaler.step(opt)
         scaler.update()
         params.append(full_params(model, "fsdp2" if case.startswith("fsdp2") else "ddp"))
@@ -132,6 +158,14 @@ def _refused(rank: int, case: str) -> str:
             model.module[0].weight.grad.mul_(0.5)  # e.g. a framework's after-backward hook
         elif case == "second_loss_outside_fully_attached":
             scaler.scale(model.module(batch(rank, 1)).sum()).backward()
+        elif case == "unscaled_by_torch_shaped_code":  # would divide the hooks' grads again
+            grads = [p.grad for p in model.parameters()]
+            found = torch.zeros(())
+            inv = scaler._get_scale_async().double().reciprocal().float()
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv)
+            state = scaler._per_optimizer_states[id(opt)]
+            state["stage"] = OptState.UNSCALED
+            state["found_inf_per_device"] = {found.device: found}
         scaler.step(opt)
         scaler.update()
     except RuntimeError as exc:
@@ -148,12 +182,21 @@ CASES = (
     "ddp_ignored",
     "fsdp2_ignored",
     "abandoned",
+    "user_flag",
+    "passes_itself",
 )
-REPLICATED = ("accumulate_synced", "accumulate_synced_bucket_view", "abandoned")
+REPLICATED = (
+    "accumulate_synced",
+    "accumulate_synced_bucket_view",
+    "abandoned",
+    "user_flag",
+    "passes_itself",
+)
 REFUSED = (
     "backward_without_scale",
     "grad_written_after_backward",
     "second_loss_outside_fully_attached",
+    "unscaled_by_torch_shaped_code",
 )
 
 
