@@ -47,6 +47,10 @@ class TorchOptimizerState(dict):  # type: ignore[type-arg]
     ``["stage"] = OptState.UNSCALED`` (and may set ``["found_inf_per_device"]`` to its own
     rank-local flags): step() then does not unscale again, checks the grads it was not told
     about, adds those flags and agrees across ranks as usual. Any other key raises.
+
+    Under ``attach()``, where DDP's reduction already made the flag global, a written flag keeps
+    the step's agreement collective: every rank must then write one (any value), as the same
+    code on every rank does, or the ranks that wrote wait for the others.
     """
 
     def __init__(self, owner: OptimizerStates, key: Any) -> None:
