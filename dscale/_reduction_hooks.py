@@ -319,12 +319,11 @@ class ReductionHooks:
             )
         self.states.append(state)
 
-    def report(
-        self, optimizer: torch.optim.Optimizer, scaler_group: Any, device: torch.device
-    ) -> HookReport:
-        """What the hooks checked of ``optimizer``'s grads, for the scaler's ``_check``."""
+    def reduced(self, device: torch.device) -> bool:
+        """Whether an attached model's hooks reduced grads in this iteration; takes their flags
+        (and measurements) onto ``device`` once per iteration."""
         if not self.states:  # nothing attached: the common case, answered at once
-            return NO_HOOKS
+            return False
         if not self._taken:
             flags = [f for s in self.states for f in s.take_flags()]
             if len(flags) > 1:
@@ -334,7 +333,13 @@ class ReductionHooks:
             measured = [copy_to(m, device) for s in self.states for m in s.take_measured()]
             self._measured = _combine(measured) if measured else None
             self._taken = True
-        if self._flag is None:
+        return self._flag is not None
+
+    def report(
+        self, optimizer: torch.optim.Optimizer, scaler_group: Any, device: torch.device
+    ) -> HookReport:
+        """What the hooks checked of ``optimizer``'s grads, for the scaler's ``_check``."""
+        if not self.reduced(device):
             return NO_HOOKS
         params = [p for g in optimizer.param_groups for p in g["params"]]
         # Decided from what every rank shares (parameter sets, groups), never from local grads:

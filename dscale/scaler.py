@@ -397,9 +397,14 @@ class GradScaler(TorchGradScalerSurface):
                     "not attach() this model"
                 )
                 twice.peers_agree = not report.is_global  # as the hooks' own refusals
+                state.stage = _Stage.READY  # the next iteration's code says it again, or not
                 raise twice
         except AttachRefusal as exc:
-            if exc.peers_agree and group is not None:  # the peers skip rather than wait on us
+            # The peers run the agreement where the flag is not global, and also where a spike
+            # gate or a flag written by torch-shaped code keeps it (below): join it with a refusal,
+            # so that they skip rather than wait on us.
+            kept = self._spike is not None or state.user_found is not None
+            if (exc.peers_agree or kept) and group is not None:
                 device = _dist.flag_device(group, scale.device)
                 # As long as the peers' vectors (policy="predictive" adds its measurement).
                 refusal = _agreement.agreement_vector(
@@ -699,13 +704,12 @@ class GradScaler(TorchGradScalerSurface):
         # attach(): the hooks unscaled grads in the reduction (and the check unscales the rest
         # to match). Check now, whatever order the optimizer asks in, so that it reads a scale
         # of 1 from _get_scale_async() instead of dividing a second time.
-        if (
-            self._hooks.states
-            and state.agreed is None
-            and self._check(optimizer, state, unscale=False)
-        ):
+        scale = self._require_scale("step")
+        if state.agreed is None and self._hooks.reduced(scale.device):
+            unscaled = self._check(optimizer, state, unscale=False)
+            assert unscaled  # noqa: S101 - the hooks reduced: the check unscales what they did not
             state.prechecked = True  # an unscale_() from the optimizer has nothing left to do
-            self._scale_for_step = self._unit(self._require_scale("step"))
+            self._scale_for_step = self._unit(scale)
         step: Any = optimizer.step  # takes grad_scaler= (checked by _takes_grad_scaler)
         try:
             retval = step(*args, grad_scaler=self, **kwargs)

@@ -62,6 +62,47 @@ class _PassesItself(torch.optim.Optimizer):
                 p.sub_(0.1 * p.grad * inv)
 
 
+class _PassesItselfUnscaling(_PassesItself):
+    """The same contract, unscaling through ``grad_scaler.unscale_(self)`` instead."""
+
+    @torch.no_grad()
+    def step(self, closure: Any = None, *, grad_scaler: Any = None) -> None:
+        grad_scaler.unscale_(self)
+        found = sum(grad_scaler._found_inf_per_device(self).values())
+        if float(found) == 0:
+            for group in self.param_groups:
+                for p in group["params"]:
+                    p.sub_(0.1 * p.grad)
+
+
+def _idle_hooks(rank: int, attach: bool) -> dict[str, Any]:
+    """An attached model with no backward this iteration, and a step(grad_scaler=...) optimizer
+    over another model: one check (one observer call) per step, as without attach()."""
+    import dscale
+
+    idle, model = _ddp(tiny_model()), tiny_model()
+    opt = _PassesItselfUnscaling(model.parameters())
+    scaler = dscale.GradScaler("cpu", init_scale=2.0**10)
+    seen: list[int] = []
+
+    class Counting:
+        def on_grads(self, optimizer: Any, grads: Any, scale: Any) -> None:
+            seen.append(len(grads))
+
+        def on_update(self, scaler: Any, found_inf: Any) -> None:
+            pass
+
+    scaler.add_observer(Counting())  # type: ignore[arg-type]
+    if attach:
+        scaler.attach(idle)
+    for step in range(2):
+        opt.zero_grad()
+        scaler.scale(model(batch(rank, step)).square().mean()).backward()
+        scaler.step(opt)
+        scaler.update()
+    return {"params": full_params(model, "plain"), "checks": seen}
+
+
 def _train(rank: int, case: str, attach: bool) -> dict[str, Any]:
     import dscale
 
@@ -117,19 +158,25 @@ def _train(rank: int, case: str, attach: bool) -> dict[str, Any]:
     return {"params": params, "scales": scales}
 
 
-def _refused_on_one_rank(rank: int, policy: str) -> dict[str, Any]:
+def _refused_on_one_rank(rank: int, policy: str, keeps: str = "ignored") -> dict[str, Any]:
     """Only rank 1 writes a grad after the reduction: it raises, rank 0 skips and does not hang.
 
-    With an ignored parameter the step has an agreement collective, which the refusing rank joins
-    with a vector as long as its peers' (policy="predictive" sends 5 fields, not 3).
+    The step keeps an agreement collective (``keeps``): an ignored parameter, a flag written by
+    torch-shaped code on every rank, or the spike gate, each with every other parameter in the
+    hook. The refusing rank joins it with a vector as long as its peers' (policy="predictive"
+    sends 5 fields, not 3; the spike gate its slots).
     """
     import dscale
 
-    model = _ddp(tiny_model(), ignore=("2.bias",))
+    model = _ddp(tiny_model(), ignore=("2.bias",) if keeps == "ignored" else ())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    scaler = dscale.GradScaler("cpu", init_scale=2.0**10, policy=policy)
+    spike = {"spike_signals": ("loss", "grad_norm")} if keeps == "spike_gate" else {}
+    scaler = dscale.GradScaler("cpu", init_scale=2.0**10, policy=policy, **spike)
     scaler.attach(model)
     scaler.scale(model(batch(rank, 0)).sum()).backward()
+    if keeps == "user_flag":
+        flag = torch.zeros(())
+        scaler._per_optimizer_states[id(opt)]["found_inf_per_device"] = {flag.device: flag}
     if rank == 1:
         model.module[0].weight.grad.mul_(0.5)
     before = full_params(model, "ddp")
@@ -216,6 +263,13 @@ def _all(rank: int, world_size: int) -> dict[str, Any]:
         out[case] = _refused(rank, case)
     for policy in ("dynamic", "predictive"):
         out[f"refused_on_one_rank/{policy}"] = _refused_on_one_rank(rank, policy)
+    plain, attached = _idle_hooks(rank, False), _idle_hooks(rank, True)
+    out["idle_hooks"] = {
+        "equal": torch.equal(plain["params"], attached["params"]),
+        "checks": (plain["checks"], attached["checks"]),
+    }
+    for keeps in ("user_flag", "spike_gate"):
+        out[f"refused_on_one_rank/{keeps}"] = _refused_on_one_rank(rank, "dynamic", keeps)
     return out
 
 
@@ -241,7 +295,10 @@ def test_attach_refuses_grads_it_did_not_check(results, case) -> None:
         assert "attach()" in out[case], out[case]
 
 
-@pytest.mark.parametrize(("policy", "backed_off"), [("dynamic", 2.0**9), ("predictive", 0.5)])
+@pytest.mark.parametrize(
+    ("policy", "backed_off"),
+    [("dynamic", 2.0**9), ("predictive", 0.5), ("user_flag", 2.0**9), ("spike_gate", 2.0**9)],
+)
 def test_a_refusal_on_one_rank_skips_the_step_on_the_others_instead_of_hanging(
     results, policy, backed_off
 ) -> None:
@@ -250,3 +307,10 @@ def test_a_refusal_on_one_rank_skips_the_step_on_the_others_instead_of_hanging(
     assert "attach()" in r1["error"] and not r1["moved"]
     # predictive: the first step runs at min(init_scale, 1) = 1, and the skip backs off from it.
     assert r0 == {"error": None, "applied": False, "scale": backed_off}
+
+
+def test_idle_hooks_leave_a_grad_scaler_optimizer_one_check_per_step(results) -> None:
+    for out in results.values():
+        plain, attached = out["idle_hooks"]["checks"]
+        assert plain == attached == [4, 4], out["idle_hooks"]
+        assert out["idle_hooks"]["equal"]
