@@ -90,6 +90,22 @@ def torch_saved(obj_bytes: bytes) -> bytes:
     return out.getvalue()
 
 
+def deflated(tensor: torch.Tensor) -> bytes:
+    """``torch.save(tensor)`` with its storage entry deflated, as torch.load still reads it."""
+    import zipfile
+
+    buffer = io.BytesIO()
+    torch.save(tensor, buffer)
+    src = zipfile.ZipFile(io.BytesIO(buffer.getvalue()))
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w") as dst:
+        for info in src.infolist():
+            packed = info.filename.endswith("/data/0")
+            kind = zipfile.ZIP_DEFLATED if packed else zipfile.ZIP_STORED
+            dst.writestr(info.filename, src.read(info), compress_type=kind)
+    return out.getvalue()
+
+
 def plant(folder: Path, fqn: str, payload: bytes) -> str:
     """Replace the stored bytes of ``fqn`` with ``payload``; reseal; return the file's name."""
     metadata = SafeReader(folder).read_metadata()

@@ -4,7 +4,9 @@ Builds a one-process checkpoint in ROOT, applies one edit, loads it into fresh o
 the outcome and the growth of the process's peak RSS (``ru_maxrss``) during the load:
 ``counter`` declares ``train.step`` as GIB GiB backed by a hole, ``value`` moves a pickled value
 into a hole of GIB GiB, ``metadata`` makes ``.metadata`` a pickle opening GIB GiB of bytes in a
-hole, ``tail`` adds a hole of GIB GiB after the last record, ``none`` edits nothing.
+hole, ``tail`` adds a hole of GIB GiB after the last record, ``deflated`` replaces a weight's
+record by a deflated zip unpacking GIB GiB behind a view of the weight's shape (no hole: a small
+dense record), ``none`` edits nothing.
 
 Run: PYTHONPATH=$PWD .venv/bin/python tests/checkpoint/measure_sparse_rss.py ROOT SCENARIO [GIB]
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 import os
 import resource
 import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -29,7 +32,8 @@ def _peak() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def main(root: Path, scenario: str, gib: float) -> None:
+def build(root: Path, scenario: str, gib: float) -> None:
+    """Save a checkpoint in ``root`` and apply the edit (in a process of its own)."""
     nbytes = int(gib * 2**30)
     shutil.rmtree(root, ignore_errors=True)
     model = make_model()
@@ -46,8 +50,19 @@ def main(root: Path, scenario: str, gib: float) -> None:
         _hostile.sparse_metadata(folder, nbytes)
     elif scenario == "tail":
         _hostile.sparse_tail(folder, "__0_0.distcp", nbytes)
+    elif scenario == "deflated":
+        storage = torch.zeros(nbytes // 4)
+        _hostile.plant(folder, "model.0.weight", _hostile.deflated(storage[:32].view(8, 4)))
+        del storage
     elif scenario != "none":
-        raise SystemExit(f"unknown scenario {scenario!r}: counter, value, metadata, tail, none")
+        known = "counter, value, metadata, tail, deflated, none"
+        raise SystemExit(f"unknown scenario {scenario!r}: {known}")
+
+
+def main(root: Path, scenario: str, gib: float) -> None:
+    # Built in another process, so that this one's peak RSS is the load's alone.
+    subprocess.run([sys.executable, __file__, "--build", str(root), scenario, str(gib)], check=True)
+    folder = root / "step-4"
     on_disk = sum(os.stat(f).st_blocks * 512 for f in folder.iterdir())
     print(f"{scenario}: folder {on_disk} bytes on disk")
     fresh = make_model(seed=7)
@@ -67,4 +82,6 @@ def main(root: Path, scenario: str, gib: float) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2], float(sys.argv[3]) if len(sys.argv) > 3 else 0.3)
+    step = build if sys.argv[1] == "--build" else main
+    args = sys.argv[2:] if step is build else sys.argv[1:]
+    step(Path(args[0]), args[1], float(args[2]) if len(args) > 2 else 0.3)

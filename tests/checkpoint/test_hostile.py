@@ -24,6 +24,7 @@ from tests.checkpoint._helpers import make_model, make_scaler, params, reseal
 from tests.checkpoint._hostile import (
     _Reduce,
     corpus,
+    deflated,
     hostile_folders_on_two_ranks,
     plant,
     records_by_file,
@@ -253,3 +254,19 @@ def test_a_hard_linked_data_file_loads_the_same_values_and_a_save_never_writes_t
         assert out["hardlink_auto"] == 4
         assert out["victim_after_save"] == b"not a checkpoint"
         assert out["step_8_loads"] == 8
+
+
+def test_a_record_inflating_past_its_bytes_on_disk_is_refused(tmp_path):
+    """A 0.3 MB record whose deflated storage entry unpacks to 256 MiB behind a view of the
+    weight's shape: before, torch.load allocated the 256 MiB and the load succeeded (zeros)."""
+    CheckpointManager(tmp_path / "ckpt").save(1, model=make_model())
+    folder = tmp_path / "ckpt" / "step-1"
+    storage = torch.zeros(64 << 20)  # 256 MiB, saved whole behind the view
+    record = deflated(storage[:32].view(8, 4))
+    assert len(record) < 1 << 20
+    file_name = plant(folder, "model.0.weight", record)
+    model = make_model(seed=5)
+    before = params(model)
+    with pytest.raises(CheckpointError, match=rf"{file_name} holds a value.*unpacks \d+ bytes to "):
+        load_checkpoint(folder, model=model)
+    assert all(torch.equal(before[k], v) for k, v in params(model).items())
