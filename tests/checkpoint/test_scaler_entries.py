@@ -120,3 +120,15 @@ def test_a_spike_window_of_another_signal_is_refused_as_load_state_dict_refuses_
     with pytest.raises(CheckpointError) as through_checkpoint:
         load_checkpoint(tmp_path / "guard" / "step-1", scaler=_gate("loss"))
     assert str(direct.value) in str(through_checkpoint.value)
+
+
+class _WithADict(dscale.GradScaler):
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "extra": {"a": 1}}
+
+
+def test_a_scaler_entry_a_checkpoint_cannot_store_is_refused_at_save_naming_it(tmp_path):
+    """Before, an entry of another type (here a dict) was dropped without a word."""
+    with pytest.raises(TypeError, match=r"state_dict\(\)\['extra'\] is a dict"):
+        CheckpointManager(tmp_path).save(1, model=make_model(), scaler=_WithADict("cpu"))
+    assert list(tmp_path.iterdir()) == []
