@@ -10,7 +10,7 @@ import types
 import warnings
 import weakref
 from collections import abc
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from enum import Enum
 from typing import Any, Literal, Protocol
 
@@ -1054,16 +1054,13 @@ class GradScaler(TorchGradScalerSurface):
             )
         return state
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state dict from dscale's or torch's GradScaler; no-op when disabled.
+    def _checked_state(self, state_dict: Mapping[str, Any]) -> tuple[Any, Any, Any, Any]:
+        """What load_state_dict would apply, or ValueError; changes nothing.
 
-        The dict is validated completely first: a rejected one (ValueError) changes nothing.
-        Keys that torch's dict lacks keep this scaler's settings; its trackers start fresh.
+        dscale.checkpoint calls it too, so that both ways in make the same checks.
         """
-        if not self._enabled:
-            return
         policy, host = _state.from_state_dict(state_dict, self._policy)
-        predictive = _predictive_state.from_state_dict(state_dict)  # validated before any change
+        predictive = _predictive_state.from_state_dict(state_dict)
         spike = None if self._spike is None else self._spike.check_state(state_dict)
         if not self._loss_scaling:  # a StepGuard keeps its scale of 1; the counts come along
             policy = self._policy
@@ -1075,6 +1072,17 @@ class GradScaler(TorchGradScalerSurface):
                 "fixed at 1), so it holds no loss scale for this GradScaler; start the "
                 "GradScaler fresh, or load the dict into a StepGuard"
             )
+        return policy, host, predictive, spike
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict from dscale's or torch's GradScaler; no-op when disabled.
+
+        The dict is validated completely first: a rejected one (ValueError) changes nothing.
+        Keys that torch's dict lacks keep this scaler's settings; its trackers start fresh.
+        """
+        if not self._enabled:
+            return
+        policy, host, predictive, spike = self._checked_state(state_dict)
         self._policy = policy
         self._book.load(host)
         if self._spike is not None:

@@ -34,8 +34,9 @@ files it writes). A save writes ``.step-N.tmp`` and is renamed only after every 
 so a crash leaves the previous checkpoints intact; a failed save removes its folder.
 
 Before DCP opens a file, every entry of the folder must be a regular file (or a symlink to one
-inside it) and every size ``.metadata`` declares must fit in the bytes on disk; a folder that is
-refused raises CorruptCheckpointError. Loading never runs code from the checkpoint's bytes
+inside it) and every size ``.metadata`` declares must fit in the bytes on disk (holes only inside
+tensor data) and be the shape of what it loads into; a folder that is refused raises
+CorruptCheckpointError. Loading never runs code from the checkpoint's bytes
 (exact-name metadata unpickler, ``weights_only=True`` values), reads into empty copies, and
 changes nothing until every check (checksums, format, keys and shapes, scaler rows, the
 scaler's validation) has passed on every rank; a failure on any rank raises the same error on

@@ -8,7 +8,17 @@ data is read. Here, with ``os.lstat`` only (nothing is opened):
 * every entry of the folder is a regular file, or a symlink to one inside the folder;
 * every data file holds at least the bytes its records occupy;
 * every tensor chunk declared in ``.metadata`` fits in its tensor and in the bytes of its record
-  (a record is a ``torch.save`` of the chunk, never smaller than the chunk's data).
+  (a record is a ``torch.save`` of the chunk, never smaller than the chunk's data);
+* the bytes a load reads are on disk: a sparse file's holes read as zeros without taking space,
+  so a hole could back a declared size from a tiny folder. A file with fewer blocks than its
+  size (``st_blocks``) is asked for its holes (``SEEK_HOLE``); a hole is accepted only inside
+  the data of a tensor record (its size is then checked against the model's own, and a
+  filesystem that compresses may store zeros as holes), never in ``.metadata``, the manifest,
+  a pickled value or after the last record.
+
+Hard links are accepted: a hard link reads the same checked bytes as a copy (and Linux's
+``protected_hardlinks`` keeps one from reaching a file its creator could not read), and a save
+never writes into an existing file (leftover temp folders are removed first).
 
 A refusal is a CorruptCheckpointError naming the file or entry, so ``resume("auto")`` goes on to
 the previous checkpoint, as it does for a file that fails its checksum.
@@ -16,6 +26,8 @@ the previous checkpoint, as it does for a file that fails its checksum.
 
 from __future__ import annotations
 
+import bisect
+import errno
 import math
 import os
 import stat
@@ -25,7 +37,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Tenso
 
 from dscale.checkpoint._errors import CorruptCheckpointError
 
-__all__ = ["check_declared_sizes", "check_listed", "check_regular_files"]
+__all__ = ["check_declared_sizes", "check_listed", "check_regular_files", "holes"]
 
 _KINDS = {
     stat.S_IFIFO: "a FIFO (named pipe)",
@@ -63,8 +75,54 @@ def check_regular_files(path: Path) -> dict[str, int]:
         if not stat.S_ISREG(info.st_mode):
             kind = _KINDS.get(stat.S_IFMT(info.st_mode), "not a regular file")
             raise _refuse(f"{file} is {kind}, not a regular file")
+        if not entry.name.startswith("__"):  # read whole, before anything else: no holes
+            gaps = holes(file, info)
+            if gaps:
+                raise _refuse(_sparse(file, info, sum(b - a for a, b in gaps), "the file"))
         sizes[entry.name] = info.st_size
     return sizes
+
+
+def holes(file: Path, info: os.stat_result) -> list[tuple[int, int]]:
+    """The ``[start, end)`` ranges of a regular file that are holes (not on disk).
+
+    Only a file with fewer blocks than its size is opened; where the platform or filesystem
+    cannot say (no ``st_blocks`` or ``SEEK_HOLE``), the file counts as having none.
+    """
+    blocks = getattr(info, "st_blocks", None)
+    if blocks is None or blocks * 512 >= info.st_size or not hasattr(os, "SEEK_HOLE"):
+        return []
+    out: list[tuple[int, int]] = []
+    fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO swapped in must not block
+    try:
+        pos = 0
+        while pos < info.st_size:
+            hole = os.lseek(fd, pos, os.SEEK_HOLE)
+            if hole >= info.st_size:
+                break
+            try:
+                pos = os.lseek(fd, hole, os.SEEK_DATA)
+            except OSError as exc:  # ENXIO: the hole runs to the end
+                if exc.errno != errno.ENXIO:
+                    raise
+                pos = info.st_size
+            out.append((hole, min(pos, info.st_size)))
+    except OSError as exc:
+        if exc.errno in (errno.EINVAL, errno.EOPNOTSUPP):
+            return []  # no SEEK_HOLE here
+        raise
+    finally:
+        os.close(fd)
+    return out
+
+
+def _sparse(file: Path, info: os.stat_result, missing: int, where: str) -> str:
+    on_disk = getattr(info, "st_blocks", 0) * 512
+    return (
+        f"{file} is a sparse file: {missing} bytes of {where} are holes, not on disk "
+        f"({on_disk} bytes on disk for a size of {info.st_size}); a load would read zeros "
+        "that were never written"
+    )
 
 
 def check_listed(path: Path, listed: list[str], sizes: dict[str, int]) -> None:
@@ -117,3 +175,42 @@ def check_declared_sizes(path: Path, metadata: Metadata, sizes: dict[str, int]) 
                 f"{path / '.metadata'} declares {fqn!r} as {tuple(meta.size)} ({declared} "
                 f"bytes) but its chunks hold {covered} bytes"
             )
+    _check_holes(path, metadata)
+
+
+def _check_holes(path: Path, metadata: Metadata) -> None:
+    """Raise unless every hole of a data file lies inside the data of one tensor record."""
+    records: dict[str, list[tuple[int, int, int, str]]] = {}
+    for index, info in metadata.storage_data.items():
+        meta = metadata.state_dict_metadata.get(index.fqn)
+        data = 0  # bytes of the record that may be holes: a tensor chunk's data, never pickles
+        if isinstance(meta, TensorStorageMetadata):
+            chunk = next((c for c in meta.chunks if c.offsets == index.offset), None)
+            if chunk is not None:
+                data = math.prod(chunk.sizes) * meta.properties.dtype.itemsize
+        end = info.offset + info.length
+        records.setdefault(info.relative_path, []).append((info.offset, end, data, index.fqn))
+    for name, spans in sorted(records.items()):
+        file = path / name
+        info = os.stat(file)
+        gaps = holes(file, info)
+        if not gaps:
+            continue
+        spans.sort()
+        starts = [start for start, _, _, _ in spans]
+        in_record = [0] * len(spans)
+        for start, end in gaps:
+            outside = end - start
+            i = max(bisect.bisect_right(starts, start) - 1, 0)
+            while i < len(spans) and spans[i][0] < end:
+                overlap = min(end, spans[i][1]) - max(start, spans[i][0])
+                if overlap > 0:
+                    in_record[i] += overlap
+                    outside -= overlap
+                i += 1
+            if outside > 0:
+                raise _refuse(_sparse(file, info, outside, "no record"))
+        for (_, _, data, fqn), missing in zip(spans, in_record, strict=True):
+            if missing > data:
+                what = f"the record of {fqn!r}" + ("" if data else " (a pickled value)")
+                raise _refuse(_sparse(file, info, missing, what))

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from dscale.checkpoint._errors import CheckpointError
+from dscale.checkpoint._files import check_regular_files
 
 __all__ = [
     "FORMAT_FILE",
@@ -123,6 +124,8 @@ def check_folder(path: Path) -> None:
             "dscale.checkpoint, or use resume='auto' to pick the newest one"
         )
     if find_manifest(path) is None:
+        if any((path / name).is_symlink() or (path / name).exists() for name in MANIFESTS):
+            check_regular_files(path)  # a manifest that is a folder or a FIFO: named, corrupt
         if not (path / ".metadata").is_file() and not any(path.iterdir()):
             raise CheckpointError(f"checkpoint folder {path} is empty")
         if (path / ".metadata").is_file() and path.name.endswith(".tmp"):

@@ -1,8 +1,10 @@
 """Load one checkpoint: check everything, then change anything.
 
 1. Inspect (each rank, no collective): every file is a regular file of the folder (nothing
-   opened yet), the folder's format and version, the manifest, the metadata (safe unpickler),
-   its declared sizes against the bytes on disk, and that the model's and optimizer's keys match.
+   opened yet) without holes where values are read, the folder's format and version, the
+   manifest, the metadata (safe unpickler), its declared sizes against the bytes on disk and
+   against the shapes of what is loaded (model, optimizer and extras: their own tensors;
+   scaler and step: the shapes dscale writes), and that the model's and optimizer's keys match.
 2. Read (DCP) into empty copies of the states while each rank hashes its share of the files.
 3. Check what was read: checksums, the saving ranks' scaler rows, the scaler accepting it, and
    every rank ending with the same scale.
@@ -36,6 +38,7 @@ from dscale.checkpoint._errors import (
     ScaleMismatchError,
     describe_failure,
 )
+from dscale.checkpoint._expected import check_declared_shapes
 from dscale.checkpoint._files import check_declared_sizes, check_listed, check_regular_files
 from dscale.checkpoint._hashing import verify_share
 from dscale.checkpoint._layout import check_folder, read_format, read_manifest
@@ -114,7 +117,24 @@ def _stage(path: Path, states: Mapping[str, Any], metadata: Metadata) -> dict[st
             staged[name] = empty_copy(state.state_dict())
             if name in ("model", "optimizer"):
                 _check_keys(path, metadata, name, staged[name])
+            else:
+                _check_shapes(path, metadata, name, staged[name])
     return staged
+
+
+def _check_shapes(path: Path, metadata: Metadata, name: str, staged: Any) -> None:
+    """Raise CheckpointError when a saved tensor of an extra is not the shape loaded into.
+
+    What DCP reads for it is then bounded by the extra's own tensors, as for the model.
+    """
+    flat, _ = flatten_state_dict({name: staged})
+    for key, value in sorted(flat.items()):
+        size = getattr(metadata.state_dict_metadata.get(key), "size", None)
+        if size is not None and isinstance(value, torch.Tensor) and value.shape != size:
+            raise CheckpointError(
+                f"{path} does not match extra[{name!r}]: {key} has shape {tuple(size)} there "
+                f"and {tuple(value.shape)} here; is it a checkpoint of another run?"
+            )
 
 
 def _inspect(path: Path, states: Mapping[str, Any]) -> tuple[_Sums, dict[str, Any]]:
@@ -129,7 +149,11 @@ def _inspect(path: Path, states: Mapping[str, Any]) -> tuple[_Sums, dict[str, An
         raise CorruptCheckpointError(corrupt)
     read_format(path)
     metadata = read_metadata(path)
-    check_declared_sizes(path, metadata, sizes)  # before any placeholder is allocated
+    # Before any placeholder is allocated: the shapes dscale writes, then the bytes on disk.
+    if "scaler" in states:
+        check_declared_shapes(path, metadata, "scaler", states["scaler"].scaler.state_dict())
+    check_declared_shapes(path, metadata, "train", {})
+    check_declared_sizes(path, metadata, sizes)
     data = [(digest, name) for digest, name in entries if name.startswith("__")]
     return (algorithm, data), _stage(path, states, metadata)
 

@@ -8,7 +8,8 @@ on every rank (pytorch/pytorch#189308; DCP assumes a trusted environment). Here:
   globals torch 2.13's FileSystemWriter writes, and refuses dotted names (protocol 4 resolves
   ``os.system`` inside any allowed module). The result is then checked to be DCP metadata whose
   storage entries name plain files of the folder.
-* values go through ``torch.load(weights_only=True)``, tensors and non-tensors alike.
+* values go through ``torch.load(weights_only=True)``, tensors and non-tensors alike, after
+  their zip is checked to be stored as torch.save writes it (no inflating past the disk bytes).
 * every refusal is a CheckpointError naming the file.
 """
 
@@ -18,6 +19,7 @@ import io
 import pathlib
 import pickle
 import re
+import zipfile
 from typing import Any
 
 import torch
@@ -148,6 +150,8 @@ class SafeReader(FileSystemReader):
         with self.fs.create_stream(path, "rb") as stream:
             for item in items:
                 info = self.storage_data[item.storage_index]
+                if not info.transform_descriptors:  # as torch.save wrote it: a zip
+                    check_stored(_Window(stream, info.offset, info.length), info.length)
                 raw = self.transforms.transform_load_stream(
                     item, info.transform_descriptors or (), self._slice_file(stream, info)
                 )
@@ -166,6 +170,61 @@ class SafeReader(FileSystemReader):
                     raise ValueError(f"size {tuple(tensor.size())} != {tuple(target.size())}")
                 target.copy_(tensor)
                 planner.commit_tensor(item, target)
+
+
+class _Window(io.RawIOBase):
+    """Bytes ``[offset, offset + length)`` of a file, seekable from either end.
+
+    DCP's own view (``_ReaderView``) seeks past the end for ``seek(-n, SEEK_END)``, which is
+    how zipfile finds a zip's directory.
+    """
+
+    def __init__(self, stream: Any, offset: int, length: int) -> None:
+        super().__init__()
+        self._stream, self._offset, self._length, self._pos = stream, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET, /) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._length}[whence]
+        self._pos = max(0, min(base + offset, self._length))
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        n = min(len(buffer), self._length - self._pos)
+        if n <= 0:
+            return 0
+        self._stream.seek(self._offset + self._pos)
+        got = int(self._stream.readinto(memoryview(buffer)[:n]))
+        self._pos += got
+        return got
+
+
+def check_stored(record: Any, length: int) -> None:
+    """Raise ValueError unless every entry of a record's zip is stored, inside the record.
+
+    torch.save stores its entries uncompressed, but torch.load also inflates compressed ones:
+    a 260 kB record could unpack a 256 MiB storage behind a tensor of the model's shape, an
+    allocation the bytes on disk do not bound. Only the zip's directory is read.
+    """
+    try:
+        with zipfile.ZipFile(record) as archive:
+            for entry in archive.infolist():
+                if entry.compress_type != zipfile.ZIP_STORED or entry.file_size > length:
+                    raise ValueError(
+                        f"its entry {entry.filename} unpacks {entry.compress_size} bytes to "
+                        f"{entry.file_size} (compression {entry.compress_type}); torch.save "
+                        "writes every entry stored, as it is"
+                    )
+    except zipfile.BadZipFile as exc:
+        raise ValueError(f"it is not a torch.save record ({exc})") from None
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):

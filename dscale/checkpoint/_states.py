@@ -105,12 +105,13 @@ class OptimizerState:
 
 
 class ScalerState:
-    """A GradScaler (dscale's or torch's) as a DCP Stateful.
+    """A GradScaler (dscale's or torch's) as a DCP Stateful that keeps every state-dict entry.
 
-    Saved keys: ``values.<key>`` for every numeric entry of ``scaler.state_dict()`` (float64,
-    int64 or bool scalars, and tensors such as the spike gate's window; policy="predictive"'s
-    window, a list of floats, as a float32 tensor), and ``per_rank.<key>`` for scale and
-    trackers, one row per rank.
+    Saved keys, one per entry of ``scaler.state_dict()``: ``values.<key>`` for numbers (float64,
+    int64 or bool scalars) and tensors (the spike gate's window; policy="predictive"'s lists of
+    floats as float64), ``text.<key>`` for strings (UTF-8 bytes as a uint8 tensor:
+    spike_signals, hysteresis_refill, policy), ``none.<key>`` for None (min_scale, max_scale);
+    and ``per_rank.<key>`` for scale and trackers, one row per rank.
     Loading goes through :func:`scaler_update`, which checks before anything changes.
     """
 
@@ -120,8 +121,14 @@ class ScalerState:
 
     def state_dict(self) -> dict[str, Any]:
         values: dict[str, torch.Tensor] = {}
+        text: dict[str, torch.Tensor] = {}
+        none: dict[str, torch.Tensor] = {}
         for key, value in self.scaler.state_dict().items():
-            if isinstance(value, bool):
+            if value is None:
+                none[key] = torch.tensor(True)
+            elif isinstance(value, str):
+                text[key] = torch.tensor(list(value.encode()), dtype=torch.uint8)
+            elif isinstance(value, bool):
                 values[key] = torch.tensor(value)
             elif isinstance(value, int):
                 values[key] = torch.tensor(value, dtype=torch.int64)
@@ -130,13 +137,24 @@ class ScalerState:
             elif isinstance(value, torch.Tensor):  # the spike gate's window
                 values[key] = value.detach().cpu()
             elif isinstance(value, list) and value and all(isinstance(v, float) for v in value):
-                values[key] = torch.tensor(value, dtype=torch.float32)  # predictive_window
+                values[key] = torch.tensor(value, dtype=torch.float64)  # predictive rings
+            else:
+                raise TypeError(
+                    f"the scaler's state_dict()[{key!r}] is a {type(value).__name__}, which a "
+                    "checkpoint cannot store; expected a number, str, None, tensor or list of "
+                    "floats"
+                )
         per_rank = {
             key: _per_rank(values[key].to(torch.float64).reshape(1), self.group)
             for key in AGREEMENT_KEYS
             if key in values
         }
-        return {"values": values, "per_rank": per_rank}
+        out: dict[str, Any] = {"values": values, "per_rank": per_rank}
+        if text:
+            out["text"] = text
+        if none:
+            out["none"] = none
+        return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         state = scaler_update(self.scaler, state_dict)
@@ -144,19 +162,11 @@ class ScalerState:
             self.scaler.load_state_dict(state)
 
 
-def scaler_update(scaler: Any, saved: dict[str, Any]) -> dict[str, Any] | None:
-    """The state dict ``scaler`` will hold after loading ``saved``; None if nothing is saved.
-
-    Checks, without changing ``scaler``, that the saving ranks agreed and that the scaler
-    accepts the result (dscale's scaler validates it completely; torch's takes any values).
-    """
-    check_saved_agreement(saved.get("per_rank", {}))
-    values = saved.get("values", {})
-    if not values:
-        return None  # saved from a disabled scaler
-    state = scaler.state_dict()
-    for key, tensor in values.items():
-        if tensor.dim() > 0:  # a tensor entry (the spike gate's window) stays a tensor
+def _decoded(saved: dict[str, Any]) -> dict[str, Any]:
+    """The state dict as the saving scaler returned it (lists come back as tensors)."""
+    state: dict[str, Any] = {}
+    for key, tensor in saved.get("values", {}).items():
+        if tensor.dim() > 0:  # a tensor entry (window, ring) stays a tensor
             state[key] = tensor.clone()
         elif tensor.dtype == torch.bool:
             state[key] = bool(tensor)
@@ -164,12 +174,33 @@ def scaler_update(scaler: Any, saved: dict[str, Any]) -> dict[str, Any] | None:
             state[key] = float(tensor)
         else:
             state[key] = int(tensor)
-    policy = getattr(scaler, "_policy", None)
-    if policy is not None and scaler.is_enabled():
-        from dscale import _predictive_state, _state
+    for key, tensor in saved.get("text", {}).items():
+        try:
+            state[key] = bytes(tensor.reshape(-1).tolist()).decode("utf-8")
+        except (UnicodeDecodeError, ValueError) as exc:
+            raise ValueError(f"state_dict: {key} is not UTF-8 text ({exc})") from None
+    for key in saved.get("none", {}):
+        state[key] = None
+    return state
 
-        _state.from_state_dict(state, policy)  # raises ValueError; changes nothing
-        _predictive_state.from_state_dict(state)  # policy="predictive"'s keys, likewise
+
+def scaler_update(scaler: Any, saved: dict[str, Any]) -> dict[str, Any] | None:
+    """The state dict ``scaler`` will load from ``saved``; None if nothing is saved.
+
+    Checks, without changing ``scaler``, that the saving ranks agreed and that the scaler
+    accepts the dict: dscale's scaler runs exactly the checks of its load_state_dict (a window
+    of other spike signals, a StepGuard's dict into a GradScaler, bad values); torch's takes
+    any values. The dict is the saved one, entry for entry: keys it lacks (a checkpoint of
+    torch's scaler, or one saved before strings were kept) are filled as load_state_dict fills
+    them.
+    """
+    check_saved_agreement(saved.get("per_rank", {}))
+    if not saved.get("values", {}):
+        return None  # saved from a disabled scaler
+    state = _decoded(saved)
+    checked = getattr(scaler, "_checked_state", None)
+    if checked is not None and scaler.is_enabled():
+        checked(state)  # raises ValueError; changes nothing
     return state
 
 

@@ -90,6 +90,22 @@ def torch_saved(obj_bytes: bytes) -> bytes:
     return out.getvalue()
 
 
+def deflated(tensor: torch.Tensor) -> bytes:
+    """``torch.save(tensor)`` with its storage entry deflated, as torch.load still reads it."""
+    import zipfile
+
+    buffer = io.BytesIO()
+    torch.save(tensor, buffer)
+    src = zipfile.ZipFile(io.BytesIO(buffer.getvalue()))
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w") as dst:
+        for info in src.infolist():
+            packed = info.filename.endswith("/data/0")
+            kind = zipfile.ZIP_DEFLATED if packed else zipfile.ZIP_STORED
+            dst.writestr(info.filename, src.read(info), compress_type=kind)
+    return out.getvalue()
+
+
 def plant(folder: Path, fqn: str, payload: bytes) -> str:
     """Replace the stored bytes of ``fqn`` with ``payload``; reseal; return the file's name."""
     metadata = SafeReader(folder).read_metadata()
@@ -136,6 +152,78 @@ def declare_huge(folder: Path, fqn: str, columns: int) -> int:
     return rows * columns * meta.properties.dtype.itemsize
 
 
+SPARSE = ("sparse_counter", "sparse_value", "sparse_metadata", "sparse_tail")
+DIRECTORIES = ("dir_data", "dir_metadata", "dir_manifest", "dir_format")
+DIRECTORY_FILES = ("__1_0.distcp", ".metadata", "checksums.crc32", "dscale.json")
+
+
+def _rewrite(folder: Path, metadata) -> None:
+    metadata.storage_meta = None
+    (folder / ".metadata").write_bytes(pickle.dumps(metadata, protocol=4))
+    reseal(folder)
+
+
+def _move_to_a_hole(folder: Path, metadata, index: MetadataIndex, length: int):
+    """Point ``index``'s record past the end of its file, ``length`` bytes of hole long."""
+    info = metadata.storage_data.pop(index)
+    file = folder / info.relative_path
+    info.offset, info.length = file.stat().st_size, length
+    os.truncate(file, info.offset + length)  # a hole: no block is written
+    return info
+
+
+def sparse_counter(folder: Path, fqn: str, nbytes: int) -> int:
+    """The issue's edit: a 0-d int64 counter declared as ``nbytes``, backed by a hole; reseal."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    metadata = SafeReader(folder).read_metadata()
+    (index,) = [i for i in metadata.storage_data if i.fqn == fqn]
+    n = nbytes // 8
+    meta = metadata.state_dict_metadata[fqn]
+    meta.size = torch.Size([n])
+    meta.chunks = [ChunkStorageMetadata(offsets=torch.Size([0]), sizes=torch.Size([n]))]
+    info = _move_to_a_hole(folder, metadata, index, n * 8 + 4096)
+    metadata.storage_data[MetadataIndex(fqn, torch.Size([0]))] = info
+    _rewrite(folder, metadata)
+    return n * 8
+
+
+def sparse_value(folder: Path, fqn: str, nbytes: int) -> None:
+    """A pickled value's record moved into a hole of ``nbytes``; reseal."""
+    metadata = SafeReader(folder).read_metadata()
+    (index,) = [i for i in metadata.storage_data if i.fqn == fqn]
+    metadata.storage_data[index] = _move_to_a_hole(folder, metadata, index, nbytes)
+    _rewrite(folder, metadata)
+
+
+def sparse_metadata(folder: Path, nbytes: int) -> None:
+    """A ``.metadata`` whose pickle opens a bytes value of ``nbytes``, all of it a hole."""
+    head = b"\x80\x04\x8e" + nbytes.to_bytes(8, "little")  # PROTO 4, BINBYTES8 <n>
+    file = folder / ".metadata"
+    file.write_bytes(head)
+    os.truncate(file, len(head) + nbytes)
+    reseal(folder)
+
+
+def sparse_tail(folder: Path, name: str, nbytes: int) -> None:
+    """A data file extended by a hole after its last record; reseal."""
+    file = folder / name
+    os.truncate(file, file.stat().st_size + nbytes)
+    reseal(folder)
+
+
+def a_pickled_value(folder: Path, prefix: str) -> str:
+    """The name of a value stored as pickled bytes (not a tensor) under ``prefix``."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    metadata = SafeReader(folder).read_metadata()
+    return next(
+        fqn
+        for fqn, meta in sorted(metadata.state_dict_metadata.items())
+        if fqn.startswith(prefix) and isinstance(meta, BytesStorageMetadata)
+    )
+
+
 def _peak_rss_bytes() -> int:
     import resource
 
@@ -169,12 +257,34 @@ def hostile_folders_on_two_ranks(rank: int, world: int, root: str) -> dict:
         os.mkfifo(base / "fifo" / "step-4" / "__1_0.distcp")
         shutil.move(base / "symlink" / "step-4" / "__1_0.distcp", outside / "__1_0.distcp")
         os.symlink(outside / "__1_0.distcp", base / "symlink" / "step-4" / "__1_0.distcp")
-        # Two rows of uint8 RNG state, declared as 2 x 128 Mi: 256 MiB from a folder of ~100 kB.
-        huge = declare_huge(base / "huge" / "step-4", "train.rng.torch_cpu", 128 << 20)
+        # 8 rows of float32 weights declared as 8 x 8 Mi: 256 MiB from a folder of ~100 kB. (The
+        # step's RNG rows declared so are refused earlier, by the shapes dscale writes.)
+        huge = declare_huge(base / "huge" / "step-4", "model.0.weight", 8 << 20)
         (base / "good" / ".step-6.tmp").symlink_to(outside, target_is_directory=True)
+        # Sparse files: 256 MiB declared, a few kB on disk (issue 33 item 3).
+        for name in SPARSE + DIRECTORIES + ("hardlink",):
+            shutil.copytree(base / "good" / "step-4", base / name / "step-4")
+            shutil.copytree(base / "good" / "step-2", base / name / "step-2")
+        sparse_counter(base / "sparse_counter" / "step-4", "train.step", 256 << 20)
+        value = a_pickled_value(base / "sparse_value" / "step-4", "optimizer.")
+        sparse_value(base / "sparse_value" / "step-4", value, 256 << 20)
+        sparse_metadata(base / "sparse_metadata" / "step-4", 256 << 20)
+        sparse_tail(base / "sparse_tail" / "step-4", "__1_0.distcp", 256 << 20)
+        for name, file in zip(DIRECTORIES, DIRECTORY_FILES, strict=True):
+            os.unlink(base / name / "step-4" / file)
+            os.mkdir(base / name / "step-4" / file)
+        # A hard link to a copy outside reads the same bytes: it loads.
+        shutil.copy(base / "hardlink" / "step-4" / "__1_0.distcp", outside / "linked.distcp")
+        os.unlink(base / "hardlink" / "step-4" / "__1_0.distcp")
+        os.link(outside / "linked.distcp", base / "hardlink" / "step-4" / "__1_0.distcp")
+        # A leftover temp folder whose files are hard links to a file outside: not written.
+        (outside / "victim").write_bytes(b"not a checkpoint")
+        (base / "good" / ".step-8.tmp").mkdir()
+        for data in ("__0_0.distcp", "__1_0.distcp", ".metadata"):
+            os.link(outside / "victim", base / "good" / ".step-8.tmp" / data)
     dist.barrier()
-    out: dict = {"huge_declared": huge}
-    for name in ("fifo", "symlink", "huge"):
+    out: dict = {"huge_declared": huge, "saved": params(model)}
+    for name in ("fifo", "symlink", "huge", *SPARSE, *DIRECTORIES, "hardlink"):
         fresh, fresh_opt, fresh_scaler = make_model(seed=7), None, make_scaler(init_scale=8.0)
         fresh_opt = torch.optim.Adam(fresh.parameters(), lr=1e-2)
         before, peak = params(fresh), _peak_rss_bytes()
@@ -186,6 +296,7 @@ def hostile_folders_on_two_ranks(rank: int, world: int, root: str) -> dict:
         except CheckpointError as exc:
             out[name] = (type(exc).__name__, str(exc))
         out[f"{name}_rss_growth"] = _peak_rss_bytes() - peak
+        out[f"{name}_loaded"] = params(fresh)
         out[f"{name}_unchanged"] = all(
             torch.equal(before[k], v) for k, v in params(fresh).items()
         ) and (fresh_scaler.get_scale() == 8.0)
@@ -201,4 +312,7 @@ def hostile_folders_on_two_ranks(rank: int, world: int, root: str) -> dict:
     out["step_6_is_symlink"] = step_6.is_symlink()
     out["outside_after_save"] = sorted(p.name for p in (base / "outside").iterdir())
     out["step_6_loads"] = load_checkpoint(step_6, model=make_model(seed=3))
+    ckpt.save(8, model=model, optimizer=opt, scaler=scaler)
+    out["victim_after_save"] = (base / "outside" / "victim").read_bytes()
+    out["step_8_loads"] = load_checkpoint(base / "good" / "step-8", model=make_model(seed=3))
     return out

@@ -175,3 +175,26 @@ def test_folders_of_other_formats_are_named_with_what_they_hold(tmp_path):
         with pytest.raises(CheckpointError, match=message):
             CheckpointManager(tmp_path / "elsewhere").resume(folder, model=model)
     assert all(torch.equal(before[k], v) for k, v in params(model).items())
+
+
+class _Buffer:
+    def __init__(self, n: int) -> None:
+        self.t = torch.arange(n, dtype=torch.float32)
+
+    def state_dict(self):
+        return {"t": self.t}
+
+    def load_state_dict(self, state):
+        self.t = state["t"]
+
+
+def test_an_extra_of_another_shape_is_refused_before_dcp_reads_it(tmp_path):
+    """The extra's own tensors bound what is read for it, as the model's do (before, DCP
+    found the mismatch while loading, with 'Size mismatch ... (ranks [0])')."""
+    CheckpointManager(tmp_path).save(1, model=make_model(), extra={"buf": _Buffer(8)})
+    model, buffer = make_model(seed=5), _Buffer(4)
+    before = params(model)
+    with pytest.raises(CheckpointError, match=r"does not match extra\['buf'\]: buf\.t has shape"):
+        load_checkpoint(tmp_path / "step-1", model=model, extra={"buf": buffer})
+    assert torch.equal(buffer.t, torch.arange(4, dtype=torch.float32))
+    assert all(torch.equal(before[k], v) for k, v in params(model).items())

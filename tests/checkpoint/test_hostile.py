@@ -24,6 +24,7 @@ from tests.checkpoint._helpers import make_model, make_scaler, params, reseal
 from tests.checkpoint._hostile import (
     _Reduce,
     corpus,
+    deflated,
     hostile_folders_on_two_ranks,
     plant,
     records_by_file,
@@ -123,7 +124,8 @@ def test_hostile_values_in_every_value_file_are_refused_naming_the_file(
 
 @pytest.fixture(scope="module")
 def hostile_folders(tmp_path_factory):
-    """One 2-rank spawn: a FIFO, a symlink out, a huge declared tensor, a symlinked temp."""
+    """One 2-rank spawn: a FIFO, a symlink out, a huge declared tensor, a symlinked temp,
+    sparse files, folders in place of files, hard links."""
     root = str(tmp_path_factory.mktemp("hostile-folders"))
     return run_ranks(
         hostile_folders_on_two_ranks, root, world_size=2, timeout_s=120, pg_timeout_s=60
@@ -163,7 +165,7 @@ def test_metadata_declaring_a_huge_tensor_is_refused_before_anything_is_allocate
     for rank in (0, 1):
         kind, message = hostile_folders[rank]["huge"]
         assert kind == "CorruptCheckpointError", message
-        assert "declares 'train.rng.torch_cpu' as (2, 134217728)" in message, message
+        assert "declares 'model.0.weight' as (8, 8388608)" in message, message
         assert "not the bytes on disk" in message
         growth = hostile_folders[rank]["huge_rss_growth"]
         assert growth < 64 << 20, f"rank {rank}'s peak memory grew by {growth} bytes"
@@ -175,5 +177,96 @@ def test_a_symlinked_leftover_temp_folder_is_replaced_not_written_through(hostil
     """Before, the save wrote into the symlink's target and published the symlink as step-6."""
     for rank in (0, 1):
         assert not hostile_folders[rank]["step_6_is_symlink"]
-        assert hostile_folders[rank]["outside_after_save"] == ["__1_0.distcp"]
+        assert hostile_folders[rank]["outside_after_save"] == [
+            "__1_0.distcp",
+            "linked.distcp",
+            "victim",
+        ]
         assert hostile_folders[rank]["step_6_loads"] == 6
+
+
+@pytest.mark.parametrize(
+    ("folder", "said"),
+    [
+        (  # the issue's edit: refused by the shape dscale writes, before the disk is asked
+            "sparse_counter",
+            r"step-4/\.metadata declares 'train\.step' as \(33554432,\) torch\.int64 "
+            r"\(268435456 bytes\), but dscale\.checkpoint writes it as a 0-d int64 counter",
+        ),
+        (
+            "sparse_value",
+            r"step-4/__\d_0\.distcp is a sparse file: \d+ bytes of the record of "
+            r"'optimizer\.[^']+' \(a pickled value\) are holes, not on disk",
+        ),
+        ("sparse_metadata", r"step-4/\.metadata is a sparse file: \d{9} bytes of the file"),
+        ("sparse_tail", r"step-4/__1_0\.distcp is a sparse file: \d{9} bytes of no record"),
+    ],
+)
+def test_a_sparse_file_is_refused_on_every_rank_before_anything_is_allocated(
+    hostile_folders, folder, said
+):
+    """256 MiB declared and backed by a hole: a few kB on disk. Before, the counter, the pickled
+    value and the .metadata were each read as 256 MiB of zeros (peak RSS +256 MiB on every
+    rank) before a refusal; the hole after the last record loaded (and was hashed)."""
+    for rank in (0, 1):
+        growth = hostile_folders[rank][f"{folder}_rss_growth"]
+        assert growth < 64 << 20, f"rank {rank}'s peak memory grew by {growth} bytes"
+        result = hostile_folders[rank][folder]
+        assert result is not None, f"rank {rank} loaded {folder}"
+        kind, message = result
+        assert kind == "CorruptCheckpointError", message
+        assert re.search(said, message), message
+        assert hostile_folders[rank][f"{folder}_unchanged"]
+        assert hostile_folders[rank][f"{folder}_auto"] == 2  # the previous checkpoint
+    assert hostile_folders[0][folder] == hostile_folders[1][folder]
+
+
+@pytest.mark.parametrize(
+    ("folder", "file"),
+    [
+        ("dir_data", "__1_0.distcp"),
+        ("dir_metadata", ".metadata"),
+        ("dir_manifest", "checksums.crc32"),
+        ("dir_format", "dscale.json"),
+    ],
+)
+def test_a_folder_in_place_of_a_checkpoint_file_is_refused_naming_it(hostile_folders, folder, file):
+    """Before, a folder in place of the manifest read as 'not written by dscale.checkpoint',
+    a plain CheckpointError, so resume('auto') stopped instead of going back a checkpoint."""
+    for rank in (0, 1):
+        kind, message = hostile_folders[rank][folder]
+        assert kind == "CorruptCheckpointError", message
+        assert f"step-4/{file} is a folder, not a regular file" in message, message
+        assert hostile_folders[rank][f"{folder}_unchanged"]
+        assert hostile_folders[rank][f"{folder}_auto"] == 2
+
+
+def test_a_hard_linked_data_file_loads_the_same_values_and_a_save_never_writes_through_one(
+    hostile_folders,
+):
+    """A hard link reads the checked bytes of a copy (oracle: the model as saved); a leftover
+    temp folder of hard links to a file outside is removed, not written into."""
+    for rank in (0, 1):
+        out = hostile_folders[rank]
+        assert out["hardlink"] is None
+        saved, loaded = out["saved"], out["hardlink_loaded"]
+        assert all(torch.equal(saved[k], loaded[k]) for k in saved)
+        assert out["hardlink_auto"] == 4
+        assert out["victim_after_save"] == b"not a checkpoint"
+        assert out["step_8_loads"] == 8
+
+
+def test_a_record_inflating_past_its_bytes_on_disk_is_refused(tmp_path):
+    """A 0.3 MB record whose deflated storage entry unpacks to 256 MiB behind a view of the
+    weight's shape: before, torch.load allocated the 256 MiB and the load succeeded (zeros)."""
+    CheckpointManager(tmp_path / "ckpt").save(1, model=make_model())
+    folder = tmp_path / "ckpt" / "step-1"
+    storage = torch.zeros(64 << 20)  # 256 MiB, saved whole behind the view
+    record = deflated(storage[:32].view(8, 4))
+    assert len(record) < 1 << 20
+    file_name = plant(folder, "model.0.weight", record)
+    model = make_model(seed=5)
+    before = params(model)
+    with pytest.raises(CheckpointError, match=rf"{file_name} holds a value.*unpacks \d+ bytes to "):
+        load_checkpoint(folder, model=model)
+    assert all(torch.equal(before[k], v) for k, v in params(model).items())
