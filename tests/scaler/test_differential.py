@@ -195,26 +195,39 @@ def test_dscale_equals_torch_skipping_for_every_implementation_option_and_skip_p
 
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
-def test_sync_free_equals_torch_skipping_with_a_frozen_and_a_late_parameter(name) -> None:
-    """Issue 33 item 4: the flat snapshot holds parameters without state (frozen, not yet
-    trained, or an optimizer that keeps none); a skip must still equal no step, and state a
-    skipped step created mid-run must go. The device decision only: the path this changes."""
+def test_device_decisions_equal_torch_skipping_with_a_frozen_and_a_late_parameter(name) -> None:
+    """Issue 33 item 4: ``sync_free``'s flat snapshot holds parameters without state (frozen,
+    not yet trained, or an optimizer that keeps none); a skip must still equal no step, and
+    state a skipped step created mid-run must go. Fused optimizers (their own device path,
+    the neighbour) too: torch's fused kernels create state on a skipped state-creating step, so
+    where one is skipped (step 0, or the late parameter's first) the reference is torch's
+    for-loop run, within 1e-6 as in the matrix above. The device decision only: the paths this
+    concerns."""
     failures = []
-    for _, options, impl, pattern in (c for c in _cases() if c[0] == name and c[2] != "fused"):
+    for _, options, impl, pattern in (c for c in _cases() if c[0] == name):
+        if name == "SGD" and impl == "fused" and options.get("momentum"):
+            # torch 2.13's fused SGD itself raises (TypeError in _fused_sgd_) when a parameter's
+            # first grad comes after the others' momentum buffers exist, with or without a scaler.
+            continue
         skips = SKIP_PATTERNS[pattern]
         kwargs = {"matrices_only": name == "Muon", "frozen_and_late": True}
-        make = _make(name, options, impl)
+        creating_skipped = impl == "fused" and bool({0, LATE_FROM} & set(skips))
         ref = _run(
-            torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=2), make, skips, **kwargs
+            torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=2),
+            _make(name, options, "for-loop" if creating_skipped else impl),
+            skips,
+            **kwargs,
         )
         scaler = decide_on_device(
-            dscale.GradScaler("cpu", init_scale=2.0**8, growth_interval=2, sync_free=True)
+            dscale.GradScaler(
+                "cpu", init_scale=2.0**8, growth_interval=2, sync_free=impl != "fused"
+            )
         )
         try:
             _assert_same(
-                _run(scaler, make, skips, **kwargs),
+                _run(scaler, _make(name, options, impl), skips, **kwargs),
                 ref,
-                exact=True,
+                exact=not creating_skipped,
                 what=f"{options} {impl} {pattern}",
             )
         except AssertionError as exc:
