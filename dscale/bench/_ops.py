@@ -34,7 +34,8 @@ IMPLS = ("foreach", "fused")
 #: Rows with parameters that have no optimizer state: SGD without momentum keeps none, and a
 #: frozen parameter (no grad) in AdamW never gets any. ``sync_free`` must keep its flat snapshot
 #: for them (issue 33); a fused optimizer never takes that path, so they run foreach only.
-IMPLS_OF = {"sgd-stateless": ("foreach",), "adamw-frozen": ("foreach",)}
+WITHOUT_STATE = ("sgd-stateless", "adamw-frozen")
+IMPLS_OF = dict.fromkeys(WITHOUT_STATE, ("foreach",))
 PARAM_COUNTS = (8, 200)
 DSCALE_ARMS = ("dscale", "dscale_sync_free", "dscale_predictive")
 PEER_ARMS = ("torch", "sharded", FLOOR)

@@ -62,6 +62,8 @@ def _rank_main(rank: int, world_size: int, store_path: str, out: str) -> None:
         cpu = torch.device("cpu")
         result: dict[str, Any] = {}
         for row in _ops.rows():
+            if row.optimizer in _ops.WITHOUT_STATE:
+                continue  # single process only: on ranks they would add nothing new
             result[row.name] = {arm: _ops.measure(arm, row, cpu) for arm in _ops.ARMS}
             result[row.name][ATTACH] = _ops.measure_attached("dscale", row, None)
         with open(f"{out}.{rank}", "w") as f:
