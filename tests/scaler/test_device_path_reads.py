@@ -1,4 +1,4 @@
-"""The device path reads back what the host path holds: every field of snapshot() and counters().
+"""The device path reads back what the host path holds: snapshot(), counters(), state_dict().
 
 A CUDA run decides fused and ``sync_free`` steps on the device and keeps its state there; the CPU
 decides them on the host. The two must be indistinguishable to a reader: the oracle for every
@@ -93,7 +93,10 @@ def _run(
             scaler.update(torch.tensor(new_scale) if as_tensor else new_scale)
         else:
             scaler.update()
-        trace.append(_values(scaler, todo["reads"]))
+        values = _values(scaler, todo["reads"])
+        for key, value in scaler.state_dict().items():  # tensors: the spike gate's window
+            values[f"state_dict.{key}"] = repr(value.tolist()) if torch.is_tensor(value) else value
+        trace.append(values)
     return trace, [p.detach().clone() for p in model.parameters()]
 
 
