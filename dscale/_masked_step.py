@@ -18,6 +18,7 @@ optimizer is refused at its first step with an error that names it.
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from collections.abc import Callable
 from itertools import chain
@@ -46,31 +47,50 @@ class _SkipMask:
         return self.on[device]
 
 
+@dataclasses.dataclass
+class _Saved:
+    """The flat snapshot of one optimizer, and the state entries it holds, (param, key) in order."""
+
+    snapshot: FlatSnapshot
+    keys: list[tuple[torch.Tensor, Any]]
+
+
 # The flat snapshot of each optimizer stepped sync-free, made again when its tensors change.
-_SNAPSHOTS: weakref.WeakKeyDictionary[torch.optim.Optimizer, FlatSnapshot] = (
-    weakref.WeakKeyDictionary()
-)
+_SNAPSHOTS: weakref.WeakKeyDictionary[torch.optim.Optimizer, _Saved] = weakref.WeakKeyDictionary()
 
 
-def _steady_tensors(
+def _flat_tensors(
     optimizer: torch.optim.Optimizer, params: list[torch.Tensor]
 ) -> list[torch.Tensor] | None:
-    """Every parameter and state value, when each parameter has (non-empty) state and every
-    value is a tensor (the steady state of a torch optimizer); None otherwise. C-speed only.
+    """Every parameter, then the state values of those that have state, in order; None when a
+    value is not a tensor. Parameters without state (frozen ones, or all of them for an
+    optimizer that keeps none, as SGD without momentum) are in it too: a step may still change
+    them. C-speed only: no Python loop over the parameters.
     """
-    if len(optimizer.state) < len(params):
-        return None
-    states: list[Any] = list(map(optimizer.state.get, params))  # get: it is a defaultdict
-    if not all(states):  # none, or an empty entry that a read of the defaultdict left
-        return None
+    states = filter(None, map(optimizer.state.get, params))  # get: it is a defaultdict
     values = list(chain.from_iterable(map(dict.values, states)))
     if not set(map(type, values)) <= {torch.Tensor}:
         return None
     return [*params, *values]
 
 
+def _state_keys(
+    optimizer: torch.optim.Optimizer, params: list[torch.Tensor]
+) -> list[tuple[torch.Tensor, Any]]:
+    """(param, key) of each state value, in :func:`_flat_tensors`' order (made with a snapshot)."""
+    return [(p, key) for p in params for key in optimizer.state.get(p, ())]
+
+
 def _same_layout(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return [(t.shape, t.dtype, t.device) for t in a] == [(t.shape, t.dtype, t.device) for t in b]
+
+
+def _changed_layout(optimizer: torch.optim.Optimizer) -> RuntimeError:
+    return RuntimeError(
+        f"sync_free=True: {type(optimizer).__name__}.step() changed the set or shapes of its "
+        "state tensors in a step that was not its first, so a skipped step cannot be undone on "
+        "the device; use GradScaler(sync_free=False) for it"
+    )
 
 
 def masked_step(
@@ -78,35 +98,98 @@ def masked_step(
 ) -> Any:
     """Run ``run_step()`` and undo its effect on the device where ``found_inf > 0``.
 
-    In the steady state (every parameter has state, all of it tensors, none rebound by the
-    step) the undo is a flat snapshot per (device, dtype): a handful of ops whatever the number
-    of parameters. Otherwise each tensor is saved and restored on its own (the first step, which
-    creates the state, and optimizers that keep Python numbers or rebind their state).
+    While every state value is a dense tensor the undo is a flat snapshot per (device, dtype) of
+    the parameters and the state there is: a handful of ops whatever the number of parameters,
+    with or without state. State a step creates (its first, or a parameter's first grad) is
+    removed if the step was skipped, which reads the flag on the host once. Otherwise (state in
+    Python numbers, sparse or strided tensors) each tensor is saved and restored on its own.
     """
     params = _params(optimizer)
-    steady = _steady_tensors(optimizer, params)
-    if steady is not None and FlatSnapshot.fits(steady):
-        snapshot = _SNAPSHOTS.get(optimizer)
-        if snapshot is None or not snapshot.covers(steady):
-            snapshot = _SNAPSHOTS[optimizer] = FlatSnapshot(steady)
-        with torch.no_grad():
-            snapshot.save()
-        result = run_step()
-        after = _steady_tensors(optimizer, params)
-        rebound = after is None or not snapshot.covers(after)
-        if rebound and (after is None or not _same_layout(after, steady)):
-            raise RuntimeError(
-                f"sync_free=True: {type(optimizer).__name__}.step() changed the set or shapes "
-                "of its state tensors in a step that was not its first, so a skipped step "
-                "cannot be undone on the device; use GradScaler(sync_free=False) for it"
-            )
-        skip = _SkipMask(found_inf)
-        with torch.no_grad():
-            mask_on = {device: skip(device) for device in snapshot.devices}
-            snapshot.restore_where(mask_on, into=after if rebound else None)
-        if rebound:
-            _SNAPSHOTS.pop(optimizer, None)  # made again around the new tensors next step
-        return result
+    tensors = _flat_tensors(optimizer, params)
+    if tensors is None or not FlatSnapshot.fits(tensors):
+        return _masked_step_per_tensor(optimizer, found_inf, run_step, params)
+    saved = _SNAPSHOTS.get(optimizer)
+    if saved is None or not saved.snapshot.covers(tensors):
+        saved = _SNAPSHOTS[optimizer] = _Saved(
+            FlatSnapshot(tensors), _state_keys(optimizer, params)
+        )
+    snapshot = saved.snapshot
+    had_state = ids_with_state(optimizer)
+    with torch.no_grad():
+        snapshot.save()
+    result = run_step()
+    after = _flat_tensors(optimizer, params)
+    fresh = state_created_since(optimizer, had_state)
+    new_keys: list[tuple[torch.Tensor, Any]] = []
+    if fresh or after is None or len(after) != len(tensors):
+        # The step created state: restore what was saved, and remove the new state if skipped.
+        after, new_keys = _split_new_state(optimizer, params, saved.keys, fresh)
+    rebound = not snapshot.covers(after)
+    if rebound and not _same_layout(after, tensors):
+        raise _changed_layout(optimizer)
+    skip = _SkipMask(found_inf)
+    with torch.no_grad():
+        mask_on = {device: skip(device) for device in snapshot.devices}
+        snapshot.restore_where(mask_on, into=after if rebound else None)
+    if rebound or fresh or new_keys:
+        _SNAPSHOTS.pop(optimizer, None)  # made again around the new tensors next step
+    if fresh or new_keys:
+        _remove_state_if_skipped(optimizer, found_inf, fresh, new_keys)
+    return result
+
+
+def _split_new_state(
+    optimizer: torch.optim.Optimizer,
+    params: list[torch.Tensor],
+    keys: list[tuple[torch.Tensor, Any]],
+    fresh: list[torch.Tensor],
+) -> tuple[list[torch.Tensor], list[tuple[torch.Tensor, Any]]]:
+    """After a step that created state: the saved tensors as they are now, and the new keys of
+    parameters that had state before (a Python loop: only on a step that creates state)."""
+    old: list[torch.Tensor] = []
+    for p, key in keys:
+        value = optimizer.state.get(p, {}).get(key)
+        if not isinstance(value, torch.Tensor):
+            raise _changed_layout(optimizer)
+        old.append(value)
+    saved = {(id(p), key) for p, key in keys}
+    new_ids = set(map(id, fresh))
+    new_keys = [
+        (p, key)
+        for p in params
+        if id(p) not in new_ids
+        for key in optimizer.state.get(p, ())
+        if (id(p), key) not in saved
+    ]
+    return [*params, *old], new_keys
+
+
+def _remove_state_if_skipped(
+    optimizer: torch.optim.Optimizer,
+    found_inf: torch.Tensor,
+    fresh: list[torch.Tensor],
+    new_keys: list[tuple[torch.Tensor, Any]],
+) -> None:
+    """The one host read: state created by a skipped step must go, not be zeroed."""
+    if bool(found_inf.item() > 0):
+        for p in fresh:
+            optimizer.state.pop(p, None)
+        for p, key in new_keys:
+            optimizer.state[p].pop(key, None)
+        return
+    for p in fresh:
+        for key, value in optimizer.state.get(p, {}).items():
+            if value is not None and not isinstance(value, torch.Tensor):
+                _refuse(optimizer, key, value, lambda: None)
+
+
+def _masked_step_per_tensor(
+    optimizer: torch.optim.Optimizer,
+    found_inf: torch.Tensor,
+    run_step: Callable[[], Any],
+    params: list[torch.Tensor],
+) -> Any:
+    """:func:`masked_step` one tensor at a time: three ops per tensor, any state."""
     had_state = ids_with_state(optimizer)
     with torch.no_grad():
         old_params = [p.clone() for p in params]
@@ -141,17 +224,7 @@ def masked_step(
                 elif value is not original and value != saved:
                     _refuse(optimizer, key, value, lambda: _undo_on_host(optimizer, old_state))
     if fresh or new_keys:
-        # The one host read: state created by a skipped step must go, not be zeroed.
-        if bool(found_inf.item() > 0):
-            for p in fresh:
-                optimizer.state.pop(p, None)
-            for p, key in new_keys:
-                optimizer.state[p].pop(key, None)
-        else:
-            for p in fresh:
-                for key, value in optimizer.state.get(p, {}).items():
-                    if value is not None and not isinstance(value, torch.Tensor):
-                        _refuse(optimizer, key, value, lambda: None)
+        _remove_state_if_skipped(optimizer, found_inf, fresh, new_keys)
     return result
 
 

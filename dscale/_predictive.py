@@ -213,20 +213,23 @@ def update_(
     found: torch.Tensor,
     measured: torch.Tensor,
     budget: torch.Tensor,
+    asked: torch.Tensor,
 ) -> None:
     """:func:`next_host_state` as device tensor ops, in place on the rings and ``scale``.
 
     ``rings``: both rings and the :data:`FLOOR` word, contiguous (``window`` and ``memory`` are
     views of it); ``pos``: the slot each ring overwrites. ``scale`` holds the step's scale (lean
     policy) or the dynamic rule's result, and then ``before`` the step's scale. ``found`` is 0
-    or 1. ``budget`` is :data:`BUDGET` as a tensor on the device. No host sync; six ops for
-    the lean policy.
+    or 1. ``budget`` is :data:`BUDGET` as a tensor on the device. ``asked`` (a 0-d float32 word
+    on the device) receives what the step asked for in scaled units: ``measured``, or BUDGET
+    when it measured nothing, so that a reader can tell the two apart after the log is folded.
+    No host sync; six ops for the lean policy.
     """
     slot = window[pos[0]]
     # Nothing measured (0) asks for BUDGET: hold the scale. One op: where(measured > 0, ...) is two.
     # (NaN would stay NaN here, where the host form holds; every writer of `measured` passes it
-    # through nan_to_num, so it is never NaN.)
-    asked = torch.nn.functional.threshold(measured, 0.0, BUDGET)
+    # through nan_to_num, so it is never NaN.) Written where it is kept: no op more.
+    torch.threshold(measured, 0.0, BUDGET, out=asked)
     if before is None:
         torch.div(asked, scale, out=slot)
     else:

@@ -5,7 +5,10 @@ Like the scale (``_scale_state``), the rings stay on the host while every decisi
 of the scale state's own buffer, so the device update needs no extra copy to publish them.
 
 Device tail layout (float32 words after the scale state's): ``[underflow share + 1 (0: never
-sampled), FLOOR, memory ring..., window ring...]`` (``_predictive`` says what each holds).
+sampled), the last step's ask (its measurement in scaled units, BUDGET: measured nothing), FLOOR,
+memory ring..., window ring...]`` (``_predictive`` says what each holds). The ask and the overflow
+counters tell what the last step measured whatever happened since (a fold of the log, a scale set
+by ``update(new_scale=...)``), as the host form's telemetry does.
 
 State-dict keys (format version 4; a dynamic scaler's dict stays version 1):
     policy: "predictive" (informational; the constructor's ``policy`` decides).
@@ -30,7 +33,7 @@ import torch
 
 from dscale import _device_state, _predictive
 from dscale._grad_measure import GradMeasure
-from dscale._policy import HostState, ScalePolicy
+from dscale._policy import SKIPPED_IN_A_ROW, HostState, ScalePolicy
 from dscale._predictive import Telemetry, Window
 
 logger = logging.getLogger(__name__)
@@ -45,8 +48,9 @@ OLD_KEYS = ("predictive_margin_log2", "_predictive_rise_tracker", "_predictive_m
 #: The measurement window's default length (``GradScaler(predictive_window=...)``).
 DEFAULT_WINDOW = 8
 TAIL_UNDERFLOW = 0
-TAIL_FLOOR = 1
-TAIL_RINGS = 2
+TAIL_ASKED = 1
+TAIL_FLOOR = 2
+TAIL_RINGS = 3
 
 Ring = tuple[list[float], int]  # entries in ring order, the slot the next entry overwrites
 
@@ -248,8 +252,9 @@ class PredictiveScaling:
             budget = self._budget = torch.full((), _predictive.BUDGET, device=tail.device)
         rings, window, memory = self._views(tail)
         pos = (self.pos["window"], self.pos["memory"])
+        asked = tail[TAIL_ASKED]
         _predictive.update_(
-            policy, rings, window, memory, pos, scale, before, found_inf, measured, budget
+            policy, rings, window, memory, pos, scale, before, found_inf, measured, budget, asked
         )
         self.pos = {name: (self.pos[name] + 1) % n for name, n in self.lengths.items()}
         if self.measure.sampling:  # the only steps whose vector carries a share
@@ -262,7 +267,7 @@ class PredictiveScaling:
         if host is None:
             return
         underflow = self.telemetry.underflow_fraction
-        values = [0.0 if math.isnan(underflow) else underflow + 1.0, _predictive.FLOOR]
+        values = [0.0 if math.isnan(underflow) else underflow + 1.0, 0.0, _predictive.FLOOR]
         values += host["memory"].slots + host["window"].slots
         # non_blocking: a blocking host-to-device copy waits for the GPU (a sync on CUDA).
         tail.copy_(torch.tensor(values, dtype=torch.float32).to(tail.device, non_blocking=True))
@@ -292,19 +297,24 @@ class PredictiveScaling:
     def telemetry_from(
         self, words: torch.Tensor | None, rows: int, pos: Any, policy: ScalePolicy | None
     ) -> Telemetry:
-        """Telemetry from a host copy of the scale state's buffer (after device updates)."""
+        """Telemetry from a host copy of the scale state's buffer (after device updates).
+
+        What the last step measured comes from the buffer alone: its window entry, its ask and
+        the overflow run in the counters, which a fold of the log keeps and a scale set since
+        (``update(new_scale=...)``, which runs no rule) leaves as they were.
+        """
         if self.host is not None or words is None or policy is None:
             return self.telemetry
         tail = words[_device_state.WORDS :]
         rings, window, _ = self._views(tail)
         window_pos = self.pos["window"] if pos is None else pos
         newest = float(window[(window_pos - 1) % self.lengths["window"]])
-        last_row = _device_state.LOG + _device_state.ROW * (rows - 1)
-        overflowed = rows > 0 and float(words[last_row]) > 0
-        # The step's scale: the row before's, or the scale at the last fold.
-        before = last_row - _device_state.ROW + 1 if rows > 1 else _device_state.FOLD_SCALE
-        if newest == _predictive.div32(_predictive.BUDGET, float(words[before])):
-            newest = 0.0  # the hold entry of a step that measured nothing
+        state = _device_state.fold_on_host(words, rows, policy)
+        overflowed = state.counters[SKIPPED_IN_A_ROW] > 0
+        if float(tail[TAIL_ASKED]) == _predictive.BUDGET:
+            # The hold entry of a step that measured nothing. (A measurement of exactly BUDGET
+            # in scaled units reads as nothing too: the ask cannot tell the two apart.)
+            newest = 0.0
         share = float(tail[TAIL_UNDERFLOW])
         return self._telemetry(
             policy,

@@ -1131,6 +1131,12 @@ class GradScaler(TorchGradScalerSurface):
         for name, default in defaults:
             state.setdefault(name, default)  # pickled before these existed
         self.__dict__.update(state)
+        predictive = getattr(self, "_predictive", None)
+        if predictive is not None:  # its device words, sized by this version's layout
+            lengths = predictive.lengths
+            self._book.tail_words = _predictive_state.tail_words(
+                lengths["window"], lengths["memory"]
+            )
 
 
 GradScaler._optimizer_state_type = _OptimizerState

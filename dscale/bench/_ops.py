@@ -29,8 +29,13 @@ from dscale.bench._op_count import OpCounts, count_cuda_kernels, count_ops
 NUMEL = 64
 WARMUP = 4
 ITERS = 32
-OPTIMIZERS = ("sgd", "adamw")
+OPTIMIZERS = ("sgd", "adamw", "sgd-stateless", "adamw-frozen")
 IMPLS = ("foreach", "fused")
+#: Rows with parameters that have no optimizer state: SGD without momentum keeps none, and a
+#: frozen parameter (no grad) in AdamW never gets any. ``sync_free`` must keep its flat snapshot
+#: for them (issue 33); a fused optimizer never takes that path, so they run foreach only.
+WITHOUT_STATE = ("sgd-stateless", "adamw-frozen")
+IMPLS_OF = dict.fromkeys(WITHOUT_STATE, ("foreach",))
 PARAM_COUNTS = (8, 200)
 DSCALE_ARMS = ("dscale", "dscale_sync_free", "dscale_predictive")
 PEER_ARMS = ("torch", "sharded", FLOOR)
@@ -52,7 +57,7 @@ class Row:
 
 def rows() -> Iterator[Row]:
     for optimizer in OPTIMIZERS:
-        for impl in IMPLS:
+        for impl in IMPLS_OF.get(optimizer, IMPLS):
             for params in PARAM_COUNTS:
                 yield Row(optimizer, impl, params)
 
@@ -71,6 +76,11 @@ def make_optimizer(params: list[nn.Parameter], row: Row) -> torch.optim.Optimize
     flags: dict[str, Any] = {"foreach": True} if row.impl == "foreach" else {"fused": True}
     if row.optimizer == "sgd":
         return torch.optim.SGD(params, lr=1e-6, momentum=0.9, **flags)
+    if row.optimizer == "sgd-stateless":
+        return torch.optim.SGD(params, lr=1e-6, **flags)
+    if row.optimizer == "adamw-frozen":  # one more parameter, frozen: no grad, never any state
+        frozen = nn.Parameter(torch.zeros(NUMEL, device=params[0].device), requires_grad=False)
+        return torch.optim.AdamW([params[0], frozen, *params[1:]], lr=1e-6, **flags)
     return torch.optim.AdamW(params, lr=1e-6, **flags)
 
 

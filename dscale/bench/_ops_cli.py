@@ -62,6 +62,8 @@ def _rank_main(rank: int, world_size: int, store_path: str, out: str) -> None:
         cpu = torch.device("cpu")
         result: dict[str, Any] = {}
         for row in _ops.rows():
+            if row.optimizer in _ops.WITHOUT_STATE:
+                continue  # single process only: on ranks they would add nothing new
             result[row.name] = {arm: _ops.measure(arm, row, cpu) for arm in _ops.ARMS}
             result[row.name][ATTACH] = _ops.measure_attached("dscale", row, None)
         with open(f"{out}.{rank}", "w") as f:
@@ -157,7 +159,7 @@ def _pair(result: dict[str, Any], arms: dict[str, Any]) -> str:
 def render(table: dict[str, Any], arms: Sequence[str], title: str) -> str:
     """Rows by arms: kernel-launching ops / host reads / collectives, per iteration."""
     names = [_SHORT.get(a, a) for a in arms]
-    lines = [title, f"{'row':<18}" + "".join(f"{n:>13}" for n in names)]
+    lines = [title, f"{'row':<26}" + "".join(f"{n:>13}" for n in names)]
     for row, by_arm in table.items():
         cells = []
         for arm in arms:
@@ -166,7 +168,7 @@ def render(table: dict[str, Any], arms: Sequence[str], title: str) -> str:
             if "cuda_kernels" in r:
                 cell += f" ({r['cuda_kernels']:g})"
             cells.append(f"{cell:>13}")
-        lines.append(f"{row:<18}" + "".join(cells))
+        lines.append(f"{row:<26}" + "".join(cells))
     return "\n".join(lines)
 
 

@@ -52,9 +52,11 @@ def test_target_is_the_largest_power_of_two_keeping_the_window_max_with_its_marg
         budget = torch.tensor(_predictive.BUDGET)
         zero, measured = torch.tensor(0.0), torch.tensor(m)
         memory, window = rings[1:2], rings[2:]
+        asked = torch.tensor(0.0)
         _predictive.update_(
-            policy, rings, window, memory, (0, 0), scale, None, zero, measured, budget
+            policy, rings, window, memory, (0, 0), scale, None, zero, measured, budget, asked
         )
+        assert asked.item() == m  # what the step asked for, kept for telemetry
         assert scale.item() == _brute_force_target(m), m
 
 

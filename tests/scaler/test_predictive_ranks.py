@@ -87,8 +87,38 @@ def _train(
     }
 
 
+def _telemetry_read_each_step(rank: int) -> dict[str, list[Any]]:
+    """Issue 33 item 5 on ranks: rank 1 alone overflows; counters() folds the device log after
+    each update and a step is followed by update(new_scale=...). Host and device paths."""
+    import dscale
+    from tests.scaler._setup import decide_on_device
+
+    out: dict[str, list[Any]] = {}
+    for on_device in (False, True):
+        torch.manual_seed(0)
+        model = tiny_model()
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3, fused=True)
+        scaler = dscale.GradScaler("cpu", policy="predictive", init_scale=2.0**10)
+        if on_device:
+            decide_on_device(scaler)
+        trace: list[Any] = []
+        for step in range(6):
+            opt.zero_grad()
+            scaler.scale(model(batch(rank, step)).square().mean()).backward()
+            if rank == 1 and step in (2, 4):
+                next(model.parameters()).grad.view(-1)[0] = math.inf
+            scaler.step(opt)
+            scaler.update(2.0**6 if step == 3 else None)
+            counters = {k: v.item() for k, v in scaler.counters().items()}
+            snap = scaler.snapshot()
+            trace.append((counters["skipped_in_a_row"], repr(snap["grad_max_abs"])))
+        out["device" if on_device else "host"] = trace
+    return out
+
+
 def _scenarios(rank: int, world_size: int) -> dict[str, Any]:
     return {
+        "telemetry": _telemetry_read_each_step(rank),
         "plain": _train(rank, None, attach=False, reduce=True),
         "plain/no-reduce": _train(rank, None, attach=False, reduce=False),
         "ddp": _train(rank, "ddp", attach=False, reduce=True),
@@ -130,6 +160,14 @@ def test_every_rank_sets_the_same_scale_from_the_largest_magnitude_over_ranks() 
     k, m = r0["ddp/abandon"], r0["ddp/attach/abandon"]
     assert k["scales"] == m["scales"] == r1["ddp/attach/abandon"]["scales"]
     assert torch.equal(k["params"], m["params"])
+    # grad_max_abs after counters() folded the log (the metrics log's order), on both paths:
+    # NaN on every rank for rank 1's overflows (steps 2 and 4), and still step 2's after the
+    # update(new_scale=...) of step 3, which runs no rule; the device path as the host path.
+    for rank in (0, 1):
+        host, device = out[rank]["telemetry"]["host"], out[rank]["telemetry"]["device"]
+        assert device == host, rank
+        assert [m == "nan" for _, m in host] == [False, False, True, True, True, False]
+        assert host == out[0]["telemetry"]["host"]
     i, j = r0["fsdp2/attach"], r1["fsdp2/attach"]
     assert i["sizes"] == j["sizes"] == [5, 3, 3, 3, 3]
     assert i["scales"] == j["scales"] == e["scales"]
