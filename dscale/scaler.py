@@ -87,6 +87,9 @@ class _OptimizerState:
     spike: torch.Tensor | None = None
     spike_values: torch.Tensor | None = None
     skip: torch.Tensor | None = None
+    # attach(): the backward passes through the models holding the optimizer's parameters when
+    # it was checked; one more before its step means grads the check never saw.
+    backwards: tuple[int, ...] = ()
 
 
 # Under torch.compile the scaler's calls run eagerly (a graph break each, as torch's own scaler
@@ -419,6 +422,8 @@ class GradScaler(TorchGradScalerSurface):
                     refusal = torch.cat([refusal, blank])
                 _agreement.all_reduce_flag(refusal, group).wait()
             raise
+        if report.flag is not None:
+            state.backwards = self._hooks.backwards(optimizer)
         grads = optimizer_grads(optimizer, set(report.covered))
         groups = group_by_device_and_dtype(grads)
         if unscale is None:  # a fused optimizer, which can unscale in its own kernel
@@ -635,6 +640,15 @@ class GradScaler(TorchGradScalerSurface):
             was_unscaled = self._check(optimizer, state, unscale=unscale)
         elif state.agreed is None:  # marked UNSCALED by code that unscaled the grads itself
             self._check(optimizer, state, unscale=False, unscaled_by_caller=True)
+        elif state.backwards and self._hooks.backwards(optimizer) != state.backwards:
+            # Every rank sees the same backward passes (DDP's and FSDP2's are collective), so
+            # every rank refuses here alike, before anything is applied.
+            raise RuntimeError(
+                "attach(): a backward pass ran through the attached model after "
+                "scaler.unscale_(optimizer) and before scaler.step(optimizer); the flag that "
+                "unscale_() agreed on does not cover the grads it added, so the step is refused. "
+                "Call scaler.unscale_(optimizer) after the last backward before the step"
+            )
         agreed = self._agreed(state)
         on_host = self._decides_on_host(agreed)
 
@@ -705,7 +719,7 @@ class GradScaler(TorchGradScalerSurface):
         # to match). Check now, whatever order the optimizer asks in, so that it reads a scale
         # of 1 from _get_scale_async() instead of dividing a second time.
         scale = self._require_scale("step")
-        if state.agreed is None and self._hooks.reduced(scale.device):
+        if state.agreed is None and self._hooks.reduced(optimizer):
             unscaled = self._check(optimizer, state, unscale=False)
             assert unscaled  # noqa: S101 - the hooks reduced: the check unscales what they did not
             state.prechecked = True  # an unscale_() from the optimizer has nothing left to do
