@@ -31,12 +31,17 @@ def _loss(model: nn.Module, x: torch.Tensor, poison: bool) -> torch.Tensor:
     return loss * float("inf") if poison else loss
 
 
-def _scaler(kind: str) -> Any:
+def _scaler(kind: str, step: str = "host") -> Any:
+    """``step="device"``: dscale decides fused and sync_free steps on the device, as on a GPU."""
     import dscale
 
     if kind == "torch":
         return torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
-    return dscale.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
+    scaler = dscale.GradScaler(
+        "cpu", init_scale=2.0**10, growth_interval=2, sync_free=step == "sync_free"
+    )
+    scaler._read_host_flags = step == "host"
+    return scaler
 
 
 def _gan(rank: int, kind: str) -> dict[str, Any]:
@@ -67,14 +72,20 @@ def _gan(rank: int, kind: str) -> dict[str, Any]:
     return {"params": params, "scales": scales}
 
 
-def _one_model(rank: int, kind: str, order: str, parallel: str = "ddp") -> dict[str, Any]:
+def _one_model(
+    rank: int, kind: str, order: str, parallel: str = "ddp", how: str = "sgd"
+) -> dict[str, Any]:
     """One model, one optimizer per layer; ``order`` says where the backward passes go."""
     base = tiny_model()
     model = wrap(base, parallel)
     first, second = (model.module if parallel == "ddp" else model)[0], base[2]
-    opt_a = torch.optim.SGD(first.parameters(), lr=0.1, momentum=0.9)
-    opt_b = torch.optim.SGD(second.parameters(), lr=0.1, momentum=0.9)
-    scaler = _scaler(kind)
+    if how == "adam_fused":  # fused: the flag reaches the kernel on the device
+        opt_a: torch.optim.Optimizer = torch.optim.Adam(first.parameters(), lr=0.01, fused=True)
+        opt_b: torch.optim.Optimizer = torch.optim.Adam(second.parameters(), lr=0.01, fused=True)
+    else:
+        opt_a = torch.optim.SGD(first.parameters(), lr=0.1, momentum=0.9)
+        opt_b = torch.optim.SGD(second.parameters(), lr=0.1, momentum=0.9)
+    scaler = _scaler(kind, {"adam_fused": "device", "sgd_sync_free": "sync_free"}.get(how, "host"))
     if kind == "attach":
         scaler.attach(model)
     params, scales = [], []
@@ -131,6 +142,31 @@ def _two_models(rank: int, kind: str) -> dict[str, Any]:
     return {"params": params, "scales": scales}
 
 
+def _flag_after_unscale(rank: int, kind: str) -> dict[str, Any]:
+    """Torch-shaped code writes its own flag after unscale_() on every rank: 1 on rank 1 in
+    iteration 2. Every parameter is attached, so DDP's reduction made the hooks' flag global:
+    the written flag must still reach the other rank (issue 33 item 2). torch's scaler, which does
+    not agree, is given the flag on both ranks: what agreeing on it means."""
+    model = DDP(tiny_model())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    scaler = _scaler(kind)
+    if kind == "attach":
+        scaler.attach(model)
+    params, scales = [], []
+    for step in range(4):
+        opt.zero_grad()
+        scaler.scale(_loss(model, batch(rank, step), False)).backward()
+        scaler.unscale_(opt)
+        writes = step == POISONED_STEP and (rank == 1 or kind == "torch")
+        flag = torch.tensor(1.0 if writes else 0.0)
+        scaler._per_optimizer_states[id(opt)]["found_inf_per_device"] = {flag.device: flag}
+        scaler.step(opt)
+        scaler.update()
+        params.append(full_params(model, "ddp"))
+        scales.append(scaler.get_scale())
+    return {"params": params, "scales": scales}
+
+
 def _backward_after_unscale(rank: int) -> dict[str, Any]:
     """unscale_(), then one more backward, then step(): the agreed flag never saw that backward."""
     import dscale
@@ -181,6 +217,8 @@ RUNS: tuple[str, ...] = (
     *(f"{order}/ddp" for order in ORDERS),
     "backward_between_steps/fsdp2",
     "backwards_before_first_step/fsdp2",
+    "backward_between_steps/ddp/adam_fused",
+    "backward_between_steps/ddp/sgd_sync_free",
 )
 
 
@@ -189,8 +227,7 @@ def _run(rank: int, case: str, kind: str) -> dict[str, Any]:
         return _gan(rank, kind)
     if case == "two_models":
         return _two_models(rank, kind)
-    order, parallel = case.split("/")
-    return _one_model(rank, kind, order, parallel)
+    return _one_model(rank, kind, *case.split("/"))
 
 
 def _all(rank: int, world_size: int) -> dict[str, Any]:
@@ -207,6 +244,9 @@ def _all(rank: int, world_size: int) -> dict[str, Any]:
             "finite": bool(attached[-1].isfinite().all()),
             "final": attached[-1],
         }
+    out["flag_after_unscale"] = {
+        kind: _flag_after_unscale(rank, kind) for kind in ("torch", "plain", "attach")
+    }
     out["backward_after_unscale"] = _backward_after_unscale(rank)
     out["group_collected"] = {a: _group_is_collected(rank, a) for a in (False, True)}
     return out
@@ -228,6 +268,17 @@ def test_every_step_of_an_iteration_is_checked_as_without_attach(results, case) 
         assert got["equal_per_step"]["plain"] == [True] * 4, (case, rank)
         assert got["equal_per_step"]["torch"] == [True] * 4, (case, rank)
     assert torch.equal(results[0][case]["final"], results[1][case]["final"])
+
+
+def test_a_flag_written_after_unscale_on_one_rank_skips_every_rank_as_torch(results) -> None:
+    for rank, out in results.items():
+        oracle = out["flag_after_unscale"]["torch"]
+        assert oracle["scales"][POISONED_STEP] == oracle["scales"][1] / 2  # skipped, backed off
+        for kind in ("plain", "attach"):
+            got = out["flag_after_unscale"][kind]
+            assert got["scales"] == oracle["scales"], (rank, kind)
+            for a, b in zip(got["params"], oracle["params"], strict=True):
+                assert torch.equal(a, b), (rank, kind)
 
 
 def test_a_backward_between_unscale_and_step_is_refused_on_every_rank(results) -> None:
