@@ -47,7 +47,9 @@ class HookReport:
     ``flag``: their overflow flag (None: no hook ran); ``covered``: ids of the parameters whose
     grads they checked and unscaled, as they are now; ``is_global``: the flag is already the same
     on every rank of the scaler's group; ``unscaled``: the covered grads are unscaled;
-    ``measured``: policy="predictive"'s ``[scaled max, underflowing elements, elements]``.
+    ``measured``: policy="predictive"'s ``[scaled max, underflowing elements, elements]``;
+    ``backwards``: the backward passes so far through the models holding the optimizer's
+    parameters (:meth:`ReductionHooks.backwards`).
     """
 
     flag: torch.Tensor | None
@@ -55,6 +57,7 @@ class HookReport:
     is_global: bool
     unscaled: bool
     measured: torch.Tensor | None = None
+    backwards: tuple[int, ...] = ()
 
 
 class AttachRefusal(RuntimeError):
@@ -418,6 +421,7 @@ class ReductionHooks:
             is_global=is_global,
             unscaled=True,
             measured=measured,
+            backwards=tuple(s.generation for s in relevant),
         )
 
     def reset(self) -> None:

@@ -433,8 +433,7 @@ class GradScaler(TorchGradScalerSurface):
                     refusal = torch.cat([refusal, blank])
                 _agreement.all_reduce_flag(refusal, group).wait()
             raise
-        if report.flag is not None:
-            state.backwards = self._hooks.backwards(optimizer)
+        state.backwards = report.backwards
         grads = optimizer_grads(optimizer, set(report.covered))
         groups = group_by_device_and_dtype(grads)
         if unscale is None:  # a fused optimizer, which can unscale in its own kernel
