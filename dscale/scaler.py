@@ -96,6 +96,7 @@ class _OptimizerState:
     deferred: bool = False
     deferred_group: Any = None
     late_found: torch.Tensor | None = None
+    refused: Exception | None = None  # raised once this rank has joined the deferred agreement
 
 
 # Under torch.compile the scaler's calls run eagerly (a graph break each, as torch's own scaler
@@ -431,6 +432,12 @@ class GradScaler(TorchGradScalerSurface):
                     width = len(self._spike.signals) * _dist.world_size(group)
                     blank = torch.full((width,), -math.inf, device=device)
                     refusal = torch.cat([refusal, blank])
+                if defer:
+                    # unscale_(): the peers agree at the flag's first read, after any collective
+                    # of the user's in between (FSDP's clip_grad_norm_): join there, then raise.
+                    state.agreed, state.refused = refusal, exc
+                    state.deferred, state.deferred_group = True, group
+                    return True
                 _agreement.all_reduce_flag(refusal, group).wait()
             raise
         state.backwards = report.backwards
@@ -517,6 +524,10 @@ class GradScaler(TorchGradScalerSurface):
         group, state.deferred_group = state.deferred_group, None
         late, state.late_found = state.late_found, None
         assert state.agreed is not None  # noqa: S101 - set by the check that deferred
+        if state.refused is not None:  # the refusal vector: join the peers' agreement, raise
+            refused, state.refused = state.refused, None
+            _agreement.all_reduce_flag(state.agreed, group).wait()
+            raise refused
         if late is not None:
             with _NoGrad():
                 flag = state.agreed[_agreement.OVERFLOW]

@@ -195,6 +195,36 @@ def _backward_after_unscale(rank: int) -> dict[str, Any]:
     return {"error": None, "moved": not torch.equal(before, full_params(model, "ddp"))}
 
 
+def _refused_after_unscale(rank: int) -> dict[str, Any]:
+    """Rank 1 writes a grad after the reduction, then unscale_(), a collective of the user's (as
+    FSDP's clip_grad_norm_ runs), step(): rank 1 refuses after joining the agreement where rank 0
+    runs it, so the user's collective pairs with its own and rank 0 skips instead of hanging."""
+    import dscale
+
+    model = DDP(tiny_model())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = dscale.GradScaler("cpu", init_scale=2.0**10)
+    scaler.attach(model)
+    flag = torch.zeros(())  # every rank writes one: the step keeps its agreement collective
+    scaler._per_optimizer_states[id(opt)]["found_inf_per_device"] = {flag.device: flag}
+    scaler.scale(_loss(model, batch(rank, 0), False)).backward()
+    if rank == 1:
+        model.module[0].weight.grad.mul_(0.5)
+    before = full_params(model, "ddp")
+    error = None
+    try:
+        scaler.unscale_(opt)
+        norm = torch.tensor([float(rank + 1)])
+        dist.all_reduce(norm)  # the user's collective between unscale_() and step()
+        scaler.step(opt)
+        scaler.update()
+    except RuntimeError as exc:
+        error = str(exc)
+    moved = not torch.equal(before, full_params(model, "ddp"))
+    applied = None if error else scaler.step_applied(opt)
+    return {"error": error, "moved": moved, "norm": float(norm), "applied": applied}
+
+
 def _group_is_collected(rank: int, attach: bool) -> bool:
     """``del model; dist.destroy_process_group(group)``: nothing of the scaler's holds the group."""
     import dscale
@@ -259,6 +289,7 @@ def _all(rank: int, world_size: int) -> dict[str, Any]:
         kind: _flag_after_unscale(rank, kind) for kind in ("torch", "plain", "attach")
     }
     out["backward_after_unscale"] = _backward_after_unscale(rank)
+    out["refused_after_unscale"] = _refused_after_unscale(rank)
     out["group_collected"] = {a: _group_is_collected(rank, a) for a in (False, True)}
     return out
 
@@ -299,6 +330,13 @@ def test_a_backward_between_unscale_and_step_is_refused_on_every_rank(results) -
         got = out["backward_after_unscale"]
         assert got["error"] is not None and "unscale_(optimizer) after the last" in got["error"]
         assert not got["moved"]
+
+
+def test_a_refusal_after_unscale_joins_the_agreement_after_the_users_collectives(results) -> None:
+    r0, r1 = results[0]["refused_after_unscale"], results[1]["refused_after_unscale"]
+    assert r1["error"] is not None and "attach()" in r1["error"] and not r1["moved"]
+    assert r0["error"] is None and r0["applied"] is False and not r0["moved"]
+    assert r0["norm"] == r1["norm"] == 3.0  # the user's all-reduce paired with its own
 
 
 def test_attach_does_not_keep_ddps_process_group_alive(results) -> None:
