@@ -47,7 +47,9 @@ class HookReport:
     ``flag``: their overflow flag (None: no hook ran); ``covered``: ids of the parameters whose
     grads they checked and unscaled, as they are now; ``is_global``: the flag is already the same
     on every rank of the scaler's group; ``unscaled``: the covered grads are unscaled;
-    ``measured``: policy="predictive"'s ``[scaled max, underflowing elements, elements]``.
+    ``measured``: policy="predictive"'s ``[scaled max, underflowing elements, elements]``;
+    ``backwards``: the backward passes so far through the models holding the optimizer's
+    parameters (:meth:`ReductionHooks.backwards`).
     """
 
     flag: torch.Tensor | None
@@ -55,6 +57,7 @@ class HookReport:
     is_global: bool
     unscaled: bool
     measured: torch.Tensor | None = None
+    backwards: tuple[int, ...] = ()
 
 
 class AttachRefusal(RuntimeError):
@@ -81,7 +84,10 @@ class HookState:
         self.measurer = measure  # policy="predictive": also measure the reduced, unscaled grads
         self.params = params  # the parameters this model's hooks reduce
         self.ids = frozenset(id(p) for p in params)
-        self.group = group
+        # Weakly: the hooks outlive the model (on its parameters, in the scaler) and must not
+        # keep its process group alive after `del model; dist.destroy_process_group()`.
+        self._group = None if group is None else weakref.ref(group)
+        self.group_ranks = None if group is None else frozenset(dist.get_process_group_ranks(group))
         self.world_size = dist.get_world_size(group) if group is not None else 1
         self.ddp = ddp
         self.found: dict[torch.device, torch.Tensor] = {}
@@ -90,12 +96,35 @@ class HookState:
         self.measured: dict[torch.device, torch.Tensor] = {}
         self.in_backward = False
         self.scale_calls_seen = 0
+        # Backward passes through the hooks so far: a flag read for a step belongs to one of them,
+        # and a later backward (the GAN pattern: backward, step, backward, step) makes a new one.
+        self.generation = 0
         # After each backward with hooks: id(param) -> (the grad, its version) as the hook left it.
         self.records: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
         # DDP: ids of params whose grads hold this hook's unscaled output; rescaled before a
         # backward adds to them.
         self.unscaled: set[int] = set()
         self.rescaled: set[int] = set()
+
+    @property
+    def group(self) -> Any:
+        """DDP's process group (None for FSDP2); RuntimeError once it is gone."""
+        if self._group is None:
+            return None
+        group = self._group()
+        if group is None:
+            raise RuntimeError(
+                "attach(): the attached DDP model's process group was destroyed; attach() the "
+                "model built over the new group instead"
+            )
+        return group
+
+    def covers(self, scaler_group: Any) -> bool:
+        """Whether this DDP model's group holds every rank of the scaler's group."""
+        if self.group_ranks is None:
+            return _dist.group_covers(None, scaler_group)
+        inner = _dist.group_ranks(scaler_group)
+        return set(range(dist.get_world_size()) if inner is None else inner) <= self.group_ranks
 
     def flag(self, device: torch.device) -> torch.Tensor:
         if device not in self.found:
@@ -115,6 +144,7 @@ class HookState:
                 "backward passes through a model that is not attached"
             )
         self.scale_calls_seen = calls
+        self.generation += 1
         # DDP reduces the whole accumulated grad, so its new flag covers everything in it. FSDP2
         # reduces only this backward's part: an earlier flag stays unless its grads are gone.
         if self.ddp or all(p.grad is None for p in self.params):
@@ -155,20 +185,6 @@ class HookState:
         with torch.no_grad():
             grad.mul_(copy_to(self.scale_of(), grad.device))
         self.rescaled.add(id(param))
-
-    def take_flags(self) -> list[torch.Tensor]:
-        """The flags recorded for the current grads (empty: no bucket was reduced)."""
-        flags = list(self.found.values())
-        self.found = {}
-        _used_on_current_stream(*flags)  # made on a reduce stream, read on this one
-        return flags
-
-    def take_measured(self) -> list[torch.Tensor]:
-        """policy="predictive": the accumulators recorded with those flags."""
-        measured = list(self.measured.values())
-        self.measured = {}
-        _used_on_current_stream(*measured)
-        return measured
 
     def measure(self, tensors: list[torch.Tensor], scale: torch.Tensor) -> None:
         """Add reduced, unscaled grads to this iteration's measurement (policy="predictive")."""
@@ -279,13 +295,18 @@ NO_HOOKS = HookReport(None, frozenset(), is_global=False, unscaled=False)
 
 
 class ReductionHooks:
-    """The models a scaler is attached to, and the flag their hooks recorded this iteration."""
+    """The models a scaler is attached to, and the flags their hooks recorded.
+
+    A step reads the flags of the backward passes that made its grads: those of the models that
+    hold its parameters, as they are when it is checked. A backward after an earlier step of the
+    same iteration (backward, step, backward, step) makes new flags, read by the later step.
+    """
 
     def __init__(self) -> None:
         self.states: list[HookState] = []
-        self._flag: torch.Tensor | None = None
-        self._measured: torch.Tensor | None = None
-        self._taken = False
+        # The last combined flag and measurement, with the (state, backward pass) it covers: one
+        # model's several optimizers combine its flags once.
+        self._combined: tuple[Any, torch.Tensor, torch.Tensor | None] | None = None
 
     def attach(
         self,
@@ -318,40 +339,66 @@ class ReductionHooks:
                 f"got {type(model).__name__}; other models need no attach()"
             )
         self.states.append(state)
+        # The model gone, its parameters are no longer the scaler's to vouch for (nor to keep).
+        weakref.finalize(model, _forget, weakref.ref(self), weakref.ref(state)).atexit = False
 
-    def reduced(self, device: torch.device) -> bool:
-        """Whether an attached model's hooks reduced grads in this iteration; takes their flags
-        (and measurements) onto ``device`` once per iteration."""
-        if not self.states:  # nothing attached: the common case, answered at once
-            return False
-        if not self._taken:
-            flags = [f for s in self.states for f in s.take_flags()]
-            if len(flags) > 1:
-                self._flag = torch.stack([copy_to(f, device) for f in flags]).amax()
-            else:  # one bucket (or none): no stack and reduction of a single flag
-                self._flag = copy_to(flags[0], device) if flags else None
-            measured = [copy_to(m, device) for s in self.states for m in s.take_measured()]
-            self._measured = _combine(measured) if measured else None
-            self._taken = True
-        return self._flag is not None
+    def _relevant(self, optimizer: torch.optim.Optimizer) -> list[HookState]:
+        """The attached models that hold some of ``optimizer``'s parameters."""
+        ids = [id(p) for g in optimizer.param_groups for p in g["params"]]
+        return [s for s in self.states if not s.ids.isdisjoint(ids)]
+
+    def reduced(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether a model holding ``optimizer``'s parameters reduced grads since update()."""
+        return bool(self.states) and any(s.found for s in self._relevant(optimizer))
+
+    def backwards(self, optimizer: torch.optim.Optimizer) -> tuple[int, ...]:
+        """The backward passes so far through the models holding ``optimizer``'s parameters."""
+        return tuple(s.generation for s in self._relevant(optimizer)) if self.states else ()
+
+    def _flags(
+        self, states: list[HookState], device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The flag (and measurement) of ``states``' current grads on ``device``."""
+        key = (device, tuple((s, s.generation) for s in states))
+        cached = self._combined
+        if cached is not None and cached[0] == key:
+            return cached[1], cached[2]
+        flags = [f for s in states for f in s.found.values()]
+        _used_on_current_stream(*flags)  # made on a reduce stream, read on this one
+        if len(flags) > 1:
+            flag = torch.stack([copy_to(f, device) for f in flags]).amax()
+        else:  # one bucket: no stack and reduction of a single flag
+            flag = copy_to(flags[0], device)
+        measured = [m for s in states for m in s.measured.values()]
+        _used_on_current_stream(*measured)
+        combined = _combine([copy_to(m, device) for m in measured]) if measured else None
+        self._combined = (key, flag, combined)
+        return flag, combined
 
     def report(
         self, optimizer: torch.optim.Optimizer, scaler_group: Any, device: torch.device
     ) -> HookReport:
         """What the hooks checked of ``optimizer``'s grads, for the scaler's ``_check``."""
-        if not self.reduced(device):
+        if not self.states:  # nothing attached: the common case, answered at once
             return NO_HOOKS
         params = [p for g in optimizer.param_groups for p in g["params"]]
-        # Decided from what every rank shares (parameter sets, groups), never from local grads:
-        # ranks that disagreed here would run different collectives and hang.
-        is_global = all(any(id(p) in s.ids for s in self.states) for p in params) and all(
-            s.ddp and _dist.group_covers(s.group, scaler_group) for s in self.states
+        ids = [id(p) for p in params]
+        relevant = [s for s in self.states if not s.ids.isdisjoint(ids)]
+        ran = [s for s in relevant if s.found]
+        if not ran:
+            return NO_HOOKS
+        flag, measured = self._flags(ran, device)
+        # Decided from what every rank shares (parameter sets, groups, backward passes through
+        # DDP), never from local grads: ranks that disagreed here would run different
+        # collectives and hang.
+        is_global = all(any(i in s.ids for s in relevant) for i in ids) and all(
+            s.ddp and s.covers(scaler_group) for s in relevant
         )
         with_grads = [p for p in params if p.grad is not None]
         covered: set[int] = set()
         back: set[int] = set()
         try:
-            for state in self.states:
+            for state in relevant:
                 here, there = state.classify(with_grads)
                 covered |= here
                 back |= there
@@ -369,21 +416,27 @@ class ReductionHooks:
             refusal.peers_agree = False
             raise refusal
         return HookReport(
-            self._flag,
+            flag,
             frozenset(covered),
             is_global=is_global,
             unscaled=True,
-            measured=self._measured,
+            measured=measured,
+            backwards=tuple(s.generation for s in relevant),
         )
 
     def reset(self) -> None:
-        """Forget this iteration's flag and measurement (update() calls it)."""
-        self._flag = None
-        self._measured = None
-        self._taken = False
+        """Forget this iteration's flags and measurements (update() calls it)."""
+        self._combined = None
         for state in self.states:
             state.found = {}
             state.measured = {}
+
+
+def _forget(hooks: weakref.ref[ReductionHooks], state: weakref.ref[HookState]) -> None:
+    owner, gone = hooks(), state()
+    if owner is not None and gone is not None and gone in owner.states:
+        owner.states.remove(gone)
+        owner._combined = None
 
 
 def _combine(measured: list[torch.Tensor]) -> torch.Tensor:

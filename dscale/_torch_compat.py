@@ -46,7 +46,11 @@ class TorchOptimizerState(dict):  # type: ignore[type-arg]
     Code written for torch's scaler that unscales grads itself marks it so with
     ``["stage"] = OptState.UNSCALED`` (and may set ``["found_inf_per_device"]`` to its own
     rank-local flags): step() then does not unscale again, checks the grads it was not told
-    about, adds those flags and agrees across ranks as usual. Any other key raises.
+    about, adds those flags and agrees across ranks as usual. A flag written after unscale_()
+    counts too (torch reads it in step() and update()): unscale_() leaves the agreement to the
+    first read of the flag, and until then ``["found_inf_per_device"]`` reads this rank's flag, as
+    torch's does. A write once the ranks have agreed (in step(), ``_found_inf_per_device()``)
+    raises: it could no longer change the step on every rank. Any other key raises.
 
     Under ``attach()``, where DDP's reduction already made the flag global, a written flag keeps
     the step's agreement collective: every rank must then write one (any value), as the same
@@ -69,7 +73,19 @@ class TorchOptimizerState(dict):  # type: ignore[type-arg]
             flags = [torch.as_tensor(v).float().reshape(()) for v in dict(value).values()]
             if flags:
                 device = flags[0].device
-                state.user_found = (torch.stack([f.to(device) for f in flags]) > 0).any().float()
+                found = (torch.stack([f.to(device) for f in flags]) > 0).any().float()
+                if state.agreed is None:  # before the check: it folds the flag in
+                    state.user_found = found
+                elif state.deferred:  # after unscale_(): folded in when the ranks agree
+                    late = state.late_found
+                    state.late_found = found if late is None else torch.maximum(late, found)
+                else:
+                    raise RuntimeError(
+                        "found_inf_per_device was written after the ranks agreed on this "
+                        "optimizer's flag (in step(), _found_inf_per_device() or "
+                        "_check_inf_per_device()), so it can no longer change the step on every "
+                        "rank alike. Write it before those calls (after unscale_() is fine)"
+                    )
         else:
             raise KeyError(
                 f"dscale.GradScaler's per-optimizer state takes 'stage' and "
@@ -265,8 +281,12 @@ class TorchGradScalerSurface(torch.amp.GradScaler):
             return 0
         return self._book.read().growth_tracker
 
+    def _agree_now(self, optimizer: torch.optim.Optimizer) -> None:
+        """GradScaler: start an agreement that unscale_() left for the first read of the flag."""
+
     def _found_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[Any, Any]:
         """``{device: flag}`` for ``optimizer``'s last check: the flag agreed by every rank."""
+        self._agree_now(optimizer)
         found: dict[Any, Any] = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
         return found
 

@@ -87,6 +87,16 @@ class _OptimizerState:
     spike: torch.Tensor | None = None
     spike_values: torch.Tensor | None = None
     skip: torch.Tensor | None = None
+    # attach(): the backward passes through the models holding the optimizer's parameters when
+    # it was checked; one more before its step means grads the check never saw.
+    backwards: tuple[int, ...] = ()
+    # unscale_(): the agreement waits for the first read of the flag, so that a flag torch-shaped
+    # code writes in between (`late_found`) takes effect on every rank. `deferred`: not started
+    # yet; `deferred_group`: the group it then runs over (None: none).
+    deferred: bool = False
+    deferred_group: Any = None
+    late_found: torch.Tensor | None = None
+    refused: Exception | None = None  # raised once this rank has joined the deferred agreement
 
 
 # Under torch.compile the scaler's calls run eagerly (a graph break each, as torch's own scaler
@@ -342,9 +352,12 @@ class GradScaler(TorchGradScalerSurface):
 
     @_eager
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
-        """Divide ``optimizer``'s grads by the scale in place and start the overflow agreement.
+        """Divide ``optimizer``'s grads by the scale in place and check them for inf/NaN.
 
-        Optional: step() does it when you don't. Call it before clipping. No host sync.
+        Optional: step() does it when you don't. Call it before clipping. No host sync. The
+        ranks agree on the flag when it is first read (step(), update(), _found_inf_per_device()),
+        so a ``found_inf_per_device`` that code written for torch's scaler writes in between
+        counts, as in torch.
         """
         if not self._enabled:
             return
@@ -357,7 +370,7 @@ class GradScaler(TorchGradScalerSurface):
         if state.stage is _Stage.STEPPED:
             raise RuntimeError("unscale_() is being called after step().")
         if not state.prechecked:
-            self._check(optimizer, state, unscale=True)
+            self._check(optimizer, state, unscale=True, defer=True)
         state.stage = _Stage.UNSCALED
 
     def _check(
@@ -367,6 +380,7 @@ class GradScaler(TorchGradScalerSurface):
         *,
         unscale: bool | None,
         unscaled_by_caller: bool = False,
+        defer: bool = False,
     ) -> bool:
         """Grads -> observers -> flag -> agree; True when the grads are unscaled afterwards.
 
@@ -374,6 +388,7 @@ class GradScaler(TorchGradScalerSurface):
         whether their flag is global); this rank's pass takes the rest, and the agreement
         vector goes out once, unless the hooks' flag already covers everything on every rank.
         ``unscaled_by_caller``: code written for torch's scaler unscaled the grads itself.
+        ``defer``: start the agreement when the flag is first read (:meth:`_agreed`).
         """
         scale = self._require_scale("unscale_")
         group = self._process_group()
@@ -417,8 +432,15 @@ class GradScaler(TorchGradScalerSurface):
                     width = len(self._spike.signals) * _dist.world_size(group)
                     blank = torch.full((width,), -math.inf, device=device)
                     refusal = torch.cat([refusal, blank])
+                if defer:
+                    # unscale_(): the peers agree at the flag's first read, after any collective
+                    # of the user's in between (FSDP's clip_grad_norm_): join there, then raise.
+                    state.agreed, state.refused = refusal, exc
+                    state.deferred, state.deferred_group = True, group
+                    return True
                 _agreement.all_reduce_flag(refusal, group).wait()
             raise
+        state.backwards = report.backwards
         grads = optimizer_grads(optimizer, set(report.covered))
         groups = group_by_device_and_dtype(grads)
         if unscale is None:  # a fused optimizer, which can unscale in its own kernel
@@ -485,8 +507,43 @@ class GradScaler(TorchGradScalerSurface):
                 state.tail_len = tail.numel()
                 state.agreed = torch.cat([state.agreed, tail])
         state.over_group = group is not None
-        state.work = None if group is None else _agreement.all_reduce_flag(state.agreed, group)
+        if defer:
+            state.deferred, state.deferred_group = True, group
+        else:
+            state.work = None if group is None else _agreement.all_reduce_flag(state.agreed, group)
         return unscale
+
+    def _start_deferred(self, state: _OptimizerState) -> None:
+        """Start the agreement unscale_() left for later, with a flag written since then.
+
+        The written flag joins this rank's as torch's would (MAX: it adds a found overflow, it
+        cannot hide one). Under attach(), where DDP's reduction made the flag global, a written
+        flag keeps the collective, as one written before unscale_() does: every rank then writes.
+        """
+        state.deferred = False
+        group, state.deferred_group = state.deferred_group, None
+        late, state.late_found = state.late_found, None
+        assert state.agreed is not None  # noqa: S101 - set by the check that deferred
+        if state.refused is not None:  # the refusal vector: join the peers' agreement, raise
+            refused, state.refused = state.refused, None
+            _agreement.all_reduce_flag(state.agreed, group).wait()
+            raise refused
+        if late is not None:
+            with _NoGrad():
+                flag = state.agreed[_agreement.OVERFLOW]
+                late = copy_to(late, flag.device).reshape(())
+                torch.maximum(flag, (late > 0).float(), out=flag)
+                if self._predictive is not None:
+                    at = _agreement.measured_at(self._carries_range())
+                    mark_overflow(state.agreed, at, late)
+            if group is None:
+                group = self._process_group()
+                if group is not None:
+                    scale = self._require_scale("step")
+                    state.agreed = copy_to(state.agreed, _dist.flag_device(group, scale.device))
+        if group is not None:
+            state.over_group = True
+            state.work = _agreement.all_reduce_flag(state.agreed, group)
 
     def _decides_on_host(self, agreed: torch.Tensor) -> bool:
         """Whether fused and sync-free steps read the agreed flag on the host (``agreed``'s device).
@@ -551,6 +608,8 @@ class GradScaler(TorchGradScalerSurface):
 
     def _agreed(self, state: _OptimizerState) -> torch.Tensor:
         """The agreed vector of ``state`` on the scale's device (waits for the collective)."""
+        if state.deferred:
+            self._start_deferred(state)
         if state.work is not None:
             state.work.wait()
             state.work = None
@@ -635,6 +694,15 @@ class GradScaler(TorchGradScalerSurface):
             was_unscaled = self._check(optimizer, state, unscale=unscale)
         elif state.agreed is None:  # marked UNSCALED by code that unscaled the grads itself
             self._check(optimizer, state, unscale=False, unscaled_by_caller=True)
+        elif state.backwards and self._hooks.backwards(optimizer) != state.backwards:
+            # Every rank sees the same backward passes (DDP's and FSDP2's are collective), so
+            # every rank refuses here alike, before anything is applied.
+            raise RuntimeError(
+                "attach(): a backward pass ran through the attached model after "
+                "scaler.unscale_(optimizer) and before scaler.step(optimizer); the flag that "
+                "unscale_() agreed on does not cover the grads it added, so the step is refused. "
+                "Call scaler.unscale_(optimizer) after the last backward before the step"
+            )
         agreed = self._agreed(state)
         on_host = self._decides_on_host(agreed)
 
@@ -705,7 +773,7 @@ class GradScaler(TorchGradScalerSurface):
         # to match). Check now, whatever order the optimizer asks in, so that it reads a scale
         # of 1 from _get_scale_async() instead of dividing a second time.
         scale = self._require_scale("step")
-        if state.agreed is None and self._hooks.reduced(scale.device):
+        if state.agreed is None and self._hooks.reduced(optimizer):
             unscaled = self._check(optimizer, state, unscale=False)
             assert unscaled  # noqa: S101 - the hooks reduced: the check unscales what they did not
             state.prechecked = True  # an unscale_() from the optimizer has nothing left to do
@@ -728,6 +796,12 @@ class GradScaler(TorchGradScalerSurface):
         on_host = self._decides_on_host(flag)
         self._outcomes[id(optimizer)] = self._decide_on_host(state) if on_host else flag
         return retval
+
+    def _agree_now(self, optimizer: torch.optim.Optimizer) -> None:
+        """Start the agreement that unscale_() left for the first read of ``optimizer``'s flag."""
+        state = self._per_optimizer_states.get(id(optimizer))
+        if state is not None and state.deferred:
+            self._start_deferred(state)
 
     @_eager
     def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[Any, Any]:
@@ -770,6 +844,9 @@ class GradScaler(TorchGradScalerSurface):
                 "update() found no inf checks since the last update(): call "
                 "scaler.step(optimizer) (or scaler.unscale_(optimizer)) before scaler.update()"
             )
+        for state in states:
+            if state.deferred:  # unscale_() without step(): agree on it now
+                self._start_deferred(state)
         self._scale_range = self._range_over_group(states)
         known = all(s.applied is not None for s in states)
         # Overflows only: a step the spike gate skipped is no reason to back off the scale.

@@ -88,17 +88,30 @@ def _self_unscaling_step(scaler: Any, opt: torch.optim.Optimizer) -> None:
     scaler.step(opt)
 
 
+def _flag_after_unscale(scaler: Any, opt: torch.optim.Optimizer, found: bool) -> None:
+    """A helper that checks grads itself after unscale_() and writes its flag when it found one;
+    torch's step() and update() read it (issue 33 item 2)."""
+    scaler.unscale_(opt)
+    if found:
+        flag = torch.tensor(1.0)
+        scaler._per_optimizer_states[id(opt)]["found_inf_per_device"] = {flag.device: flag}
+    scaler.step(opt)
+
+
 def _run(scaler: Any, make_opt: Any, skips: set[int], how: str, steps: int = 5) -> dict:
     model = _model()
     opt = make_opt(model.parameters())
     scales = []
     for step in range(steps):
         opt.zero_grad()
-        scaler.scale(_loss(model, step, step in skips)).backward()
+        written = how == "flag_after_unscale"  # the loss stays finite: the flag says "found"
+        scaler.scale(_loss(model, step, step in skips and not written)).backward()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)  # torch's, for grad_scaler=
             if how == "self_unscaled":
                 _self_unscaling_step(scaler, opt)
+            elif written:
+                _flag_after_unscale(scaler, opt, step in skips)
             else:
                 scaler.step(opt)
         scaler.update()
@@ -113,6 +126,18 @@ CASES = {
     "self_unscaled_adam_fused": (
         lambda p: torch.optim.Adam(p, lr=0.01, fused=True),
         "self_unscaled",
+    ),
+    "flag_after_unscale_sgd": (
+        lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+        "flag_after_unscale",
+    ),
+    "flag_after_unscale_adam_foreach": (
+        lambda p: torch.optim.Adam(p, lr=0.01, foreach=True),
+        "flag_after_unscale",
+    ),
+    "flag_after_unscale_adam_fused": (
+        lambda p: torch.optim.Adam(p, lr=0.01, fused=True),
+        "flag_after_unscale",
     ),
 }
 SKIPS = {"none": set(), "first": {0}, "mid": {2}, "twice": {1, 2}}
@@ -174,6 +199,27 @@ def test_a_written_flag_with_no_grads_left_to_check_counts_as_found_when_above_z
     assert scaler.get_scale() == (2.0**7 if found else 2.0**8)
     assert scaler.snapshot()["skipped_steps"] == int(found)
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+@pytest.mark.parametrize("after", ["step", "_found_inf_per_device"])
+def test_a_flag_written_once_the_ranks_agreed_raises_at_once_and_changes_nothing(after) -> None:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = dscale.GradScaler("cpu", init_scale=2.0**8)
+    scaler.scale(_loss(model, 0, False)).backward()
+    scaler.unscale_(opt)
+    if after == "step":
+        scaler.step(opt)
+    else:
+        scaler._found_inf_per_device(opt)
+    flag = torch.tensor(1.0)
+    with pytest.raises(RuntimeError, match="after the ranks agreed"):
+        scaler._per_optimizer_states[id(opt)]["found_inf_per_device"] = {flag.device: flag}
+    if after != "step":
+        scaler.step(opt)
+    scaler.update()
+    assert scaler.step_applied(opt)
+    assert scaler.get_scale() == 2.0**8
 
 
 def test_the_grad_scaler_keyword_is_read_from_the_step_in_use_each_time() -> None:
@@ -270,11 +316,15 @@ def _contracts_on_ranks(rank: int, world_size: int) -> dict:
         scaler = dscale.GradScaler("cpu", init_scale=2.0**8)
         for step in range(4):
             opt.zero_grad()
-            scaler.scale(_loss(model, step, step == 2 and rank == 1)).backward()
+            found = step == 2 and rank == 1
+            written = how == "flag_after_unscale"  # only rank 1 writes, once
+            scaler.scale(_loss(model, step, found and not written)).backward()
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", FutureWarning)
                 if how == "self_unscaled":
                     _self_unscaling_step(scaler, opt)
+                elif written:
+                    _flag_after_unscale(scaler, opt, found)
                 else:
                     scaler.step(opt)
             scaler.update()

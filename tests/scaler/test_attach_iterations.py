@@ -1,0 +1,345 @@
+"""attach() under every order of backward and step a user can write in one iteration.
+
+One 2-rank spawn. Each scenario trains 4 iterations three times on the same data: with torch's
+GradScaler, with dscale's without attach(), and with attach(); rank 1's loss overflows in one
+backward of iteration 2. The attached run must match both bit for bit (power-of-two scale and
+world size: DDP makes the grads, hence torch's decisions, the same on both ranks). Orders the hooks
+cannot check are refused on every rank before anything moves. Also here: attach() does not keep
+DDP's process group alive once the model and the group are gone.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from tests.multirank import run_ranks
+from tests.scaler._setup import batch, full_params, tiny_model, wrap
+
+POISONED_STEP = 2
+
+
+def _loss(model: nn.Module, x: torch.Tensor, poison: bool) -> torch.Tensor:
+    loss = model(x).square().mean()
+    return loss * float("inf") if poison else loss
+
+
+def _scaler(kind: str, step: str = "host") -> Any:
+    """``step="device"``: dscale decides fused and sync_free steps on the device, as on a GPU;
+    ``"predictive"``: dscale's predictive policy (torch has none: dscale without attach() is the
+    oracle)."""
+    import dscale
+
+    if kind == "torch":
+        return torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
+    scaler = dscale.GradScaler(
+        "cpu",
+        init_scale=2.0**10,
+        growth_interval=2,
+        sync_free=step == "sync_free",
+        policy="predictive" if step == "predictive" else "dynamic",
+    )
+    scaler._read_host_flags = step in ("host", "predictive")
+    return scaler
+
+
+def _gan(rank: int, kind: str) -> dict[str, Any]:
+    """Two DDP models, two optimizers: D's backward and step, then G's (through D) and step."""
+    torch.manual_seed(0)
+    g_net, d_net = DDP(nn.Linear(8, 8)), DDP(tiny_model(1))
+    opt_g = torch.optim.SGD(g_net.parameters(), lr=0.1, momentum=0.9)
+    opt_d = torch.optim.SGD(d_net.parameters(), lr=0.1, momentum=0.9)
+    scaler = _scaler(kind)
+    if kind == "attach":
+        scaler.attach(g_net)
+        scaler.attach(d_net)
+    params, scales = [], []
+    for step in range(4):
+        z, real = batch(rank, 10 * step), batch(rank, 10 * step + 1)
+        opt_d.zero_grad()
+        with torch.no_grad():
+            fake = g_net(z)
+        scaler.scale(d_net(torch.cat([real, fake])).square().mean()).backward()
+        scaler.step(opt_d)
+        opt_g.zero_grad()
+        poison = step == POISONED_STEP and rank == 1
+        scaler.scale(_loss(nn.Sequential(g_net, d_net), z, poison)).backward()
+        scaler.step(opt_g)
+        scaler.update()
+        params.append(torch.cat([full_params(g_net, "ddp"), full_params(d_net, "ddp")]))
+        scales.append(scaler.get_scale())
+    return {"params": params, "scales": scales}
+
+
+STEPS = {"adam_fused": "device", "sgd_sync_free": "sync_free", "sgd_predictive": "predictive"}
+
+
+def _one_model(
+    rank: int, kind: str, order: str, parallel: str = "ddp", how: str = "sgd"
+) -> dict[str, Any]:
+    """One model, one optimizer per layer; ``order`` says where the backward passes go."""
+    base = tiny_model()
+    model = wrap(base, parallel)
+    first, second = (model.module if parallel == "ddp" else model)[0], base[2]
+    if how == "adam_fused":  # fused: the flag reaches the kernel on the device
+        opt_a: torch.optim.Optimizer = torch.optim.Adam(first.parameters(), lr=0.01, fused=True)
+        opt_b: torch.optim.Optimizer = torch.optim.Adam(second.parameters(), lr=0.01, fused=True)
+    else:
+        opt_a = torch.optim.SGD(first.parameters(), lr=0.1, momentum=0.9)
+        opt_b = torch.optim.SGD(second.parameters(), lr=0.1, momentum=0.9)
+    scaler = _scaler(kind, STEPS.get(how, "host"))
+    if kind == "attach":
+        scaler.attach(model)
+    params, scales = [], []
+    for step in range(4):
+        opt_a.zero_grad()
+        opt_b.zero_grad()
+        poison = step == POISONED_STEP and rank == 1
+        x1, x2 = batch(rank, 10 * step), batch(rank, 10 * step + 1)
+        if order == "backward_between_steps":
+            scaler.scale(_loss(model, x1, False)).backward()
+            scaler.step(opt_a)
+            scaler.scale(_loss(model, x2, poison)).backward()
+            scaler.step(opt_b)
+        elif order == "backwards_before_first_step":
+            scaler.scale(_loss(model, x1, False)).backward()
+            scaler.scale(_loss(model, x2, poison)).backward()
+            scaler.step(opt_a)
+            scaler.step(opt_b)
+        elif order == "no_sync_accumulation":
+            with model.no_sync():
+                scaler.scale(_loss(model, x1, poison)).backward()
+            scaler.scale(_loss(model, x2, False)).backward()
+            scaler.step(opt_a)
+            scaler.step(opt_b)
+        else:
+            raise ValueError(order)
+        scaler.update()
+        params.append(full_params(model, parallel))
+        scales.append(scaler.get_scale())
+    return {"params": params, "scales": scales}
+
+
+def _two_models(rank: int, kind: str) -> dict[str, Any]:
+    """Two DDP models under one scaler, each with its own backward and step."""
+    a, b = DDP(tiny_model(0)), DDP(tiny_model(1))
+    opt_a = torch.optim.SGD(a.parameters(), lr=0.1, momentum=0.9)
+    opt_b = torch.optim.SGD(b.parameters(), lr=0.1, momentum=0.9)
+    scaler = _scaler(kind)
+    if kind == "attach":
+        scaler.attach(a)
+        scaler.attach(b)
+    params, scales = [], []
+    for step in range(4):
+        opt_a.zero_grad()
+        opt_b.zero_grad()
+        scaler.scale(_loss(a, batch(rank, 10 * step), False)).backward()
+        scaler.step(opt_a)
+        poison = step == POISONED_STEP and rank == 1
+        scaler.scale(_loss(b, batch(rank, 10 * step + 1), poison)).backward()
+        scaler.step(opt_b)
+        scaler.update()
+        params.append(torch.cat([full_params(a, "ddp"), full_params(b, "ddp")]))
+        scales.append(scaler.get_scale())
+    return {"params": params, "scales": scales}
+
+
+def _flag_after_unscale(rank: int, kind: str) -> dict[str, Any]:
+    """Torch-shaped code writes its own flag after unscale_() on every rank: 1 on rank 1 in
+    iteration 2. Every parameter is attached, so DDP's reduction made the hooks' flag global:
+    the written flag must still reach the other rank (issue 33 item 2). torch's scaler, which does
+    not agree, is given the flag on both ranks: what agreeing on it means."""
+    model = DDP(tiny_model())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    scaler = _scaler(kind)
+    if kind == "attach":
+        scaler.attach(model)
+    params, scales = [], []
+    for step in range(4):
+        opt.zero_grad()
+        scaler.scale(_loss(model, batch(rank, step), False)).backward()
+        scaler.unscale_(opt)
+        writes = step == POISONED_STEP and (rank == 1 or kind == "torch")
+        flag = torch.tensor(1.0 if writes else 0.0)
+        scaler._per_optimizer_states[id(opt)]["found_inf_per_device"] = {flag.device: flag}
+        scaler.step(opt)
+        scaler.update()
+        params.append(full_params(model, "ddp"))
+        scales.append(scaler.get_scale())
+    return {"params": params, "scales": scales}
+
+
+def _backward_after_unscale(rank: int) -> dict[str, Any]:
+    """unscale_(), then one more backward, then step(): the agreed flag never saw that backward."""
+    import dscale
+
+    model = DDP(tiny_model())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = dscale.GradScaler("cpu", init_scale=2.0**10)
+    scaler.attach(model)
+    scaler.scale(_loss(model, batch(rank, 0), False)).backward()
+    scaler.unscale_(opt)
+    scaler.scale(_loss(model, batch(rank, 1), rank == 1)).backward()
+    before = full_params(model, "ddp")
+    try:
+        scaler.step(opt)
+    except RuntimeError as exc:
+        return {"error": str(exc), "moved": not torch.equal(before, full_params(model, "ddp"))}
+    return {"error": None, "moved": not torch.equal(before, full_params(model, "ddp"))}
+
+
+def _refused_after_unscale(rank: int) -> dict[str, Any]:
+    """Rank 1 writes a grad after the reduction, then unscale_(), a collective of the user's (as
+    FSDP's clip_grad_norm_ runs), step(): rank 1 refuses after joining the agreement where rank 0
+    runs it, so the user's collective pairs with its own and rank 0 skips instead of hanging."""
+    import dscale
+
+    model = DDP(tiny_model())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = dscale.GradScaler("cpu", init_scale=2.0**10)
+    scaler.attach(model)
+    flag = torch.zeros(())  # every rank writes one: the step keeps its agreement collective
+    scaler._per_optimizer_states[id(opt)]["found_inf_per_device"] = {flag.device: flag}
+    scaler.scale(_loss(model, batch(rank, 0), False)).backward()
+    if rank == 1:
+        model.module[0].weight.grad.mul_(0.5)
+    before = full_params(model, "ddp")
+    error = None
+    try:
+        scaler.unscale_(opt)
+        norm = torch.tensor([float(rank + 1)])
+        dist.all_reduce(norm)  # the user's collective between unscale_() and step()
+        scaler.step(opt)
+        scaler.update()
+    except RuntimeError as exc:
+        error = str(exc)
+    moved = not torch.equal(before, full_params(model, "ddp"))
+    applied = None if error else scaler.step_applied(opt)
+    return {"error": error, "moved": moved, "norm": float(norm), "applied": applied}
+
+
+def _group_is_collected(rank: int, attach: bool) -> bool:
+    """``del model; dist.destroy_process_group(group)``: nothing of the scaler's holds the group."""
+    import dscale
+
+    group = dist.new_group([0, 1])
+    base = tiny_model()
+    model = DDP(base, process_group=group)
+    opt = torch.optim.SGD(base.parameters(), lr=0.1)
+    scaler = dscale.GradScaler("cpu", init_scale=2.0**10)
+    if attach:
+        scaler.attach(model)
+    scaler.scale(_loss(model, batch(rank, 0), False)).backward()
+    scaler.step(opt)
+    scaler.update()
+    gone = weakref.ref(group)
+    del model
+    dist.destroy_process_group(group)
+    del group
+    gc.collect()
+    # The scaler and the plain module (whose parameters carry the hooks) are still alive.
+    assert scaler.get_scale() > 0 and base is not None
+    return gone() is None
+
+
+ORDERS = ("backward_between_steps", "backwards_before_first_step", "no_sync_accumulation")
+RUNS: tuple[str, ...] = (
+    "gan",
+    "two_models",
+    *(f"{order}/ddp" for order in ORDERS),
+    "backward_between_steps/fsdp2",
+    "backwards_before_first_step/fsdp2",
+    "backward_between_steps/ddp/adam_fused",
+    "backward_between_steps/ddp/sgd_sync_free",
+    "backward_between_steps/ddp/sgd_predictive",
+)
+
+
+def _run(rank: int, case: str, kind: str) -> dict[str, Any]:
+    if case == "gan":
+        return _gan(rank, kind)
+    if case == "two_models":
+        return _two_models(rank, kind)
+    return _one_model(rank, kind, *case.split("/"))
+
+
+def _all(rank: int, world_size: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for case in RUNS:
+        kinds = ("plain", "attach") if "predictive" in case else ("torch", "plain", "attach")
+        runs = {kind: _run(rank, case, kind) for kind in kinds}
+        attached = runs["attach"]["params"]
+        out[case] = {
+            "scales": {kind: run["scales"] for kind, run in runs.items()},
+            "equal_per_step": {
+                kind: [torch.equal(a, b) for a, b in zip(attached, run["params"], strict=True)]
+                for kind, run in runs.items()
+            },
+            "finite": bool(attached[-1].isfinite().all()),
+            "final": attached[-1],
+        }
+    out["flag_after_unscale"] = {
+        kind: _flag_after_unscale(rank, kind) for kind in ("torch", "plain", "attach")
+    }
+    out["backward_after_unscale"] = _backward_after_unscale(rank)
+    out["refused_after_unscale"] = _refused_after_unscale(rank)
+    out["group_collected"] = {a: _group_is_collected(rank, a) for a in (False, True)}
+    return out
+
+
+@pytest.fixture(scope="module")
+def results() -> dict[int, Any]:
+    return run_ranks(_all, timeout_s=240)
+
+
+@pytest.mark.parametrize("case", RUNS)
+def test_every_step_of_an_iteration_is_checked_as_without_attach(results, case) -> None:
+    for rank, out in results.items():
+        got = out[case]
+        assert got["finite"], (case, rank, "attach() applied an overflowed step")
+        assert got["scales"]["attach"] == got["scales"]["plain"], got
+        assert got["equal_per_step"]["plain"] == [True] * 4, (case, rank)
+        if "torch" in got["scales"]:  # predictive: dscale without attach() is the oracle
+            # Rank 1's overflow skips the overflowed step and backs off on both ranks.
+            assert got["scales"]["torch"][POISONED_STEP] == got["scales"]["torch"][1] / 2, got
+            assert got["scales"]["attach"] == got["scales"]["torch"], got
+            assert got["equal_per_step"]["torch"] == [True] * 4, (case, rank)
+    assert torch.equal(results[0][case]["final"], results[1][case]["final"])
+
+
+def test_a_flag_written_after_unscale_on_one_rank_skips_every_rank_as_torch(results) -> None:
+    for rank, out in results.items():
+        oracle = out["flag_after_unscale"]["torch"]
+        assert oracle["scales"][POISONED_STEP] == oracle["scales"][1] / 2  # skipped, backed off
+        for kind in ("plain", "attach"):
+            got = out["flag_after_unscale"][kind]
+            assert got["scales"] == oracle["scales"], (rank, kind)
+            for a, b in zip(got["params"], oracle["params"], strict=True):
+                assert torch.equal(a, b), (rank, kind)
+
+
+def test_a_backward_between_unscale_and_step_is_refused_on_every_rank(results) -> None:
+    for out in results.values():
+        got = out["backward_after_unscale"]
+        assert got["error"] is not None and "unscale_(optimizer) after the last" in got["error"]
+        assert not got["moved"]
+
+
+def test_a_refusal_after_unscale_joins_the_agreement_after_the_users_collectives(results) -> None:
+    r0, r1 = results[0]["refused_after_unscale"], results[1]["refused_after_unscale"]
+    assert r1["error"] is not None and "attach()" in r1["error"] and not r1["moved"]
+    assert r0["error"] is None and r0["applied"] is False and not r0["moved"]
+    assert r0["norm"] == r1["norm"] == 3.0  # the user's all-reduce paired with its own
+
+
+def test_attach_does_not_keep_ddps_process_group_alive(results) -> None:
+    for out in results.values():
+        # Without attach() the group goes (the control); with it, it must go too.
+        assert out["group_collected"] == {False: True, True: True}
