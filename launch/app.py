@@ -23,7 +23,7 @@ from torch.distributed.run import parse_min_max_nnodes
 from launch.elastic import launch_config, run_script, run_workers, worker_env
 from launch.failures import explain_failure
 from launch.preemption import PREEMPTED_EXIT_CODE, failures_were_preemption
-from launch.rerun import check_same_job, resume_advice
+from launch.rerun import check_same_job, nothing_to_train, resume_advice
 from launch.schema import JobConfig, register
 from launch.summary import build_summary, format_summary, write_summary
 from launch.targets import remove_targets, scrape_host
@@ -77,7 +77,8 @@ def script_report(run_dir: Path, rank: int) -> dict[str, Any]:
 
 
 def run_job(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
-    """Validate, launch, summarise; None on a node that does not hold global rank 0."""
+    """Validate, launch, summarise; None on a node that does not hold global rank 0, or when
+    the run's checkpoint is already at ``trainer.max_steps`` (nothing is launched then)."""
     check_known_keys(cfg)
     job = cast(JobConfig, OmegaConf.to_object(cfg))  # Hydra built it from launch/schema.py
     nproc = validate(job)
@@ -87,6 +88,10 @@ def run_job(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
         OmegaConf.to_container(OmegaConf.structured(job), resolve=True, enum_to_str=True),
     )
     check_same_job(run_dir, plain)  # before this run's config replaces the earlier one's
+    done = nothing_to_train(plain)
+    if done:  # nothing is started, saved or overwritten: the earlier run's files stay as they are
+        print(done)
+        return None
     (run_dir / "config.resolved.yaml").write_text(OmegaConf.to_yaml(plain))
     if job.script:  # an earlier run's records in this folder are not this run's
         for stale in run_dir.glob("logs/rank*.report.json"):

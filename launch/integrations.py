@@ -110,9 +110,21 @@ class Checkpoints:
         return self._manager.maybe_save(step, **self._states)
 
     def save(self, step: int) -> None:
-        """Save after ``step`` iterations now (the final save; a repeat of a step is skipped)."""
-        if self._manager is not None:
-            self._manager.save(step, **self._states)
+        """Save after ``step`` iterations now (the final save; a repeat of a step is skipped).
+
+        A step before the one this run resumed from is not saved: the state is the later one's,
+        and a ``step-<step>`` folder holding it would be resumed as the wrong step.
+        """
+        if self._manager is None:
+            return
+        if self.resumed_from is not None and step < self.resumed_from:
+            logger.warning(
+                "not saving step %d: this run resumed from step %d, which is past it",
+                step,
+                self.resumed_from,
+            )
+            return
+        self._manager.save(step, **self._states)
 
     def close(self) -> None:
         """Wait for a pending asynchronous save."""

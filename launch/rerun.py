@@ -21,7 +21,7 @@ from omegaconf import OmegaConf
 from dscale.checkpoint import CheckpointManager
 from launch.validate import ConfigError
 
-__all__ = ["check_same_job", "rerun_command", "resume_advice"]
+__all__ = ["check_same_job", "nothing_to_train", "rerun_command", "resume_advice"]
 
 # What may change between the runs of one job: how long it runs, how it is launched, watched,
 # checkpointed and faulted, and the wrapper (checkpoints reshard). The rest is the training.
@@ -111,3 +111,27 @@ def check_same_job(run_dir: Path, config: Mapping[str, Any]) -> None:
             "hydra.job.name=NEW_NAME (a new folder); to continue that run, run it with its "
             "own settings"
         )
+
+
+def nothing_to_train(config: Mapping[str, Any]) -> str | None:
+    """One line when the checkpoint ``checkpoint.resume=auto`` would load is at or past
+    ``trainer.max_steps``, else None.
+
+    Such a run would train nothing, then publish a ``step-<max_steps>`` checkpoint holding the
+    later state and overwrite the earlier run's summary; the launcher says so and stops instead.
+    """
+    c = config["checkpoint"]
+    if not (c["enabled"] and c["resume"] == "auto"):
+        return None
+    latest = CheckpointManager(Path(c["dir"])).latest()
+    if latest is None:
+        return None
+    step, max_steps = int(latest.name[len("step-") :]), int(config["trainer"]["max_steps"])
+    if step < max_steps:
+        return None
+    where = "at" if step == max_steps else "past"
+    return (
+        f"dscale-launch: step {step} ({latest}) is already {where} trainer.max_steps={max_steps}: "
+        "nothing to train; to train further raise trainer.max_steps, to train a new run add "
+        "hydra.job.name=<name>"
+    )
