@@ -27,6 +27,7 @@ from launch.rerun import check_same_job, nothing_to_train, resume_advice
 from launch.schema import JobConfig, register
 from launch.summary import build_summary, format_summary, write_summary
 from launch.targets import remove_targets, scrape_host
+from launch.typos import misspelt_key
 from launch.validate import ConfigError, check_known_keys, validate
 from launch.worker import script_report_path
 
@@ -131,9 +132,20 @@ def run_job(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
     return summary
 
 
+def main() -> None:
+    """Entry point of ``python -m launch`` and ``dscale-launch``.
+
+    A mistyped key is named with its likely fix first (launch/typos.py); then Hydra composes.
+    """
+    hint = misspelt_key(sys.argv[1:], CONFIG_DIR, "job")
+    if hint:
+        print(f"dscale-launch: bad config: {hint}", file=sys.stderr)
+        sys.exit(2)
+    _hydra_main()
+
+
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="job")
-def main(cfg: DictConfig) -> None:
-    """Entry point of ``python -m launch`` and ``dscale-launch``."""
+def _hydra_main(cfg: DictConfig) -> None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
         run_job(cfg, run_dir)
