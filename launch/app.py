@@ -20,7 +20,13 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import parse_min_max_nnodes
 
-from launch.elastic import launch_config, run_script, run_workers, worker_env
+from launch.elastic import (
+    launch_config,
+    process_logs_to_file,
+    run_script,
+    run_workers,
+    worker_env,
+)
 from launch.failures import explain_failure
 from launch.preemption import PREEMPTED_EXIT_CODE, failures_were_preemption
 from launch.rerun import check_same_job, nothing_to_train, resume_advice
@@ -56,9 +62,10 @@ def _run(job: JobConfig, plain: dict[str, Any], nproc: int, run_dir: Path) -> di
     # Each rank publishes its own file_sd target once its port is bound (launch/targets.py);
     # here only what a killed rank left behind is removed.
     try:
-        if job.script:
-            return run_script(config, job.script, job.script_args)
-        return run_workers(config, plain, run_dir)
+        with process_logs_to_file(run_dir):
+            if job.script:
+                return run_script(config, job.script, job.script_args)
+            return run_workers(config, plain, run_dir)
     finally:
         remove_targets(
             m.targets_dir if m.enabled else None,
@@ -169,11 +176,13 @@ def _hydra_main(cfg: DictConfig) -> None:
                 file=sys.stderr,
             )
             sys.exit(PREEMPTED_EXIT_CODE)
-        # torchelastic's report first and the cause last, where a terminal leaves the reader.
+        # The cause first (no traceback reached the terminal before it); torchelastic's report
+        # with every rank's traceback goes to a file this names.
+        report = run_dir / "torchelastic" / "failure.txt"
+        report.write_text(exc.format_msg() + "\n")  # type: ignore[no-untyped-call]
         print(
-            f"{exc.format_msg()}\n\n"  # type: ignore[no-untyped-call]
             f"dscale-launch: {explain_failure(exc)}\n"
-            f"  logs: {run_dir}/logs/rank<R>.log and {run_dir}/torchelastic\n"
+            f"  logs: {run_dir}/logs/rank<R>.log; torchelastic's report: {report}\n"
             f"after fixing the cause, {resume_advice(cfg.checkpoint)}",
             file=sys.stderr,
         )
