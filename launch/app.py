@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any, cast
@@ -20,6 +21,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import parse_min_max_nnodes
 
+from launch.context import JOB_NAME_ENV
 from launch.elastic import (
     launch_config,
     process_logs_to_file,
@@ -153,7 +155,9 @@ def main() -> None:
 
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="job")
 def _hydra_main(cfg: DictConfig) -> None:
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    hydra_cfg = HydraConfig.get()
+    run_dir = Path(hydra_cfg.runtime.output_dir)
+    os.environ[JOB_NAME_ENV] = hydra_cfg.job.name  # the workers' metrics label
     try:
         run_job(cfg, run_dir)
     except ConfigError as exc:

@@ -36,7 +36,7 @@ def main(ctx: RunContext) -> dict[str, Any]:
         ctx.precision,
         checkpoints.resumed_from,
     )
-    with ctx.metrics(model):
+    with ctx.metrics(model, optimizer):
         result = train(
             ctx,
             model=model,

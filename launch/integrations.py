@@ -145,10 +145,14 @@ def start_metrics(
     local_rank: int,
     log_every: int,
     progress: Any = None,
+    attempt: int = 0,
+    job_name: str | None = None,
 ) -> Iterator[Any]:
     """Serve this rank's metrics on ``port + local_rank`` and log them under ``run_dir/metrics``.
 
     The exporter lingers ``metrics.linger_s`` after the block so a scraper sees the final values.
+    Labels: ``job_name`` the run's name (default: the run folder's), ``attempt``; the
+    progress's training figures are served with the scaler's.
     """
     if not cfg["enabled"] or not scaler.is_enabled():
         yield None
@@ -159,6 +163,7 @@ def start_metrics(
     if progress is not None:
         progress.loss_log = log  # rank 0's progress lines also go to metrics/loss-rank0.jsonl
     run_id = os.environ.get("TORCHELASTIC_RUN_ID") or "dscale"
+    job_name = job_name or run_dir.name
     try:
         with contextlib.ExitStack() as stack:
             exporter = start_exporter(
@@ -168,7 +173,9 @@ def start_metrics(
                 port=cfg["port"],
                 rank=rank,
                 local_rank=local_rank,
-                job_name=run_id,
+                job_name=job_name,
+                attempt=attempt,
+                training=getattr(progress, "figures", None),
                 linger_s=cfg["linger_s"],
                 check_agreement_every=cfg["check_agreement_every"],
             )
@@ -181,6 +188,7 @@ def start_metrics(
                     host=scrape_host(cfg["addr"]),
                     port=exporter.port,
                     rank=rank,
+                    job_name=job_name,
                 )
             )
             stack.enter_context(exporter)
