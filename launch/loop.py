@@ -43,6 +43,7 @@ def train(
             logits = model(inputs)
         loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
         loss = ctx.faults.after_forward(step, loss)
+        ctx.progress.note_loss(loss)  # the per-step loss log; read every log_every steps
         scaler.scale(loss).backward()
         ctx.faults.after_backward(step, model)
         scaler.step(optimizer)

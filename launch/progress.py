@@ -6,6 +6,8 @@ import logging
 import sys
 import time
 
+import torch
+
 from dscale import GradScaler
 from dscale.metrics import MetricsLog, TrainingFigures
 from launch.record import SkipRecord
@@ -43,6 +45,15 @@ class Progress:
     def wants_loss(self, step: int) -> bool:
         """Whether the loop should read the loss (a host sync) at this 0-based step."""
         return (step + 1) % self.log_every == 0 or step + 1 == self.max_steps
+
+    def note_loss(self, loss: torch.Tensor) -> None:
+        """This step's loss for the per-step metrics log (``python -m dscale.report``).
+
+        Call it every step, before ``scaler.update()``; the value is read with the log's block
+        every ``trainer.log_every`` steps, so it adds no host sync.
+        """
+        if self.loss_log is not None:
+            self.loss_log.note_loss(loss)
 
     def update(self, step: int, loss: float, *, tokens: int = 0) -> None:
         """Report step ``step``; ``tokens``: tokens per step over all ranks, for tokens/s."""
