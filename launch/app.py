@@ -31,7 +31,7 @@ from launch.elastic import (
 )
 from launch.failures import explain_failure
 from launch.preemption import PREEMPTED_EXIT_CODE, failures_were_preemption
-from launch.rerun import check_same_job, nothing_to_train, resume_advice
+from launch.rerun import check_same_job, nothing_to_train, resume_advice, world_size_change
 from launch.schema import JobConfig, register
 from launch.summary import build_summary, format_summary, write_summary
 from launch.targets import remove_targets, scrape_host
@@ -102,6 +102,10 @@ def run_job(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
     if done:  # nothing is started, saved or overwritten: the earlier run's files stay as they are
         print(done)
         return None
+    min_nodes, max_nodes = parse_min_max_nnodes(job.launcher.nnodes)
+    resized = world_size_change(plain, nproc * max_nodes) if min_nodes == max_nodes else None
+    if resized:
+        logger.warning("%s", resized)
     (run_dir / "config.resolved.yaml").write_text(OmegaConf.to_yaml(plain))
     if job.script:  # an earlier run's records in this folder are not this run's
         for stale in run_dir.glob("logs/rank*.report.json"):
@@ -114,7 +118,6 @@ def run_job(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
         )
         return None
     if job.script:
-        min_nodes, max_nodes = parse_min_max_nnodes(job.launcher.nnodes)
         ranks = [script_report(run_dir, r) for r in sorted(results)]
         f = job.fault
         if any(len(r) == 1 for r in ranks) and (
