@@ -162,6 +162,17 @@ def start_metrics(
     scaler.add_observer(log)
     if progress is not None:
         progress.loss_log = log  # rank 0's progress lines also go to metrics/loss-rank0.jsonl
+    writer = None
+    if cfg.get("tensorboard") and progress is not None:
+        from torch.utils.tensorboard import SummaryWriter  # validate.py checked it is there
+
+        writer = SummaryWriter(str(run_dir / "tensorboard" / f"rank{rank}"))
+
+        def scalars(step: int, values: dict[str, float], w: Any = writer) -> None:
+            for name, value in values.items():
+                w.add_scalar(name.removeprefix("dscale_"), value, step)
+
+        progress.scalars = scalars
     run_id = os.environ.get("TORCHELASTIC_RUN_ID") or "dscale"
     job_name = job_name or run_dir.name
     try:
@@ -196,4 +207,7 @@ def start_metrics(
     finally:
         if progress is not None:
             progress.loss_log = None
+            progress.scalars = None
+        if writer is not None:
+            writer.close()
         log.close()

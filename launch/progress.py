@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -41,6 +42,8 @@ class Progress:
         self.loss_log: MetricsLog | None = None
         # What this rank's /metrics serves of the loop (rank-local; host numbers only).
         self.figures = TrainingFigures()
+        # Set by ``ctx.metrics(...)`` with metrics.tensorboard: gets (step, figures) each report.
+        self.scalars: Callable[[int, dict[str, float]], None] | None = None
 
     def wants_loss(self, step: int) -> bool:
         """Whether the loop should read the loss (a host sync) at this 0-based step."""
@@ -58,6 +61,8 @@ class Progress:
     def update(self, step: int, loss: float, *, tokens: int = 0) -> None:
         """Report step ``step``; ``tokens``: tokens per step over all ranks, for tokens/s."""
         self.figures.update(step, loss=loss, tokens=tokens)
+        if self.scalars is not None:
+            self.scalars(step, self.figures.values())
 
     def close(self) -> None:
         """End the bar's line."""
@@ -78,6 +83,8 @@ class RankZeroProgress(Progress):
     def update(self, step: int, loss: float, *, tokens: int = 0) -> None:
         now = time.perf_counter()
         self.figures.update(step, loss=loss, tokens=tokens, now=now)
+        if self.scalars is not None:
+            self.scalars(step, self.figures.values())
         last, self._last = self._last, (now, step)
         line = (
             f"step {step + 1}/{self.max_steps} loss {loss:.4f} scale {self.scaler.get_scale():g} "
