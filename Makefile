@@ -19,6 +19,15 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -c "import torch; print('torch==' + torch.__version__)" > $(TORCH_PIN)
 	$(PY) -m pip install -q -c $(TORCH_PIN) -e ".[test,dev]"
 	$(PY) -m pip install -q --no-deps "$(TIMM_SPEC)"
+	touch $@ $(VENV)/.installed-run
+
+# `make run` needs the project and matplotlib (for `python -m dscale.report`), not the test and
+# dev extras (Lightning, accelerate, transformers: minutes to install).
+$(VENV)/.installed-run: pyproject.toml Makefile
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -c "import torch; print('torch==' + torch.__version__)" > $(TORCH_PIN)
+	$(PY) -m pip install -q -c $(TORCH_PIN) -e ".[report]"
 	touch $@
 
 install: $(VENV)/.installed
@@ -56,7 +65,7 @@ fmt: install
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
-run: install
+run: $(VENV)/.installed-run
 	$(PY) -m launch
 
 bench: install

@@ -1,7 +1,8 @@
 """Render a run's metrics log to a PNG: ``python -m dscale.report RUN_DIR [--out FILE]``.
 
-For people without Grafana: the loss (when logged), the scale sawtooth (log2 axis, skipped steps
-marked), the skipped steps and the grad norm, one line style per rank, read from
+For people without Grafana: the loss (per step when the loop gave it to ``MetricsLog.note_loss``,
+else at its log lines), the scale sawtooth (log2 axis), the skipped steps and the grad norm, one
+line style per rank, skipped steps marked x and resumes marked by a dashed line, read from
 ``RUN_DIR/metrics/rank*.jsonl`` and ``loss-rank*.jsonl`` (``MetricsLog``).
 """
 
@@ -27,16 +28,26 @@ def read_metrics_log(run_dir: str | os.PathLike[str]) -> dict[int, list[dict[str
             f"run_dir={os.fspath(run_dir)!r} has no metrics log ({pattern}); attach "
             "dscale.metrics.MetricsLog(run_dir, ...) to the scaler to write one"
         )
-    by_rank: dict[int, list[dict[str, Any]]] = {}
+    by_rank: dict[int, dict[int, dict[str, Any]]] = {}
     for path in paths:
         with open(path, encoding="utf-8") as f:
             for line in f:
                 if line.strip():
                     row = json.loads(line)
-                    by_rank.setdefault(int(row["rank"]), []).append(row)
-    for rows in by_rank.values():
-        rows.sort(key=lambda r: r["step"])
-    return by_rank
+                    # A resumed run's rows replace the steps it repeats.
+                    by_rank.setdefault(int(row["rank"]), {})[int(row["step"])] = row
+    return {rank: [rows[s] for s in sorted(rows)] for rank, rows in by_rank.items()}
+
+
+def read_resumes(run_dir: str | os.PathLike[str]) -> list[int]:
+    """The steps the run resumed at (rows marked ``"resumed": true`` by MetricsLog), sorted."""
+    found = set()
+    for path in glob.glob(os.path.join(os.fspath(run_dir), "metrics", "rank*.jsonl")):
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                if '"resumed"' in line:
+                    found.add(int(json.loads(line)["step"]))
+    return sorted(found)
 
 
 def read_loss_log(run_dir: str | os.PathLike[str]) -> dict[int, list[dict[str, Any]]]:
@@ -91,7 +102,12 @@ def figure(run_dir: str | os.PathLike[str]) -> Any:
     from matplotlib.ticker import FuncFormatter, MaxNLocator
 
     by_rank = read_metrics_log(run_dir)
-    losses = read_loss_log(run_dir)
+    # Per-step losses (MetricsLog.note_loss) when the run logged them, else the progress lines'.
+    per_step = {
+        rank: [{"step": r["step"], "loss": r["loss"]} for r in rows if r.get("loss") is not None]
+        for rank, rows in by_rank.items()
+    }
+    losses = {r: rows for r, rows in per_step.items() if rows} or read_loss_log(run_dir)
     rows_n = 4 if losses else 3
     fig, axes = plt.subplots(rows_n, 1, figsize=(10, 2.4 * rows_n + 1), sharex=True)
     ax_loss = axes[0] if losses else None
@@ -103,6 +119,15 @@ def figure(run_dir: str | os.PathLike[str]) -> Any:
         if ax_loss is not None and rank in losses:
             rows = losses[rank]
             ax_loss.plot([r["step"] for r in rows], [r["loss"] for r in rows], label=label, **style)
+            skipped_steps = {r["step"] for r in by_rank.get(rank, []) if r["skipped"]}
+            marks = [r for r in rows if r["step"] in skipped_steps]
+            ax_loss.scatter(
+                [r["step"] for r in marks],
+                [r["loss"] for r in marks],
+                marker="x",
+                color="red",
+                zorder=20,
+            )
         rows = by_rank.get(rank, [])
         if not rows:
             continue
@@ -125,7 +150,7 @@ def figure(run_dir: str | os.PathLike[str]) -> Any:
         if norms:
             ax_norm.plot(*zip(*norms, strict=True), label=label, **style)
     if ax_loss is not None:
-        ax_loss.set_ylabel("loss")
+        ax_loss.set_ylabel("loss\n(x = skipped step)")
     ax_scale.set_yscale("log", base=2)
     ax_scale.set_ylabel("loss scale\n(x = skipped step)")
     ax_skip.set_ylabel("skipped steps\n(cumulative)")
@@ -145,6 +170,18 @@ def figure(run_dir: str | os.PathLike[str]) -> Any:
         ax.grid(True, alpha=0.3)
         if ax.get_lines():
             ax.legend(loc="best", fontsize="small")
+    for step in read_resumes(run_dir):  # where a later attempt took over from a checkpoint
+        for ax in axes:
+            ax.axvline(step, color="grey", linestyle="--", linewidth=1, zorder=1)
+        axes[0].annotate(
+            f"resumed at {step}",
+            (step, 1),
+            xycoords=("data", "axes fraction"),
+            fontsize="small",
+            xytext=(3, -12),
+            textcoords="offset points",
+            color="grey",
+        )
     fig.suptitle(f"dscale run {os.fspath(run_dir)}\n{_headline(by_rank)}", fontsize="medium")
     fig.tight_layout()
     return fig

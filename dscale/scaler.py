@@ -365,10 +365,15 @@ class GradScaler(TorchGradScalerSurface):
         state = self._per_optimizer_states.setdefault(id(optimizer), _OptimizerState())
         if state.stage is _Stage.UNSCALED:
             raise RuntimeError(
-                "unscale_() has already been called on this optimizer since the last update()."
+                "unscale_() has already been called on this optimizer since the last update(). "
+                "Call unscale_(optimizer) at most once per iteration, between backward() and "
+                "step(optimizer), then update() once after step()"
             )
         if state.stage is _Stage.STEPPED:
-            raise RuntimeError("unscale_() is being called after step().")
+            raise RuntimeError(
+                "unscale_() is being called after step(). Call unscale_(optimizer) before "
+                "step(optimizer) (to clip the gradients), or not at all: step() unscales"
+            )
         if not state.prechecked:
             self._check(optimizer, state, unscale=True, defer=True)
         state.stage = _Stage.UNSCALED
@@ -674,7 +679,10 @@ class GradScaler(TorchGradScalerSurface):
         self._require_scale("step")
         state = self._per_optimizer_states.setdefault(id(optimizer), _OptimizerState())
         if state.stage is _Stage.STEPPED:
-            raise RuntimeError("step() has already been called since the last update().")
+            raise RuntimeError(
+                "step() has already been called since the last update(). Call step(optimizer) "
+                "once per optimizer per iteration, then update() once after step()"
+            )
         fused = getattr(optimizer, "_step_supports_amp_scaling", False)
         if fused and _takes_grad_scaler(optimizer):
             if self._spike is not None:

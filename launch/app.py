@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any, cast
@@ -20,13 +21,21 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import parse_min_max_nnodes
 
-from launch.elastic import launch_config, run_script, run_workers, worker_env
+from launch.context import JOB_NAME_ENV
+from launch.elastic import (
+    launch_config,
+    process_logs_to_file,
+    run_script,
+    run_workers,
+    worker_env,
+)
 from launch.failures import explain_failure
 from launch.preemption import PREEMPTED_EXIT_CODE, failures_were_preemption
-from launch.rerun import check_same_job, resume_advice
+from launch.rerun import check_same_job, nothing_to_train, resume_advice, world_size_change
 from launch.schema import JobConfig, register
 from launch.summary import build_summary, format_summary, write_summary
 from launch.targets import remove_targets, scrape_host
+from launch.typos import misspelt_key
 from launch.validate import ConfigError, check_known_keys, validate
 from launch.worker import script_report_path
 
@@ -55,9 +64,10 @@ def _run(job: JobConfig, plain: dict[str, Any], nproc: int, run_dir: Path) -> di
     # Each rank publishes its own file_sd target once its port is bound (launch/targets.py);
     # here only what a killed rank left behind is removed.
     try:
-        if job.script:
-            return run_script(config, job.script, job.script_args)
-        return run_workers(config, plain, run_dir)
+        with process_logs_to_file(run_dir):
+            if job.script:
+                return run_script(config, job.script, job.script_args)
+            return run_workers(config, plain, run_dir)
     finally:
         remove_targets(
             m.targets_dir if m.enabled else None,
@@ -77,7 +87,8 @@ def script_report(run_dir: Path, rank: int) -> dict[str, Any]:
 
 
 def run_job(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
-    """Validate, launch, summarise; None on a node that does not hold global rank 0."""
+    """Validate, launch, summarise; None on a node that does not hold global rank 0, or when
+    the run's checkpoint is already at ``trainer.max_steps`` (nothing is launched then)."""
     check_known_keys(cfg)
     job = cast(JobConfig, OmegaConf.to_object(cfg))  # Hydra built it from launch/schema.py
     nproc = validate(job)
@@ -87,6 +98,14 @@ def run_job(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
         OmegaConf.to_container(OmegaConf.structured(job), resolve=True, enum_to_str=True),
     )
     check_same_job(run_dir, plain)  # before this run's config replaces the earlier one's
+    done = nothing_to_train(plain)
+    if done:  # nothing is started, saved or overwritten: the earlier run's files stay as they are
+        print(done)
+        return None
+    min_nodes, max_nodes = parse_min_max_nnodes(job.launcher.nnodes)
+    resized = world_size_change(plain, nproc * max_nodes) if min_nodes == max_nodes else None
+    if resized:
+        logger.warning("%s", resized)
     (run_dir / "config.resolved.yaml").write_text(OmegaConf.to_yaml(plain))
     if job.script:  # an earlier run's records in this folder are not this run's
         for stale in run_dir.glob("logs/rank*.report.json"):
@@ -99,7 +118,6 @@ def run_job(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
         )
         return None
     if job.script:
-        min_nodes, max_nodes = parse_min_max_nnodes(job.launcher.nnodes)
         ranks = [script_report(run_dir, r) for r in sorted(results)]
         f = job.fault
         if any(len(r) == 1 for r in ranks) and (
@@ -126,10 +144,23 @@ def run_job(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
     return summary
 
 
+def main() -> None:
+    """Entry point of ``python -m launch`` and ``dscale-launch``.
+
+    A mistyped key is named with its likely fix first (launch/typos.py); then Hydra composes.
+    """
+    hint = misspelt_key(sys.argv[1:], CONFIG_DIR, "job")
+    if hint:
+        print(f"dscale-launch: bad config: {hint}", file=sys.stderr)
+        sys.exit(2)
+    _hydra_main()
+
+
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="job")
-def main(cfg: DictConfig) -> None:
-    """Entry point of ``python -m launch`` and ``dscale-launch``."""
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
+def _hydra_main(cfg: DictConfig) -> None:
+    hydra_cfg = HydraConfig.get()
+    run_dir = Path(hydra_cfg.runtime.output_dir)
+    os.environ[JOB_NAME_ENV] = hydra_cfg.job.name  # the workers' metrics label
     try:
         run_job(cfg, run_dir)
     except ConfigError as exc:
@@ -152,11 +183,13 @@ def main(cfg: DictConfig) -> None:
                 file=sys.stderr,
             )
             sys.exit(PREEMPTED_EXIT_CODE)
-        # torchelastic's report first and the cause last, where a terminal leaves the reader.
+        # The cause first (no traceback reached the terminal before it); torchelastic's report
+        # with every rank's traceback goes to a file this names.
+        report = run_dir / "torchelastic" / "failure.txt"
+        report.write_text(exc.format_msg() + "\n")  # type: ignore[no-untyped-call]
         print(
-            f"{exc.format_msg()}\n\n"  # type: ignore[no-untyped-call]
             f"dscale-launch: {explain_failure(exc)}\n"
-            f"  logs: {run_dir}/logs/rank<R>.log and {run_dir}/torchelastic\n"
+            f"  logs: {run_dir}/logs/rank<R>.log; torchelastic's report: {report}\n"
             f"after fixing the cause, {resume_advice(cfg.checkpoint)}",
             file=sys.stderr,
         )

@@ -9,6 +9,7 @@ code does not read config files or environment variables itself.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +25,10 @@ from launch.faults import Faults
 from launch.parallel import wrap_model
 from launch.progress import Progress
 from launch.record import SkipRecord
+
+# Set by the launcher: the run's name (hydra.job.name), stable across restarts and reruns, which
+# labels the metrics (job_name).
+JOB_NAME_ENV = "DSCALE_JOB_NAME"
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -55,7 +60,7 @@ class RunContext:
             opt = torch.optim.SGD(model.parameters(), lr=ctx.args.lr)
             ckpt = ctx.checkpoints(model, opt)
             start = ckpt.resume() or 0
-            with ctx.metrics(model):
+            with ctx.metrics(model, opt):
                 for step in range(start, ctx.max_steps):
                     with ctx.autocast():
                         loss = model(batch(step)).float().mean()
@@ -137,13 +142,16 @@ class RunContext:
         return binding
 
     @contextlib.contextmanager
-    def metrics(self, model: nn.Module) -> Iterator[Any]:
+    def metrics(self, model: nn.Module, optimizer: Any = None) -> Iterator[Any]:
         """Serve this rank's Prometheus metrics for ``model`` and log them, as ``metrics.*`` says.
 
-        Rank r serves on ``metrics.port`` + local rank; the per-step log goes to
-        ``run_dir/metrics/rank<r>.jsonl``. Yields the exporter (None when metrics are off or
-        the scaler is disabled).
+        Rank r serves on ``metrics.port`` + local rank, labelled with the run's name
+        (``job_name``, stable across reruns) and ``attempt``; the per-step log goes to
+        ``run_dir/metrics/rank<r>.jsonl``. What the loop gives ``progress.update()`` (step, loss,
+        tokens/s, step time) and ``optimizer``'s learning rate are served too. Yields the
+        exporter (None when metrics are off or the scaler is disabled).
         """
+        self.progress.figures.optimizer = optimizer
         with integrations.start_metrics(
             self.config["metrics"],
             self.scaler,
@@ -153,6 +161,8 @@ class RunContext:
             local_rank=self.local_rank,
             log_every=self.config["trainer"]["log_every"],
             progress=self.progress,
+            attempt=self.attempt,
+            job_name=os.environ.get(JOB_NAME_ENV),
         ) as exporter:
             yield exporter
 

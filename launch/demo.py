@@ -36,7 +36,7 @@ def main(ctx: RunContext) -> dict[str, Any]:
         ctx.precision,
         checkpoints.resumed_from,
     )
-    with ctx.metrics(model):
+    with ctx.metrics(model, optimizer):
         result = train(
             ctx,
             model=model,
@@ -51,6 +51,7 @@ def main(ctx: RunContext) -> dict[str, Any]:
     return {
         "first_loss": losses[0] if losses else None,
         "final_loss": losses[-1] if losses else None,
-        "tokens_per_s": result.tokens / result.seconds if result.seconds > 0 else None,
+        # None, never 0 or negative, when this run trained no step (it resumed at max_steps).
+        "tokens_per_s": result.tokens / result.seconds if result.tokens > 0 else None,
         "train_seconds": result.seconds,
     }

@@ -7,10 +7,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -116,3 +118,32 @@ def run_script(config: LaunchConfig, script: str, script_args: list[str]) -> dic
     """Run ``python -u SCRIPT ARGS`` on every rank, as torchrun does, with torchrun's env."""
     results: dict[int, Any] = elastic_launch(config, sys.executable)("-u", script, *script_args)
     return results
+
+
+# torchelastic's loggers for worker processes: each failed rank's traceback, "Terminating process".
+_PROCESS_LOGGERS = ("torch.distributed.elastic.multiprocessing", "torch.multiprocessing")
+
+
+@contextlib.contextmanager
+def process_logs_to_file(run_dir: Path) -> Iterator[Path]:
+    """Send torchelastic's per-process failure logs to ``torchelastic/agent.log``, not the terminal.
+
+    They print every failed rank's traceback as it is noticed, often a peer's consequence first;
+    the launcher's report names the cause and this file once the ranks have stopped.
+    """
+    path = run_dir / "torchelastic" / "agent.log"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    loggers = [logging.getLogger(name) for name in _PROCESS_LOGGERS]
+    saved = [lg.propagate for lg in loggers]
+    for lg in loggers:
+        lg.addHandler(handler)
+        lg.propagate = False
+    try:
+        yield path
+    finally:
+        for lg, propagate in zip(loggers, saved):
+            lg.removeHandler(handler)
+            lg.propagate = propagate
+        handler.close()

@@ -72,8 +72,25 @@ def _error_files(exc: ChildFailedError) -> dict[int, tuple[int, str, Path]]:
     return found
 
 
+# What a rank raises when a peer it was in a collective with went away: a consequence, not a cause.
+_LOST_PEER = re.compile(
+    r"Connection closed by peer|Connection reset by peer|Broken pipe|DistNetworkError|"
+    r"DistBackendError|NCCL communicator was aborted|ProcessGroup\w* .*(aborted|timed out)|"
+    r"Timed out waiting|Socket Timeout|gloo.*(closed|timed out|Timeout)",
+    re.I,
+)
+
+
+def _peer_line(rank: int, said: str) -> str:
+    first = said.splitlines()[0][:200] if said else ""
+    if _LOST_PEER.search(said):
+        return f"  rank {rank}: a consequence (its collective lost the failed rank): {first}"
+    return f"  then rank {rank}: {first}"
+
+
 def explain_failure(exc: ChildFailedError) -> str:
-    """``rank R failed: Type: message``, then what the other ranks reported."""
+    """``rank R failed: Type: message`` and the user's line; then the other ranks, their
+    collective errors marked as consequences."""
     errors = _error_files(exc)
     if errors:
         first_rank = min(errors, key=lambda r: errors[r][0])
@@ -86,7 +103,7 @@ def explain_failure(exc: ChildFailedError) -> str:
         if rank == first_rank:
             continue
         said = errors[rank][1] if rank in errors else _first_line(exc.failures[rank].message)
-        lines.append(f"  then rank {rank}: {said.splitlines()[0][:200] if said else ''}")
+        lines.append(_peer_line(rank, said))
     if first_rank in errors:
         lines.append(f"  rank {first_rank}'s traceback: {errors[first_rank][2]}")
     return "\n".join(lines)

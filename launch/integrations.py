@@ -110,9 +110,21 @@ class Checkpoints:
         return self._manager.maybe_save(step, **self._states)
 
     def save(self, step: int) -> None:
-        """Save after ``step`` iterations now (the final save; a repeat of a step is skipped)."""
-        if self._manager is not None:
-            self._manager.save(step, **self._states)
+        """Save after ``step`` iterations now (the final save; a repeat of a step is skipped).
+
+        A step before the one this run resumed from is not saved: the state is the later one's,
+        and a ``step-<step>`` folder holding it would be resumed as the wrong step.
+        """
+        if self._manager is None:
+            return
+        if self.resumed_from is not None and step < self.resumed_from:
+            logger.warning(
+                "not saving step %d: this run resumed from step %d, which is past it",
+                step,
+                self.resumed_from,
+            )
+            return
+        self._manager.save(step, **self._states)
 
     def close(self) -> None:
         """Wait for a pending asynchronous save."""
@@ -133,10 +145,14 @@ def start_metrics(
     local_rank: int,
     log_every: int,
     progress: Any = None,
+    attempt: int = 0,
+    job_name: str | None = None,
 ) -> Iterator[Any]:
     """Serve this rank's metrics on ``port + local_rank`` and log them under ``run_dir/metrics``.
 
     The exporter lingers ``metrics.linger_s`` after the block so a scraper sees the final values.
+    Labels: ``job_name`` the run's name (default: the run folder's), ``attempt``; the
+    progress's training figures are served with the scaler's.
     """
     if not cfg["enabled"] or not scaler.is_enabled():
         yield None
@@ -146,7 +162,19 @@ def start_metrics(
     scaler.add_observer(log)
     if progress is not None:
         progress.loss_log = log  # rank 0's progress lines also go to metrics/loss-rank0.jsonl
+    writer = None
+    if cfg.get("tensorboard") and progress is not None:
+        from torch.utils.tensorboard import SummaryWriter  # validate.py checked it is there
+
+        writer = SummaryWriter(str(run_dir / "tensorboard" / f"rank{rank}"))
+
+        def scalars(step: int, values: dict[str, float], w: Any = writer) -> None:
+            for name, value in values.items():
+                w.add_scalar(name.removeprefix("dscale_"), value, step)
+
+        progress.scalars = scalars
     run_id = os.environ.get("TORCHELASTIC_RUN_ID") or "dscale"
+    job_name = job_name or run_dir.name
     try:
         with contextlib.ExitStack() as stack:
             exporter = start_exporter(
@@ -156,7 +184,9 @@ def start_metrics(
                 port=cfg["port"],
                 rank=rank,
                 local_rank=local_rank,
-                job_name=run_id,
+                job_name=job_name,
+                attempt=attempt,
+                training=getattr(progress, "figures", None),
                 linger_s=cfg["linger_s"],
                 check_agreement_every=cfg["check_agreement_every"],
             )
@@ -169,6 +199,7 @@ def start_metrics(
                     host=scrape_host(cfg["addr"]),
                     port=exporter.port,
                     rank=rank,
+                    job_name=job_name,
                 )
             )
             stack.enter_context(exporter)
@@ -176,4 +207,7 @@ def start_metrics(
     finally:
         if progress is not None:
             progress.loss_log = None
+            progress.scalars = None
+        if writer is not None:
+            writer.close()
         log.close()

@@ -43,6 +43,7 @@ def train(
             logits = model(inputs)
         loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
         loss = ctx.faults.after_forward(step, loss)
+        ctx.progress.note_loss(loss)  # the per-step loss log; read every log_every steps
         scaler.scale(loss).backward()
         ctx.faults.after_backward(step, model)
         scaler.step(optimizer)
@@ -52,6 +53,6 @@ def train(
             losses.append(loss.item())
             ctx.progress.update(step, losses[-1], tokens=tokens_per_step)
         checkpoints.maybe_save(step + 1)
-    checkpoints.save(ctx.max_steps)
+    checkpoints.save(ctx.max_steps)  # a no-op when the run resumed at or past max_steps
     seconds = time.perf_counter() - t0
-    return LoopResult(losses, (ctx.max_steps - start) * tokens_per_step, seconds)
+    return LoopResult(losses, max(0, ctx.max_steps - start) * tokens_per_step, seconds)

@@ -5,12 +5,21 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from collections.abc import Callable
+
+import torch
 
 from dscale import GradScaler
-from dscale.metrics import MetricsLog
+from dscale.metrics import MetricsLog, TrainingFigures
 from launch.record import SkipRecord
 
 logger = logging.getLogger(__name__)
+
+
+def _duration(seconds: float) -> str:
+    """``1m05s`` or ``42s``."""
+    s = max(0, round(seconds))
+    return f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
 
 
 class Progress:
@@ -31,13 +40,29 @@ class Progress:
         self.record = record
         # Set by ``ctx.metrics(...)`` while the metrics log is open: the loss goes there too.
         self.loss_log: MetricsLog | None = None
+        # What this rank's /metrics serves of the loop (rank-local; host numbers only).
+        self.figures = TrainingFigures()
+        # Set by ``ctx.metrics(...)`` with metrics.tensorboard: gets (step, figures) each report.
+        self.scalars: Callable[[int, dict[str, float]], None] | None = None
 
     def wants_loss(self, step: int) -> bool:
         """Whether the loop should read the loss (a host sync) at this 0-based step."""
         return (step + 1) % self.log_every == 0 or step + 1 == self.max_steps
 
+    def note_loss(self, loss: torch.Tensor) -> None:
+        """This step's loss for the per-step metrics log (``python -m dscale.report``).
+
+        Call it every step, before ``scaler.update()``; the value is read with the log's block
+        every ``trainer.log_every`` steps, so it adds no host sync.
+        """
+        if self.loss_log is not None:
+            self.loss_log.note_loss(loss)
+
     def update(self, step: int, loss: float, *, tokens: int = 0) -> None:
         """Report step ``step``; ``tokens``: tokens per step over all ranks, for tokens/s."""
+        self.figures.update(step, loss=loss, tokens=tokens)
+        if self.scalars is not None:
+            self.scalars(step, self.figures.values())
 
     def close(self) -> None:
         """End the bar's line."""
@@ -57,14 +82,20 @@ class RankZeroProgress(Progress):
 
     def update(self, step: int, loss: float, *, tokens: int = 0) -> None:
         now = time.perf_counter()
+        self.figures.update(step, loss=loss, tokens=tokens, now=now)
+        if self.scalars is not None:
+            self.scalars(step, self.figures.values())
         last, self._last = self._last, (now, step)
         line = (
             f"step {step + 1}/{self.max_steps} loss {loss:.4f} scale {self.scaler.get_scale():g} "
             f"skipped {self.record.num_skipped}"
         )
-        if tokens and last is not None and step > last[1]:
+        if last is not None and step > last[1]:
             t_last, s_last = last
-            line += f" tokens/s {(step - s_last) * tokens / max(now - t_last, 1e-9):,.0f}"
+            per_s = (step - s_last) / max(now - t_last, 1e-9)
+            if tokens:
+                line += f" tokens/s {per_s * tokens:,.0f}"
+            line += f" it/s {per_s:.1f} ETA {_duration((self.max_steps - step - 1) / per_s)}"
         if self._bar:
             done = min(30, int(30 * (step + 1) / self.max_steps))
             sys.stderr.write(f"\r[{'#' * done}{'.' * (30 - done)}] {line}\033[K")

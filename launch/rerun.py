@@ -9,6 +9,7 @@ that holds checkpoints is refused, rather than silently continuing the earlier r
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import sys
@@ -21,7 +22,13 @@ from omegaconf import OmegaConf
 from dscale.checkpoint import CheckpointManager
 from launch.validate import ConfigError
 
-__all__ = ["check_same_job", "rerun_command", "resume_advice"]
+__all__ = [
+    "check_same_job",
+    "nothing_to_train",
+    "rerun_command",
+    "resume_advice",
+    "world_size_change",
+]
 
 # What may change between the runs of one job: how long it runs, how it is launched, watched,
 # checkpointed and faulted, and the wrapper (checkpoints reshard). The rest is the training.
@@ -103,6 +110,13 @@ def check_same_job(run_dir: Path, config: Mapping[str, Any]) -> None:
         for key in sorted(before.keys() & now.keys())
         if not key.startswith(_MAY_CHANGE) and before[key] != now[key]
     ]
+    # The user's own args: a key added or dropped is a changed setting too (schema keys that one
+    # of the two versions lacks are not).
+    changed += [
+        f"{key}: {before.get(key, '(absent)')!r} -> {now.get(key, '(absent)')!r}"
+        for key in sorted(before.keys() ^ now.keys())
+        if key.startswith("args.")
+    ]
     if changed:
         raise ConfigError(
             f"{run_dir} holds an earlier run of this job (its newest checkpoint is {latest}) "
@@ -111,3 +125,64 @@ def check_same_job(run_dir: Path, config: Mapping[str, Any]) -> None:
             "hydra.job.name=NEW_NAME (a new folder); to continue that run, run it with its "
             "own settings"
         )
+
+
+def nothing_to_train(config: Mapping[str, Any]) -> str | None:
+    """One line when the checkpoint ``checkpoint.resume=auto`` would load is at or past
+    ``trainer.max_steps``, else None.
+
+    Such a run would train nothing, then publish a ``step-<max_steps>`` checkpoint holding the
+    later state and overwrite the earlier run's summary; the launcher says so and stops instead.
+    """
+    c = config["checkpoint"]
+    if not (c["enabled"] and c["resume"] == "auto"):
+        return None
+    latest = CheckpointManager(Path(c["dir"])).latest()
+    if latest is None:
+        return None
+    step, max_steps = int(latest.name[len("step-") :]), int(config["trainer"]["max_steps"])
+    if step < max_steps:
+        return None
+    where = "at" if step == max_steps else "past"
+    return (
+        f"dscale-launch: step {step} ({latest}) is already {where} trainer.max_steps={max_steps}: "
+        "nothing to train; to train further raise trainer.max_steps, to train a new run add "
+        "hydra.job.name=<name>"
+    )
+
+
+def world_size_change(config: Mapping[str, Any], world_size: int) -> str | None:
+    """What changes when the run resumes on ``world_size`` ranks from a checkpoint saved on
+    another number, or None.
+
+    The checkpoint reshards, but the global batch is each rank's batch times the ranks, and each
+    rank's random streams start again from the seed; say so, and how to keep the batch. The
+    saved world size is the checkpoint's own record (``dscale.json`` in ``step-N/``).
+    """
+    c = config["checkpoint"]
+    if not (c["enabled"] and c["resume"] == "auto"):
+        return None
+    latest = CheckpointManager(Path(c["dir"])).latest()
+    try:
+        was = int(json.loads((latest / "dscale.json").read_text())["world_size"]) if latest else 0
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    now = world_size
+    if not was or was == now:
+        return None
+    batch = config.get("data", {}).get("batch_size")
+    if isinstance(batch, int):
+        sizes = f"from {was * batch} to {now * batch} samples per step (data.batch_size={batch})"
+        keep = (
+            f"data.batch_size={was * batch // now} on {now} ranks, or {was} ranks"
+            if (was * batch) % now == 0
+            else f"{was} ranks"
+        )
+    else:
+        sizes = f"from {was} to {now} times each rank's batch"
+        keep = f"{was} ranks, or each rank's batch scaled by {was}/{now}"
+    return (
+        f"resuming {latest} (saved on {was} ranks) on {now} ranks: the global batch changes "
+        f"{sizes}, and each rank's random streams start again from trainer.seed (RNG states are "
+        f"per rank). To keep the global batch, use {keep}"
+    )

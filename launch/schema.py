@@ -186,6 +186,7 @@ class MetricsConfig:
     linger_s: float = 0.0  # keep serving after the last step so a scraper sees final values
     check_agreement_every: int = 100  # compare the scale across ranks every N steps; 0: never
     targets_dir: str | None = None  # write Prometheus file_sd targets here while the job runs
+    tensorboard: bool = False  # also write the loop's figures to run_dir/tensorboard/rank<r>
 
 
 @dataclass

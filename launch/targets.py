@@ -32,7 +32,13 @@ def target_file(targets_dir: str | Path, *, run_id: str, host: str, port: int) -
 
 @contextlib.contextmanager
 def published_target(
-    targets_dir: str | None, *, run_id: str, host: str, port: int | None, rank: int
+    targets_dir: str | None,
+    *,
+    run_id: str,
+    host: str,
+    port: int | None,
+    rank: int,
+    job_name: str | None = None,
 ) -> Iterator[Path | None]:
     """Write this rank's target (atomically) for the block's duration; nothing if ``port`` is None.
 
@@ -46,7 +52,12 @@ def published_target(
     path.parent.mkdir(parents=True, exist_ok=True)
     group = {
         "targets": [f"{host}:{port}"],
-        "labels": {"job_name": run_id, "run_id": run_id, "rank": str(rank), "node": host},
+        "labels": {
+            "job_name": job_name or run_id,
+            "run_id": run_id,
+            "rank": str(rank),
+            "node": host,
+        },
     }
     tmp = path.with_name(f".{path.name}.tmp")  # not *.json: Prometheus never reads it
     tmp.write_text(json.dumps([group], indent=2) + "\n")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import errno
+import importlib.util
 import inspect
 import os
 import re
@@ -177,6 +178,11 @@ def _metrics(job: JobConfig, nproc: int) -> None:
         "pick a base port between 1024 and 65000",
     )
     _need(m.linger_s >= 0, f"metrics.linger_s={m.linger_s} must be >= 0")
+    _need(
+        not m.tensorboard or importlib.util.find_spec("tensorboard") is not None,
+        "metrics.tensorboard=true needs TensorBoard, which is not installed here: pip install "
+        "tensorboard (held to your torch), or metrics.tensorboard=false",
+    )
     _need(
         m.check_agreement_every >= 0,
         f"metrics.check_agreement_every={m.check_agreement_every} must be >= 0 (steps between "

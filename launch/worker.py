@@ -201,7 +201,11 @@ def worker_main(cfg: dict[str, Any], run_dir: str, cwd: str) -> dict[str, Any]:
         dist.destroy_process_group()
         sys.exit(PREEMPTED_EXIT_CODE)
     except Exception:
-        logger.exception("rank %d: %s raised", ctx.rank, cfg["entrypoint"])
+        # To this rank's log only: on the console, rank 0's error is often a peer's consequence
+        # ("Connection closed by peer"); the launcher names the cause once the ranks have stopped.
+        logger.exception(
+            "rank %d: %s raised", ctx.rank, cfg["entrypoint"], extra={"console": False}
+        )
         raise
     ctx.progress.close()
     report = ctx.report(result)

@@ -226,12 +226,13 @@ class CheckpointManager:
         scaler: Any = None,
         extra: Mapping[str, Any] | None = None,
     ) -> None:
-        """Raise CheckpointSaveError on every rank unless the folder can take one checkpoint.
+        """Raise CheckpointSaveError on every rank unless the folder has room for ``keep``.
 
         The coordinator creates the folder, writes and removes a small file there, and compares
         the free space (where the filesystem reports it) with the tensor bytes of these states
-        on all ranks. resume() calls it; call it yourself before training if you do not resume.
-        A torch optimizer's state counts once it exists (after the first step).
+        on all ranks, times the checkpoints ``keep`` holds at the peak of a save (``keep`` + 1,
+        less those already there). resume() calls it; call it yourself before training if you
+        do not resume. A torch optimizer's state counts once it exists (after the first step).
         """
         if isinstance(optimizer, torch.optim.Optimizer) and not optimizer.state:
             # DCP would make its state by a zero-lr step(), changing a fresh run (Adam's step).
@@ -245,7 +246,18 @@ class CheckpointManager:
             group=self.process_group,
         )
         needed = sum(_dist.all_gather_objects(_save.local_bytes(built), self.process_group))
-        problem = _save.check_directory(self.directory, needed) if self.is_coordinator else None
+        problem = None
+        if self.is_coordinator:
+            # keep=K holds K checkpoints, and a save writes the next one before the oldest is
+            # removed: K + 1 at the peak, less those already on disk (not in the free space).
+            copies = max(1, self.keep + 1 - len(list_complete(self.directory)))
+            what = (
+                "one checkpoint needs"
+                if copies == 1
+                else f"{copies} checkpoints (keep={self.keep}, and the next one is written "
+                f"before the oldest is removed) need {copies} x {_save.format_bytes(needed)} ="
+            )
+            problem = _save.check_directory(self.directory, needed * copies, what=what)
         problem = _dist.broadcast_object(problem, self.process_group)
         if problem is not None:
             raise CheckpointSaveError(problem)

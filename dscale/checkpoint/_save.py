@@ -72,9 +72,12 @@ def _free_bytes(root: Path) -> int | None:
     return None
 
 
-def check_directory(root: Path, needed: int | None = None) -> str | None:
+def check_directory(
+    root: Path, needed: int | None = None, *, what: str = "one checkpoint needs"
+) -> str | None:
     """What stops a save into ``root``, in words (None if nothing): it cannot be created or
-    written (a small file is created and removed), or has less than ``needed`` bytes free.
+    written (a small file is created and removed), or has less than ``needed`` bytes free
+    (``what`` says what needs them).
 
     Run before training, so a folder that cannot take a checkpoint fails before the first save
     instead of after all the training before it.
@@ -93,7 +96,7 @@ def check_directory(root: Path, needed: int | None = None) -> str | None:
     free = _free_bytes(root)
     if needed is not None and free is not None and free < needed:
         return (
-            f"checkpoint folder {root} has {format_bytes(free)} free, but one checkpoint needs "
+            f"checkpoint folder {root} has {format_bytes(free)} free, but {what} "
             f"about {format_bytes(needed)} of tensor data; nothing was trained. Free space "
             "there or pass a checkpoint directory on a larger filesystem"
         )

@@ -269,7 +269,15 @@ class TrainState:
         world, me = _dist.world_size(self.group), _dist.rank(self.group)
         if saved_world != world:
             logger.info(
-                "RNG states not restored: saved by %d ranks, loading on %d", saved_world, world
+                "RNG states not restored: saved by %d ranks, loading on %d, so each rank's random "
+                "streams start again from the seed; the global batch (each rank's batch x ranks) "
+                "changes by %d/%d unless each rank's batch is scaled by %d/%d",
+                saved_world,
+                world,
+                world,
+                saved_world,
+                saved_world,
+                world,
             )
             return
         rng = state_dict.get("rng", {})

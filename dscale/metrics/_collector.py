@@ -18,6 +18,7 @@ from prometheus_client.core import (
     Metric,
 )
 
+from dscale.metrics._training import HELP, TrainingFigures
 from dscale.stats import NumericsStats
 
 logger = logging.getLogger(__name__)
@@ -93,10 +94,12 @@ class ScalerCollector:
         scaler: a ``dscale.GradScaler`` (anything with ``snapshot(wait=False)``).
         stats: optional numerics stats; without it the grad-norm, underflow and non-finite
             metrics are left out.
-        labels: values for ``rank``, ``local_rank``, ``node``, ``job_name``.
+        labels: values for ``rank``, ``local_rank``, ``node``, ``job_name``, and any more
+            labels every metric should carry (``attempt``).
         min_scale: exported as ``dscale_loss_scale_min`` so the collapse alert needs no threshold.
         rank_check: optional source of ``dscale_rank_scale_mismatch_total``.
         build_info: labels of ``dscale_build_info``.
+        training: the loop's figures (``dscale_train_*`` gauges), when it reports them.
     """
 
     def __init__(
@@ -108,13 +111,17 @@ class ScalerCollector:
         min_scale: float | None = None,
         rank_check: MismatchSource | None = None,
         build_info: Mapping[str, str] | None = None,
+        training: TrainingFigures | None = None,
     ) -> None:
         missing = [k for k in LABELS if k not in labels]
         if missing:
             raise ValueError(f"labels is missing {missing}; pass a value for each of {LABELS}")
         self._scaler = scaler
         self._stats = stats
-        self._label_values = [str(labels[k]) for k in LABELS]
+        self._training = training
+        # LABELS first, then any others given (the launcher adds ``attempt``).
+        self._label_names = (*LABELS, *sorted(k for k in labels if k not in LABELS))
+        self._label_values = [str(labels[k]) for k in self._label_names]
         self._min_scale = min_scale
         self._rank_check = rank_check
         self._build_info = dict(build_info or {})
@@ -139,7 +146,7 @@ class ScalerCollector:
         yield from metrics
 
     def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
-        g = GaugeMetricFamily(name, doc, labels=LABELS)
+        g = GaugeMetricFamily(name, doc, labels=self._label_names)
         g.add_metric(self._label_values, value)
         return g
 
@@ -148,7 +155,7 @@ class ScalerCollector:
         values = {k: float(v) for k, v in self._scaler.snapshot(wait=False).items()}
         for key, name, doc in _COUNTERS:
             if key in values:
-                c = CounterMetricFamily(name, doc, labels=LABELS)
+                c = CounterMetricFamily(name, doc, labels=self._label_names)
                 c.add_metric(self._label_values, values[key])
                 yield c
         for key, name, doc in _GAUGES:
@@ -160,13 +167,18 @@ class ScalerCollector:
             c = CounterMetricFamily(
                 "dscale_rank_scale_mismatch",
                 "Agreement checks that found ranks holding different loss scales.",
-                labels=LABELS,
+                labels=self._label_names,
             )
             c.add_metric(self._label_values, float(self._rank_check.mismatches))
             yield c
         if self._stats is not None:
             yield from self._collect_stats(self._stats)
-        info = InfoMetricFamily("dscale_build", "dscale and torch versions.", labels=LABELS)
+        if self._training is not None:
+            for name, value in self._training.values().items():
+                yield self._gauge(name, HELP[name], value)
+        info = InfoMetricFamily(
+            "dscale_build", "dscale and torch versions.", labels=self._label_names
+        )
         info.add_metric(self._label_values, self._build_info)
         yield info
 
@@ -193,7 +205,7 @@ class ScalerCollector:
         c = CounterMetricFamily(
             "dscale_nonfinite_grads",
             "Overflow steps on which a parameter's grad held inf/NaN (top-k names, then other).",
-            labels=(*LABELS, "param"),
+            labels=(*self._label_names, "param"),
         )
         for param, count in snap.nonfinite_grads.items():
             c.add_metric([*self._label_values, param], float(count))

@@ -16,6 +16,7 @@ import dscale
 from dscale.metrics import _server
 from dscale.metrics._collector import ScalerCollector
 from dscale.metrics._rank_check import RankScaleCheck
+from dscale.metrics._training import TrainingFigures
 from dscale.stats import NumericsStats
 
 logger = logging.getLogger(__name__)
@@ -120,6 +121,8 @@ def start_exporter(
     local_rank: int | None = None,
     node: str | None = None,
     job_name: str | None = None,
+    attempt: int | None = None,
+    training: TrainingFigures | None = None,
     linger_s: float = 30.0,
     check_agreement_every: int = 100,
     certfile: str | None = None,
@@ -140,7 +143,12 @@ def start_exporter(
         rank, local_rank: default to torchrun's ``RANK``/``LOCAL_RANK`` (else 0).
         node: ``node`` label, default the host name.
         job_name: ``job_name`` label (not ``job``, which Prometheus overwrites), default
-            ``TORCHELASTIC_RUN_ID`` or "dscale".
+            ``TORCHELASTIC_RUN_ID`` or "dscale". Give the run's name, stable across restarts
+            and reruns, so that one run is one series in Prometheus.
+        attempt: an ``attempt`` label (how many times the job was restarted or rerun), so the
+            attempts of one run stay apart under the same ``job_name``; none when None.
+        training: the loop's loss, learning rate, tokens/s, step time and step
+            (``dscale_train_*``), served as the loop last reported them.
         linger_s: how long ``stop()`` keeps serving so the last values are scraped; make it at
             least one scrape interval (plus about 6 s for a file_sd target to be picked up).
         check_agreement_every: compare the scale across ranks every this many steps, at the
@@ -177,6 +185,8 @@ def start_exporter(
         "node": node or socket.gethostname(),
         "job_name": job_name or os.environ.get("TORCHELASTIC_RUN_ID") or "dscale",
     }
+    if attempt is not None:
+        labels["attempt"] = str(attempt)
     rank_check = None
     if check_agreement_every:
         rank_check = RankScaleCheck(check_agreement_every)
@@ -188,6 +198,7 @@ def start_exporter(
         min_scale=_min_scale(scaler),
         rank_check=rank_check,
         build_info=_build_info(),
+        training=training,
     )
     registry = CollectorRegistry(auto_describe=False) if registry is None else registry
     registry.register(collector)

@@ -3,7 +3,8 @@
 Columns: rank, step (the 0-based index of the optimizer iteration, as in the launcher's logs and
 summary.json), scale (after that iteration's update), skipped, growths, backoffs (totals),
 clean_steps (the growth tracker), grad_norm and grad_norm_scaled (null without stats or before the
-first applied step).
+first applied step), loss (what ``note_loss`` was given that iteration, else null). The first row
+of a log that starts past step 0 (a resumed run) also has ``"resumed": true``.
 
 Each update() writes one row into a device buffer (no host sync); every ``every`` steps the buffer
 is copied to the host once and appended to ``RUN_DIR/metrics/rank<R>.jsonl``. So the log has the
@@ -35,6 +36,7 @@ _COLUMNS = (
     "clean_steps",
     "grad_norm",
     "grad_norm_scaled",
+    "loss",
 )
 _INT_COLUMNS = ("step", "growths", "backoffs", "clean_steps")
 
@@ -73,6 +75,16 @@ class MetricsLog:
         self._stats = stats
         self._buf: Tensor | None = None
         self._filled = 0
+        self._loss: Tensor | None = None
+        self._first_block = True
+
+    def note_loss(self, loss: Tensor) -> None:
+        """Log ``loss`` (this iteration's, unscaled) in the row of the next update().
+
+        Keeps a reference to the tensor (no host sync); its value is copied with the row, and
+        read with the block, every ``every`` steps. A step with no loss noted logs null.
+        """
+        self._loss = loss
 
     def on_grads(self, optimizer: Any, grads: list[Tensor], scale: Tensor) -> None:
         """Nothing to do before the check."""
@@ -92,7 +104,9 @@ class MetricsLog:
             c["growth_tracker"],
             extra.get("grad_norm", nan),
             extra.get("grad_norm_scaled", nan),
+            nan if self._loss is None else self._loss.detach().reshape(()),
         ]
+        self._loss = None
         row = torch.stack([v.detach().to(device=device, dtype=torch.float64) for v in values])
         if self._buf is None:
             self._buf = torch.empty(self.every, len(_COLUMNS), dtype=torch.float64, device=device)
@@ -107,6 +121,7 @@ class MetricsLog:
             return
         rows = self._buf[: self._filled].cpu().tolist()
         self._filled = 0
+        first, self._first_block = self._first_block, False
         with open(self.path, "a", encoding="utf-8") as f:
             for row in rows:
                 rec: dict[str, Any] = {"rank": self.rank}
@@ -115,6 +130,9 @@ class MetricsLog:
                 for key in _INT_COLUMNS:
                     rec[key] = int(rec[key])
                 rec["skipped"] = bool(rec["skipped"])
+                if first and rec["step"] > 0:  # this log continues a run from a checkpoint
+                    rec["resumed"] = True
+                first = False
                 f.write(json.dumps(rec) + "\n")
 
     def log_loss(self, step: int, loss: float, **values: float) -> None:

@@ -132,3 +132,14 @@ def test_the_grafana_dashboard_has_the_four_required_panels() -> None:
     ids = [p["id"] for p in dash["panels"]]
     assert len(ids) == len(set(ids))
     assert {v["name"] for v in dash["templating"]["list"]} == {"datasource", "job_name"}
+
+
+def test_the_dashboard_shows_every_training_figure_the_exporter_serves() -> None:
+    from dscale.metrics._training import HELP  # the dscale_train_* gauges and their help
+
+    dash = json.loads((DEPLOY / "grafana" / "dscale.json").read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    missing = [
+        name for name in HELP if not any(f'{name}{{job_name=~"$job_name"}}' in e for e in exprs)
+    ]
+    assert not missing, f"no dashboard panel queries {missing}"

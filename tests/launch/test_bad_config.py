@@ -12,6 +12,7 @@ from launch_helpers import CONFIGS, launch, output
 from omegaconf import OmegaConf
 
 from launch.schema import JobConfig, register
+from launch.typos import misspelt_key
 from launch.validate import ConfigError, check_known_keys, validate
 
 register()
@@ -132,9 +133,53 @@ def test_key_appended_with_plus_is_refused_not_dropped(override: str, message: s
 
 def test_unknown_key_fails_at_composition_before_any_worker(tmp_path: Path) -> None:
     proc = launch(tmp_path, "trainer.max_stepz=5", timeout_s=120)
-    assert proc.returncode != 0, output(proc)
-    assert "trainer.max_stepz" in proc.stderr, output(proc)
+    assert proc.returncode == 2, output(proc)
+    # The likely fix first, and not Hydra's "+trainer.max_stepz=5", which leads only to a refusal.
+    assert proc.stderr.startswith(
+        "dscale-launch: bad config: trainer.max_stepz is not a config key; "
+        "did you mean trainer.max_steps?"
+    ), output(proc)
+    assert "+trainer.max_stepz" not in proc.stderr, output(proc)
     assert _no_worker_started(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("argv", "hint"),
+    [
+        (
+            ["trainer.max_stepz=10"],
+            "trainer.max_stepz is not a config key; did you mean trainer.max_steps?",
+        ),
+        (["model.d_modle=32"], "did you mean model.d_model?"),
+        (["model=mlp", "model.hiden=8"], "did you mean model.hidden?"),
+        (["data.seq_lenn=8"], "did you mean data.seq_len?"),
+        (["launcher.nproc_per_nod=1"], "did you mean launcher.nproc_per_node?"),
+        (["parallel.stratgy=ddp"], "did you mean parallel.strategy?"),
+        (["scaler.growth_intervall=5"], "did you mean scaler.growth_interval?"),
+        (["metrics.prot=1"], "did you mean metrics.port?"),
+        (["checkpoint.evry=5"], "did you mean checkpoint.every?"),
+        (["fault.inf_step=[1]"], "did you mean fault.inf_steps?"),
+        (["entrypiont=x:y"], "did you mean entrypoint?"),
+        (["-m", "trainer.max_stepz=10,20"], "did you mean trainer.max_steps?"),
+        (["hydra.job.name=x", "trainer.max_stepz=10"], "did you mean trainer.max_steps?"),
+    ],
+)
+def test_a_mistyped_key_is_named_with_its_fix_for_every_group(argv: list[str], hint: str) -> None:
+    assert hint in (misspelt_key(argv, str(CONFIGS), "job") or "")
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["trainer.max_steps=10", "model=mlp"],  # fine: Hydra composes it
+        ["+args.lr=1", "args.lr=2"],  # a user's own key, added then set
+        ["trainer.zzzzzz=1"],  # nothing close: Hydra's message (and its + advice) stands
+        ["model=gpt_smal"],  # a group option: Hydra lists the options itself
+        ["--config-dir", "elsewhere", "trainer.max_stepz=1"],  # other configs: Hydra's message
+    ],
+)
+def test_no_hint_where_hydra_says_it_or_nothing_is_wrong(argv: list[str]) -> None:
+    assert misspelt_key(argv, str(CONFIGS), "job") is None
 
 
 def test_bad_value_exits_2_with_the_key_before_any_worker(tmp_path: Path) -> None:

@@ -61,3 +61,72 @@ def test_skip_record_of_a_disabled_scaler_stays_empty() -> None:
     record.attach(scaler)
     _iteration(scaler, [torch.optim.SGD([p], lr=0.1)], [False])
     assert (record.skipped_steps, record.num_skipped) == ([], 0)
+
+
+def test_metrics_tensorboard_writes_the_loops_figures_at_each_report(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import sys
+    import types
+
+    import torch
+
+    from launch import integrations
+    from launch.progress import Progress
+
+    calls: list[tuple] = []
+
+    class FakeWriter:  # TensorBoard is not installed here; its SummaryWriter API is this much
+        def __init__(self, log_dir: str) -> None:
+            calls.append(("open", log_dir))
+
+        def add_scalar(self, tag: str, value: float, step: int) -> None:
+            calls.append((tag, value, step))
+
+        def close(self) -> None:
+            calls.append(("close",))
+
+    fake = types.ModuleType("torch.utils.tensorboard")
+    fake.SummaryWriter = FakeWriter  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", fake)
+    scaler = dscale.GradScaler("cpu")
+    progress = Progress(10, 5, scaler, SkipRecord())
+    cfg = {
+        "enabled": True, "addr": "127.0.0.1", "port": 0, "linger_s": 0.0,
+        "check_agreement_every": 0, "targets_dir": None, "tensorboard": True,
+    }  # fmt: skip
+    model = torch.nn.Linear(2, 1)
+    with integrations.start_metrics(
+        cfg, scaler, model, run_dir=tmp_path, rank=1, local_rank=1, log_every=5, progress=progress
+    ):
+        progress.update(4, 2.0, tokens=100)
+        progress.update(9, 1.5, tokens=100)
+    assert calls[0] == ("open", str(tmp_path / "tensorboard" / "rank1"))
+    assert ("train_loss", 2.0, 4) in calls and ("train_loss", 1.5, 9) in calls
+    assert ("train_step", 9.0, 9) in calls
+    assert any(c[0] == "train_tokens_per_second" and c[2] == 9 for c in calls)
+    assert calls[-1] == ("close",)
+    assert progress.scalars is None  # nothing is written after the block
+
+
+def test_metrics_tensorboard_without_tensorboard_is_a_bad_config(monkeypatch) -> None:
+    import importlib.util
+
+    from hydra import compose, initialize_config_dir
+    from launch_helpers import CONFIGS
+    from omegaconf import OmegaConf
+
+    from launch.schema import register
+    from launch.validate import ConfigError, validate
+
+    register()
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+        cfg = compose(
+            "job", overrides=["checkpoint.dir=/tmp/dscale-tb", "metrics.tensorboard=true"]
+        )
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name: None if name == "tensorboard" else real(name)
+    )
+    with pytest.raises(ConfigError, match=r"metrics\.tensorboard=true needs TensorBoard"):
+        validate(OmegaConf.to_object(cfg))

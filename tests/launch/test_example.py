@@ -16,6 +16,7 @@ from launch_helpers import (
     summary,
     wait_until,
 )
+from omegaconf import OmegaConf
 from prometheus_client.parser import text_string_to_metric_families
 
 pytestmark = pytest.mark.slow
@@ -41,6 +42,9 @@ def _scrape(port: int) -> dict[str, float]:
             if sample.name.startswith("dscale_") and "param" not in sample.labels:
                 values[sample.name] = sample.value
                 values["rank"] = float(sample.labels.get("rank", -1))
+                labels = (sample.labels.get("job_name"), sample.labels.get("attempt"))
+                values.setdefault("labels", labels)  # type: ignore[arg-type]
+                assert values["labels"] == labels, f"{sample} is labelled otherwise"
     return values
 
 
@@ -72,9 +76,15 @@ def test_example_skips_rank_1s_inf_on_both_ranks_serves_metrics_and_resumes_exac
     finally:
         unbroken.kill()
     assert a.returncode == 0, output(a)
+    job_name = OmegaConf.load(tmp_path / "a" / ".hydra" / "hydra.yaml").hydra.job.name
     for rank in (0, 1):
         assert final[rank]["rank"] == rank  # port + local rank serves that rank
         assert final[rank]["dscale_optimizer_steps_skipped_total"] == 2
+        # The run's name, stable across reruns (was: a new rendezvous UUID per launch).
+        assert final[rank]["labels"] == (job_name, "0")
+        assert final[rank]["dscale_train_step"] == 29  # the loop's figures, rank-local
+        assert final[rank]["dscale_train_loss"] > 0
+        assert final[rank]["dscale_train_learning_rate"] == 0.003  # args.optim.lr
     assert final[0]["dscale_loss_scale"] == final[1]["dscale_loss_scale"]
     sa = summary(tmp_path / "a")
     assert sa["entrypoint"] == "tiny_regression.train:main"

@@ -32,7 +32,32 @@ def test_first_tokens_per_second_after_a_resume_counts_only_the_steps_run(
     first, second = _lines(caplog)
     # Old code counted 51 steps (from step -1) into the first line's tokens/s.
     assert "tokens/s" not in first, first
-    assert second.endswith("tokens/s 900"), second  # 9 steps x 1000 tokens in 10 s
+    assert "tokens/s 900 " in second, second  # 9 steps x 1000 tokens in 10 s
+
+
+def test_the_progress_line_shows_its_per_second_and_eta_and_every_rank_keeps_the_figures(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    clock = iter([100.0, 110.0, 100.0, 110.0])
+    monkeypatch.setattr(progress.time, "perf_counter", lambda: next(clock))
+    scaler = SimpleNamespace(get_scale=lambda: 8192.0)
+    bar = RankZeroProgress(300, 10, scaler, SimpleNamespace(num_skipped=0))  # type: ignore[arg-type]
+    bar._bar = False
+    with caplog.at_level(logging.INFO, logger="launch.progress"):
+        bar.update(49, 2.0, tokens=1000)
+        bar.update(99, 1.5, tokens=1000)  # 50 steps in 10 s; 200 steps left
+    assert _lines(caplog)[1].endswith("tokens/s 5,000 it/s 5.0 ETA 40s"), _lines(caplog)
+    # What /metrics serves (rank-local, host numbers), on rank 0 and on a silent rank alike.
+    quiet = progress.Progress(300, 10, scaler, SimpleNamespace(num_skipped=0))  # type: ignore[arg-type]
+    quiet.update(49, 2.0, tokens=1000)
+    quiet.update(99, 1.5, tokens=1000)
+    for figures in (bar.figures, quiet.figures):
+        assert figures.values() == {
+            "dscale_train_step": 99.0,
+            "dscale_train_loss": 1.5,
+            "dscale_train_tokens_per_second": 5000.0,
+            "dscale_train_step_seconds": 0.2,
+        }
 
 
 def test_ranks_times_threads_over_the_cores_is_warned(
@@ -66,4 +91,7 @@ def test_a_launched_job_logs_its_loss_and_the_report_draws_it(tmp_path: Path) ->
     rows = [json.loads(line) for line in text.splitlines()]
     assert [r["step"] for r in rows] == [0, 4, 9]  # the progress lines' steps (log_every=5)
     assert all(r["loss"] > 0 for r in rows)
-    assert figure(tmp_path).axes[0].get_ylabel() == "loss"
+    ax_loss = figure(tmp_path).axes[0]
+    assert ax_loss.get_ylabel().startswith("loss")
+    # The demo notes every step's loss in the metrics log (old code: the 3 progress points).
+    assert list(ax_loss.get_lines()[0].get_xdata()) == list(range(10))

@@ -20,6 +20,7 @@ from launch_helpers import CONFIGS, ROOT, output
 from omegaconf import OmegaConf
 
 from dscale.checkpoint import PREEMPTED_EXIT_CODE, CheckpointManager
+from launch.rerun import check_same_job, world_size_change
 from launch.schema import JobConfig, register
 from launch.validate import ConfigError, validate
 
@@ -137,3 +138,40 @@ def test_resume_none_into_a_folder_holding_checkpoints_is_refused(tmp_path: Path
                 )
             )
     validate(_job("metrics.enabled=false", f"checkpoint.dir={tmp_path}"))  # auto continues
+
+
+def _plain(*overrides: str) -> dict:
+    job = _job(*overrides)
+    return OmegaConf.to_container(OmegaConf.structured(job), resolve=True, enum_to_str=True)
+
+
+def test_resuming_on_another_world_size_names_the_global_batch_change_and_the_fix(
+    tmp_path: Path,
+) -> None:
+    import torch
+
+    CheckpointManager(tmp_path, every=5).save(5, model=torch.nn.Linear(2, 1))  # on 1 rank
+    config = _plain("metrics.enabled=false", f"checkpoint.dir={tmp_path}", "data.batch_size=8")
+    said = world_size_change(config, 4)
+    # Old code: only the library's "RNG states not restored: saved by 1 ranks, loading on 4".
+    assert said is not None
+    assert "(saved on 1 ranks) on 4 ranks" in said, said
+    assert "from 8 to 32 samples per step (data.batch_size=8)" in said, said
+    assert "To keep the global batch, use data.batch_size=2 on 4 ranks, or 1 ranks" in said, said
+    assert world_size_change(config, 1) is None  # the same world: nothing changes
+    config = _plain("metrics.enabled=false", f"checkpoint.dir={tmp_path}", "data.batch_size=3")
+    assert "To keep the global batch, use 1 ranks" in (world_size_change(config, 2) or "")
+
+
+def test_a_new_args_key_on_resume_is_refused_as_a_changed_setting(tmp_path: Path) -> None:
+    import torch
+
+    CheckpointManager(tmp_path / "ckpt", every=5).save(5, model=torch.nn.Linear(2, 1))
+    earlier = _plain("metrics.enabled=false", f"checkpoint.dir={tmp_path / 'ckpt'}", "+args.lr=1")
+    (tmp_path / "config.resolved.yaml").write_text(OmegaConf.to_yaml(earlier))
+    now = _plain(
+        "metrics.enabled=false", f"checkpoint.dir={tmp_path / 'ckpt'}", "+args.lr=1", "+args.wd=0"
+    )
+    with pytest.raises(ConfigError, match=r"args\.wd: '\(absent\)' -> 0"):
+        check_same_job(tmp_path, now)  # old code: a key only one run has was not compared
+    check_same_job(tmp_path, earlier)  # the same settings continue

@@ -61,11 +61,11 @@ def test_wildcard_bind_address_is_scraped_by_host_name() -> None:
 
 
 def _published(targets: Path) -> dict[str, list[str]]:
-    """run_id -> the host:port targets its files name."""
+    """job_name (the run's name) -> the host:port targets its files name."""
     found: dict[str, list[str]] = {}
     for path in targets.glob("*.json"):
         for group in json.loads(path.read_text()):
-            found.setdefault(group["labels"]["run_id"], []).extend(group["targets"])
+            found.setdefault(group["labels"]["job_name"], []).extend(group["targets"])
     return found
 
 
@@ -94,6 +94,7 @@ def test_two_jobs_on_one_node_with_the_same_port_each_publish_only_ports_they_se
             *FAST,
             "model=mlp",
             "trainer.max_steps=100000",  # runs until the test stops it
+            f"hydra.job.name={name}",  # the metrics' job_name
             f"metrics.port={port}",
             f"metrics.targets_dir={targets}",
             f"checkpoint.dir={tmp_path / name / 'ckpt'}",
@@ -114,10 +115,10 @@ def test_two_jobs_on_one_node_with_the_same_port_each_publish_only_ports_they_se
                 jobs,
             )
         published = wait_until("a published target", lambda: _published(targets), jobs)
-        for run_id, served in published.items():
+        for job_name, served in published.items():
             for target in served:
-                assert _served_by(target) == run_id, (
-                    f"{target} is published for run {run_id} but served by another job: {published}"
+                assert _served_by(target) == job_name, (
+                    f"{target} is published for {job_name} but served by another job: {published}"
                 )
         # One job holds both ports and publishes both; the other warns that it cannot serve.
         assert sorted(len(t) for t in published.values()) == [2], published

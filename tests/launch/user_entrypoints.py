@@ -31,3 +31,19 @@ def own_scaler(ctx) -> dict:
         scaler.update()
         opt.zero_grad()
     return {"own_scale": scaler.get_scale()}
+
+
+def step_twice_on_rank_1(ctx) -> None:
+    """Rank 1 calls scaler.step() twice (a misuse dscale refuses); rank 0 meets a collective."""
+    import torch
+
+    model = ctx.parallelize(torch.nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with ctx.autocast():
+        loss = model(torch.ones(2, 4)).float().sum()
+    ctx.scaler.scale(loss).backward()
+    ctx.scaler.step(opt)
+    if ctx.rank == 1:
+        ctx.scaler.step(opt)
+    ctx.scaler.update()
+    dist.barrier()

@@ -14,7 +14,7 @@ import torch
 import trustme
 
 import dscale
-from dscale.metrics import DEFAULT_PORT, start_exporter
+from dscale.metrics import DEFAULT_PORT, TrainingFigures, start_exporter
 
 pytestmark = pytest.mark.filterwarnings("ignore:dscale.GradScaler. the loss's autograd graph")
 
@@ -49,6 +49,36 @@ def test_each_rank_serves_on_base_port_plus_local_rank_with_its_labels(free_port
     finally:
         exporter.stop()
     assert 'dscale_loss_scale{job_name="e",local_rank="1",node="n2",rank="5"} 64.0' in text
+
+
+def test_the_loops_figures_are_served_with_the_attempt_label_and_read_no_tensor() -> None:
+    scaler = dscale.GradScaler(device="cpu", init_scale=64.0)
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    figures = TrainingFigures(opt)
+    with start_exporter(
+        scaler, port=0, node="n", job_name="exp1", attempt=2, training=figures, linger_s=0
+    ) as exporter:
+        assert exporter.url is not None
+        before = _scrape(exporter.url)
+        figures.update(9, loss=2.5, tokens=640, now=100.0)
+        figures.update(19, loss=2.25, tokens=640, now=102.0)  # 10 steps in 2 s
+        opt.param_groups[0]["lr"] = 0.05  # a scheduler's change shows at the next scrape
+        text = _scrape(exporter.url)
+    labels = 'attempt="2",job_name="exp1",local_rank="0",node="n",rank="0"'
+    # Before the loop reports, only the learning rate is known: no made-up zeros.
+    assert [ln.split("{")[0] for ln in before.splitlines() if ln.startswith("dscale_train_")] == [
+        "dscale_train_learning_rate"
+    ]
+    assert f"dscale_loss_scale{{{labels}}} 64.0" in text
+    for name, value in [
+        ("dscale_train_step", 19.0),
+        ("dscale_train_loss", 2.25),
+        ("dscale_train_learning_rate", 0.05),
+        ("dscale_train_tokens_per_second", 3200.0),
+        ("dscale_train_step_seconds", 0.2),
+    ]:
+        assert f"{name}{{{labels}}} {value}" in text, text
 
 
 def test_rank_and_local_rank_default_to_torchrun_env(monkeypatch: pytest.MonkeyPatch) -> None:

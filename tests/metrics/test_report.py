@@ -11,7 +11,7 @@ import torch
 
 import dscale
 from dscale.metrics import MetricsLog
-from dscale.report import figure, main, read_metrics_log, render
+from dscale.report import figure, main, read_metrics_log, read_resumes, render
 from dscale.stats import track_numerics
 
 pytestmark = pytest.mark.filterwarnings("ignore:dscale.GradScaler. the loss's autograd graph")
@@ -107,7 +107,7 @@ def test_report_has_a_loss_panel_and_tells_the_ranks_apart(tmp_path) -> None:
     fig = figure(tmp_path)
     labels = [ax.get_ylabel() for ax in fig.axes]
     # Old report: three panels (scale, skips, grad norm), no loss.
-    assert labels[0] == "loss" and len(labels) == 4, labels
+    assert labels[0].startswith("loss\n") and len(labels) == 4, labels
     loss_lines = fig.axes[0].get_lines()
     assert len(loss_lines[0].get_xdata()) == 20
     for ax in fig.axes:  # every panel: rank 1's thinner dashes drawn over rank 0's line
@@ -127,3 +127,47 @@ def test_a_run_without_a_loss_log_has_no_loss_panel(tmp_path) -> None:
     assert [ax.get_ylabel().split("\n")[0] for ax in fig.axes] == [
         "loss scale", "skipped steps", "grad norm",
     ]  # fmt: skip
+
+
+def _attempt(run_dir, steps: range, overflow_at: set[int], state=None, keep_at=None):
+    """Steps ``steps`` (0-based), the loss noted each step; one MetricsLog, as one attempt has.
+
+    Returns the scaler's state dict after ``keep_at`` steps (a checkpoint), if asked.
+    """
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = dscale.GradScaler(device="cpu", init_scale=4.0, growth_interval=100)
+    if state is not None:
+        scaler.load_state_dict(state)
+    log = MetricsLog(run_dir, rank=0, every=4)
+    scaler.add_observer(log)
+    kept = None
+    for step in steps:
+        opt.zero_grad()
+        loss = model(torch.full((1, 2), float(step))).sum()
+        log.note_loss(loss)
+        scaler.scale(loss).backward()
+        if step in overflow_at:
+            model.weight.grad[0, 0] = float("inf")
+        scaler.step(opt)
+        scaler.update()
+        if step + 1 == keep_at:
+            kept = scaler.state_dict()
+    log.close()
+    return kept
+
+
+def test_the_report_draws_the_loss_of_every_step_with_skip_and_resume_marks(tmp_path) -> None:
+    # Attempt 0 runs steps 0..7 and stops; attempt 1 resumes from the checkpoint after step 4.
+    checkpoint = _attempt(tmp_path, range(8), overflow_at={2}, keep_at=5)
+    _attempt(tmp_path, range(5, 10), overflow_at={7}, state=checkpoint)
+    rows = read_metrics_log(tmp_path)[0]
+    assert [r["step"] for r in rows] == list(range(10))  # the resumed rows replace steps 5..7
+    assert all(isinstance(r["loss"], float) for r in rows)  # old code: no loss column
+    assert read_resumes(tmp_path) == [5]
+    fig = figure(tmp_path)
+    ax_loss = fig.axes[0]
+    assert list(ax_loss.get_lines()[0].get_xdata()) == list(range(10))  # every step
+    marked = {float(p[0]) for c in ax_loss.collections for p in c.get_offsets()}
+    assert marked == {2.0, 7.0}  # the skipped steps, on the loss panel
+    assert any(list(ln.get_xdata()) == [5, 5] for ln in ax_loss.get_lines()), "no resume mark"

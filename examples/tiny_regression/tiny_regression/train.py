@@ -32,7 +32,7 @@ def main(ctx: RunContext) -> dict[str, Any]:
     checkpoints = ctx.checkpoints(model, optimizer)
     start = checkpoints.resume() or 0
     loss = None
-    with ctx.metrics(model):
+    with ctx.metrics(model, optimizer):
         for step in range(start, ctx.max_steps):
             ctx.faults.before_step(step)
             x, y = batch(

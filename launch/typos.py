@@ -1,0 +1,80 @@
+"""Did-you-mean for a mistyped key on the command line, before Hydra's own advice.
+
+Hydra refuses ``trainer.max_stepz=10`` with "To append to your config use +trainer.max_stepz=10",
+which only leads to the launcher's refusal of an unknown key. Before Hydra runs, the overrides
+are composed once here; when a key is missing from its config node and a key of that node is
+close to it, the launcher names that key instead. Anything else is left to Hydra's messages.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from collections.abc import Sequence
+
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import OverrideType
+from omegaconf import DictConfig, OmegaConf
+
+# Flags that change which configs are read; with them, Hydra's own message stands.
+_OTHER_CONFIGS = ("--config-dir", "-cd", "--config-path", "-cp")
+_REFUSED = re.compile(r"Could not override '([^']+)'")
+
+
+def _config_name(argv: Sequence[str], default: str) -> str:
+    for i, arg in enumerate(argv):
+        if arg in ("--config-name", "-cn") and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--config-name="):
+            return arg.split("=", 1)[1]
+    return default
+
+
+def misspelt_key(argv: Sequence[str], config_dir: str, config_name: str) -> str | None:
+    """``K is not a config key; did you mean L?`` for the first override Hydra would refuse."""
+    if any(a.split("=", 1)[0] in _OTHER_CONFIGS for a in argv):
+        return None
+    lines = [a for a in argv if "=" in a and not a.startswith("-")]
+    try:
+        parsed = OverridesParser.create().parse_overrides(lines)
+    except Exception:  # Hydra reports a malformed override in its own words
+        return None
+    # hydra.* keys configure Hydra itself, which compose() does not take on the command line;
+    # a multirun sweep (``-m key=a,b``) is composed with its first value.
+    keys = {
+        (
+            f"{o.get_key_element()}={next(iter(o.sweep_string_iterator()))}"
+            if o.is_sweep_override()
+            else str(o.input_line)
+        ): o.key_or_group
+        for o in parsed
+        if not o.key_or_group.startswith("hydra.")
+    }
+    overrides = list(keys)
+    changed = {o.key_or_group for o in parsed if o.type == OverrideType.CHANGE}
+    if GlobalHydra.instance().is_initialized():  # a caller's own Hydra session: not ours to end
+        return None
+    with initialize_config_dir(config_dir=config_dir, version_base="1.3"):
+        name = _config_name(argv, config_name)
+        try:
+            compose(name, overrides=overrides)
+            return None
+        except Exception as exc:
+            found = _REFUSED.search(str(exc))
+        key = found.group(1) if found else None
+        if key is None or key not in changed:
+            return None
+        try:
+            cfg = compose(name, overrides=[o for o in overrides if keys[o] != key])
+        except Exception:
+            return None
+    parent, dot, leaf = key.rpartition(".")
+    node = OmegaConf.select(cfg, parent) if parent else cfg
+    if not isinstance(node, DictConfig) or leaf in node:
+        return None
+    close = difflib.get_close_matches(leaf, [str(k) for k in node], n=1)
+    if not close:
+        return None
+    return f"{key} is not a config key; did you mean {parent}{dot}{close[0]}?"
