@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.multiprocessing.spawn import start_processes
 
 from dscale.bench import _ops
-from dscale.bench._cli import _single_rank_group
+from dscale.bench._ranks import single_rank_group
 
 ATTACH = "dscale_attach"
 RANK_ARMS = (*_ops.ARMS, ATTACH)
@@ -40,7 +40,7 @@ def run_single(device: torch.device, profile: bool) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         ours = not dist.is_initialized()
         if ours:
-            _single_rank_group(tmp)
+            single_rank_group(tmp)
         try:
             for row in _ops.rows():
                 out[row.name] = {
