@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.multiprocessing.spawn import start_processes
 
-from dscale.bench import _ops
+from dscale.bench import _ops, _ops_guard
 from dscale.bench._ranks import single_rank_group
 
 ATTACH = "dscale_attach"
@@ -199,6 +199,9 @@ def main(argv: Sequence[str]) -> None:
     }
     lines = [render(result["single"], _ops.ARMS, f"single process on {device.type}")]
     checks = check_targets(result["single"])
+    result["step_guard"] = _ops_guard.run_guard(device)  # StepGuard, spike gate on and off
+    lines += ["", render(result["step_guard"], _ops_guard.GUARD_ARMS, "StepGuard (bf16/fp32)")]
+    checks += _ops_guard.check_guard_targets(result["step_guard"])
     if not args.no_distributed:
         result["ranks2"] = run_ranks()
         lines += ["", render(result["ranks2"], RANK_ARMS, "2 gloo ranks (no wrapper; attach: DDP)")]
