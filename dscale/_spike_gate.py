@@ -46,7 +46,8 @@ import torch
 
 #: The values the gate can watch, in their order in the agreement vector and the window.
 SIGNALS = ("loss", "grad_norm")
-#: The packed vector: values that entered the window, spike skips, in a row; then the last values.
+#: The packed vector: values that entered the window, spike skips, in a row; then this step's
+#: values and a 1 (the column push() shifts into the window; the last values once pushed).
 ENTERED, SKIPPED, IN_A_ROW = range(3)
 LAST = 3
 
@@ -116,7 +117,6 @@ class SpikeGate:
             None  # [window + 1]: sigma / sqrt(n - 1), inf if n < warmup
         )
         self._slots: tuple[Any, torch.Tensor] | None = None  # ((device, rank, world), slots)
-        self._column = torch.ones(len(signals) + 1, dtype=torch.float64)  # see decide()
         self._zeros = torch.zeros(len(signals), dtype=torch.float64)
         self._host: dict[str, float | int] = self._fresh_host()
         self._in_flight: tuple[torch.Tensor, Any | None] | None = None
@@ -174,8 +174,9 @@ class SpikeGate:
         n = len(self.signals)
         if self.window_rows is None:
             self.window_rows = torch.zeros(n + 1, self.window, dtype=torch.float64, device=device)
-            self.packed = torch.zeros(LAST + n, dtype=torch.float64, device=device)
-            self.packed[LAST:] = math.nan
+            self.packed = torch.zeros(LAST + n + 1, dtype=torch.float64, device=device)
+            self.packed[LAST:-1] = math.nan
+            self.packed[-1] = 1.0
             if self._pending_load is not None:
                 self._write(self._pending_load)
                 self._pending_load = None
@@ -186,7 +187,6 @@ class SpikeGate:
         counts = torch.arange(self.window + 1, dtype=torch.float64)
         factor = self.sigma / (counts - 1).clamp(min=1).sqrt()
         self._factor = factor.masked_fill(counts < self.warmup, math.inf).to(device)
-        self._column = torch.ones(n + 1, dtype=torch.float64, device=device)  # values, then 1
         self._zeros = torch.zeros(n, dtype=torch.float64, device=device)
         self._device = device
 
@@ -208,8 +208,10 @@ class SpikeGate:
         n = len(self.signals)
         world = tail.numel() // n
         # The loss is the mean over ranks, the grad norm the root of the summed squares; written
-        # into the column that push() shifts in (its last entry is the ones row's 1).
-        values = torch.sum(tail.view(n, world), 1, dtype=torch.float64, out=self._column[:n])
+        # into the packed column that push() shifts in (its last entry is the ones row's 1).
+        assert self.packed is not None  # noqa: S101
+        column = self.packed[LAST:]
+        values = torch.sum(tail.view(n, world), 1, dtype=torch.float64, out=column[:n])
         if self.watches_loss and world > 1:
             values[:1].div_(world)
         if self.watches_grad_norm:
@@ -237,14 +239,13 @@ class SpikeGate:
         rows = self.window_rows
         # Applied (skip == 0) and finite: a dot with zeros is 0, or NaN for an inf or NaN.
         enters = torch.eq(torch.dot(values, self._zeros), skip.reshape(()))
-        shifted = torch.cat([rows[:, 1:], self._column[:, None]], 1)
+        shifted = torch.cat([rows[:, 1:], self.packed[LAST:, None]], 1)
         torch.where(enters, shifted, rows, out=rows)
         spike = spike.reshape(())
         # Entering and a spike exclude each other: a spike skips the step.
         self.packed[:LAST].add_(torch.stack([enters, spike, spike]))
         self.packed[IN_A_ROW : IN_A_ROW + 1].masked_fill_(enters, 0.0)
-        self.packed[LAST:].copy_(values)
-        self._publish()
+        self._publish()  # with the step's values, which decide() wrote into the packed vector
 
     def end_iteration(self) -> None:
         """Forget this iteration's loss (update() calls it, whatever happened)."""
@@ -281,7 +282,7 @@ class SpikeGate:
             "spike_skipped_in_a_row": int(in_a_row),
             "spike_window_values": int(min(entered, self.window)),
         }
-        for name, value in zip(self.signals, last, strict=True):
+        for name, value in zip(self.signals, last[: len(self.signals)], strict=True):
             out[f"spike_{name}"] = value
         return out
 
@@ -384,7 +385,7 @@ class SpikeGate:
             checked["num_spike_skipped_in_a_row"],
         ]
         self.packed[:LAST].copy_(torch.tensor(counts, dtype=torch.float64))
-        self.packed[LAST:] = math.nan
+        self.packed[LAST:-1] = math.nan
         self._host = self._host_from(_row(checked, len(self.signals)))
         self._in_flight = None
 

@@ -72,3 +72,15 @@ def test_an_old_state_dict_with_a_stale_slot_loads_as_the_old_gate_read_it() -> 
     saved = guard.state_dict()["spike_window_values"]
     entered = torch.tensor(1.05).item()  # the loss as fp32, as the gate keeps it
     assert saved.tolist() == [[1.0, 1.1, 0.9, entered, 0, 0, 0, 0]]
+
+
+@pytest.mark.filterwarnings("ignore:the spike gate skipped")
+def test_the_host_and_device_decisions_of_the_gate_are_bit_identical() -> None:
+    # The same run (fused SGD) decided on the host (the CPU's free read of the agreed vector)
+    # and on the device (as on CUDA): every decision, snapshot and state dict alike.
+    common = {"kind": "guard", "sync_free": False, "impl": "fused", "window": 16, "warmup": 8}
+    common |= {"sigma": 3.0, "steps": 300, "seed": 11}
+    host = RECORDER.run("host", device=False, **common)
+    device = RECORDER.run("device", device=True, **common)
+    assert "0" in host["decisions"]  # the run skips: spikes, overflows
+    assert host == device
