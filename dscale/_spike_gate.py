@@ -159,10 +159,12 @@ class SpikeGate:
             self._slots = (key, blank)
         slots = self._slots[1]
         mine = slots[:, rank]
+        local = []  # this rank's values, rounded to fp32 as they are written
         if self._loss is not None:  # watched (add_loss keeps none otherwise)
-            mine[0].copy_(self._loss)
+            local.append(self._loss.to(device))
         if self.watches_grad_norm:
-            mine[-1].copy_(_squared_norm(grads, carried, device))  # rounded to fp32 here
+            local.append(_squared_norm(grads, carried, device))
+        torch.stack(local, out=mine)
         # MAX must be well defined: a NaN would vanish or not depending on the order.
         torch.nan_to_num_(mine, nan=math.inf, posinf=math.inf, neginf=-math.inf)
         return slots.reshape(-1)
