@@ -124,7 +124,11 @@ class SpikeGate:
 
     # ------------------------------------------------------------------ local values
     def add_loss(self, outputs: Any) -> None:
-        """Add what was passed to ``scale()`` to this iteration's loss (detached; no sync)."""
+        """Add what was passed to ``scale()`` to this iteration's loss (detached; no sync).
+
+        A 0-d fp32 loss is kept as it is, not copied (one op less per step): the gate reads it
+        at ``step()``, so a loss changed in place in between is read changed.
+        """
         if not self.watches_loss:
             return
         for tensor in tensors_in(outputs):
