@@ -1,11 +1,19 @@
 """What ``policy="predictive"`` measures on each rank: the largest gradient magnitude of the step.
 
-The measurement reads the grad groups the check pass already builds, one
-``torch._foreach_norm(ord=inf)`` per (device, dtype) group, and writes its result straight into
-the agreement vector (``_agreement``), in scaled units (the grads as the backward left them). A
-rank whose grads hold an inf or NaN writes ``OVERFLOW_MARK`` instead, which is what the rule
-needs from an overflowed step (``_predictive``). Four ops for one group, whatever the number of
-parameters.
+The measurement reads the grad groups the check pass already builds and writes its result
+straight into the agreement vector (``_agreement``), in scaled units (the grads as the backward
+left them). A rank whose grads hold an inf or NaN writes ``OVERFLOW_MARK`` instead, which is what
+the rule needs from an overflowed step (``_predictive``). The fastest exact form per device (a
+maximum is exact in any order, so both give the same bits):
+
+- on a GPU, one ``torch._foreach_norm(ord=inf)`` per (device, dtype) group (one multi-tensor
+  kernel): four ops for one group, whatever the number of parameters;
+- on the CPU, where that norm runs about 5x slower than ``abs`` + ``amax`` (5.1 ms against 1.0 ms
+  for 200 x 4096 floats, one thread), ``abs`` + ``amax`` over chunks of at most ``CHUNK`` elements:
+  small grads are copied together into one chunk, a large one is read through views, so no copy of
+  every grad is ever made; the chunks are planned from the grads' sizes (``itertools.accumulate``
+  and ``bisect``: Python work per chunk, not per grad). A sampled step counts its underflowing
+  elements from the same chunks.
 
 Every ``sample_every`` steps it also writes ``1 +`` the share of gradient elements that underflow
 in fp16 at the step's scale (below fp16's smallest normal number, as ``dscale.stats`` counts
@@ -18,7 +26,10 @@ into a small accumulator of their own (:func:`measure_reduced`), reset with thei
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
+from collections.abc import Iterator
 
 import torch
 
@@ -29,10 +40,14 @@ from dscale._unscale import GradGroups, copy_to
 FP16_MIN_NORMAL = 2.0**-14
 #: Steps between underflow samples (the count reads every element, as the check pass does).
 UNDERFLOW_SAMPLE_EVERY = 100
+#: Elements per chunk of the CPU form: 256 KiB of fp32, which stays in a core's L2 cache.
+CHUNK = 2**16
 
 
 def _largest(tensors: list[torch.Tensor]) -> torch.Tensor:
     """The largest magnitude over ``tensors`` (inf/NaN if any holds one), one 0-d fp32 tensor."""
+    if tensors and tensors[0].device.type == "cpu":
+        return _measure_chunks(tensors, count_small=False)[0]
     if 0 in map(torch.Tensor.numel, tensors):  # the inf-norm of an empty tensor is an error
         tensors = [t for t in tensors if t.numel()]
         if not tensors:
@@ -41,9 +56,61 @@ def _largest(tensors: list[torch.Tensor]) -> torch.Tensor:
     return norms[0] if len(norms) == 1 else torch.stack(norms).amax()
 
 
+def _chunks(tensors: list[torch.Tensor]) -> Iterator[tuple[torch.Tensor, bool]]:
+    """``tensors`` as flat pieces of at most ``CHUNK`` elements each (or one whole small grad).
+
+    Yields ``(piece, owned)``: ``owned`` when the piece is a copy that may be written (several
+    small grads flattened together, or a non-contiguous grad), else a view of a grad.
+    """
+    ends = list(itertools.accumulate(map(torch.Tensor.numel, tensors)))
+    start, done = 0, 0  # the next tensor, and the elements before it
+    while start < len(tensors):
+        stop = max(bisect.bisect_right(ends, done + CHUNK, lo=start), start + 1)
+        if ends[stop - 1] == done:  # empty grads only
+            pass
+        elif stop - start > 1:  # small grads, copied together
+            yield torch._C._nn.flatten_dense_tensors(tensors[start:stop]), True
+        else:  # one grad: views of it, CHUNK elements at a time
+            flat = tensors[start].reshape(-1)
+            owned = flat.data_ptr() != tensors[start].data_ptr()  # a copy (not contiguous)
+            for piece in flat.split(CHUNK):
+                yield piece, owned
+        done, start = ends[stop - 1], stop
+
+
+def _measure_chunks(
+    tensors: list[torch.Tensor], *, count_small: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The CPU form: (largest magnitude as 0-d fp32, elements below fp16's smallest normal)."""
+    largest: list[torch.Tensor] = []
+    small: list[torch.Tensor] = []
+    for piece, owned in _chunks(tensors):
+        magnitudes = piece.abs_() if owned else piece.abs()
+        largest.append(magnitudes.amax())
+        if count_small:
+            small.append((magnitudes < FP16_MIN_NORMAL).sum())
+    if not largest:  # no element at all
+        zero = torch.zeros((), dtype=torch.float32)
+        return zero, zero if count_small else None
+    value = largest[0] if len(largest) == 1 else torch.stack(largest).amax()
+    count = None
+    if count_small:
+        count = (small[0] if len(small) == 1 else torch.stack(small).sum()).float()
+    return value.float(), count
+
+
 def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
-    # A per-tensor view; only on sampled steps (one in UNDERFLOW_SAMPLE_EVERY).
+    # A per-tensor view; only on sampled steps (one in UNDERFLOW_SAMPLE_EVERY), off the CPU.
     return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def _count_small(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Elements below fp16's smallest normal number, as a 0-d fp32 tensor."""
+    if tensors and tensors[0].device.type == "cpu":
+        count = _measure_chunks(tensors, count_small=True)[1]
+        assert count is not None  # noqa: S101 - asked for
+        return count
+    return (_flat(tensors).abs() < FP16_MIN_NORMAL).sum().float()
 
 
 class GradMeasure:
@@ -85,7 +152,7 @@ class GradMeasure:
         torch.nan_to_num(value, nan=OVERFLOW_MARK, posinf=OVERFLOW_MARK, out=vector[at])
         if self.sampling:
             small = [
-                copy_to((_flat(tensors).abs() < FP16_MIN_NORMAL).sum().float(), device)
+                copy_to(_count_small(tensors), device)
                 for per_dtype in groups.values()
                 for tensors in per_dtype.values()
             ]

@@ -25,7 +25,15 @@ unchanged (the z-score does not depend on the unit). Every rank reduces the same
 same order, so every rank decides alike. The vector grows by one float per rank and watched
 value; nothing here grows with the parameter count.
 
-The window and the counters stay on the device (float64 and int64 tensors): no host sync.
+The window and the counters stay on the device (float64 tensors): no host sync. Every step is a
+handful of vector ops, whatever the window's length: the window is a shift register whose newest
+value sits in its last column, with a row of ones beside the values (``1`` where a slot holds a
+value), so one sum gives every signal's total and the count, one ``addcmul`` the deviations from
+the mean (0 in empty slots), one norm their root sum of squares; the threshold factor
+``sigma / sqrt(n - 1)`` (inf before the warm-up) is looked up in a table made once. An applied
+step shifts its values in with one ``cat`` and one ``where``. The counters and the last values sit
+in one packed float64 vector, published as it is. The state dict keeps the ring layout (slot
+``i % spike_window`` for the i-th value; a roll on the host converts).
 """
 
 from __future__ import annotations
@@ -38,8 +46,10 @@ import torch
 
 #: The values the gate can watch, in their order in the agreement vector and the window.
 SIGNALS = ("loss", "grad_norm")
-#: Counters, in the int64 tensor: values that entered the window, spike skips, in a row.
+#: The packed vector: values that entered the window, spike skips, in a row; then this step's
+#: values and a 1 (the column push() shifts into the window; the last values once pushed).
 ENTERED, SKIPPED, IN_A_ROW = range(3)
+LAST = 3
 
 STATE_KEYS = (
     "spike_signals",
@@ -98,27 +108,39 @@ class SpikeGate:
         self.watches_grad_norm = "grad_norm" in signals
         self._loss: torch.Tensor | None = None  # this iteration's loss on this rank (a sum)
         self._device: torch.device | None = None
-        self.values: torch.Tensor | None = None  # [len(signals), window] float64, a ring
-        self.counts: torch.Tensor | None = None  # int64 [ENTERED, SKIPPED, IN_A_ROW]
-        self.last: torch.Tensor | None = None  # float64 [len(signals)]: the last step's values
-        self._index: torch.Tensor | None = None
+        # float64 [len(signals) + 1, window]: a shift register (newest value in the last column)
+        # over a row of ones where a slot holds a value; empty slots are 0 in every row.
+        self.window_rows: torch.Tensor | None = None
+        # float64 [ENTERED, SKIPPED, IN_A_ROW, last values...]: counters and the last step's values.
+        self.packed: torch.Tensor | None = None
+        self._factor: torch.Tensor | None = (
+            None  # [window + 1]: sigma / sqrt(n - 1), inf if n < warmup
+        )
+        self._slots: tuple[Any, torch.Tensor] | None = None  # ((device, rank, world), slots)
+        self._zeros = torch.zeros(len(signals), dtype=torch.float64)
         self._host: dict[str, float | int] = self._fresh_host()
         self._in_flight: tuple[torch.Tensor, Any | None] | None = None
         self._pending_load: dict[str, Any] | None = None
 
     # ------------------------------------------------------------------ local values
     def add_loss(self, outputs: Any) -> None:
-        """Add what was passed to ``scale()`` to this iteration's loss (detached; no sync)."""
+        """Add what was passed to ``scale()`` to this iteration's loss (detached; no sync).
+
+        A 0-d fp32 loss is kept as it is, not copied (one op less per step): the gate reads it
+        at ``step()``, so a loss changed in place in between is read changed.
+        """
         if not self.watches_loss:
             return
         for tensor in tensors_in(outputs):
-            value = tensor.detach().float().sum()
+            value = tensor.detach()
+            if value.dim() or value.dtype != torch.float32:  # a 0-d fp32 loss is its own sum
+                value = value.float().sum()
             self._loss = value if self._loss is None else self._loss + value.to(self._loss.device)
 
     def tail(
         self,
         grads: Sequence[torch.Tensor],
-        carried: torch.Tensor,
+        carried: torch.Tensor | None,
         device: torch.device,
         rank: int,
         world: int,
@@ -126,24 +148,29 @@ class SpikeGate:
         """This rank's part of the agreement vector: ``len(signals) x world`` slots, -inf but ours.
 
         ``grads`` are every grad this rank holds for the optimizer, carrying the factor
-        ``carried`` (the scale while still scaled, else 1).
+        ``carried`` (the scale while still scaled; None when unscaled).
         """
-        local: list[torch.Tensor] = []
-        if self.watches_loss:
-            if self._loss is None:
-                raise RuntimeError(
-                    "the spike gate watches the loss, but no loss was passed to scale() in this "
-                    "iteration: call scaler.scale(loss).backward() (a StepGuard returns the loss "
-                    'unchanged), or drop "loss" from spike_signals'
-                )
-            local.append(self._loss.to(device).double())
+        if self.watches_loss and self._loss is None:
+            raise RuntimeError(
+                "the spike gate watches the loss, but no loss was passed to scale() in this "
+                "iteration: call scaler.scale(loss).backward() (a StepGuard returns the loss "
+                'unchanged), or drop "loss" from spike_signals'
+            )
+        key = (device, rank, world)
+        if self._slots is None or self._slots[0] != key:
+            # The other ranks' slots stay -inf for good; the scaler's cat copies the vector.
+            blank = torch.full((len(self.signals), world), -math.inf, device=device)
+            self._slots = (key, blank)
+        slots = self._slots[1]
+        mine = slots[:, rank]
+        local = []  # this rank's values, rounded to fp32 as they are written
+        if self._loss is not None:  # watched (add_loss keeps none otherwise)
+            local.append(self._loss.to(device))
         if self.watches_grad_norm:
             local.append(_squared_norm(grads, carried, device))
-        mine = torch.stack(local)
+        torch.stack(local, out=mine)
         # MAX must be well defined: a NaN would vanish or not depending on the order.
-        mine = torch.nan_to_num(mine, nan=math.inf).float()
-        slots = torch.full((len(self.signals), world), -math.inf, device=device)
-        slots[:, rank] = mine
+        torch.nan_to_num_(mine, nan=math.inf, posinf=math.inf, neginf=-math.inf)
         return slots.reshape(-1)
 
     # ------------------------------------------------------------------ decision
@@ -151,67 +178,80 @@ class SpikeGate:
         if self._device == device:
             return
         n = len(self.signals)
-        if self.values is None:
-            self.values = torch.zeros(n, self.window, dtype=torch.float64, device=device)
-            self.counts = torch.zeros(3, dtype=torch.int64, device=device)
-            self.last = torch.full((n,), math.nan, dtype=torch.float64, device=device)
+        if self.window_rows is None:
+            self.window_rows = torch.zeros(n + 1, self.window, dtype=torch.float64, device=device)
+            self.packed = torch.zeros(LAST + n + 1, dtype=torch.float64, device=device)
+            self.packed[LAST:-1] = math.nan
+            self.packed[-1] = 1.0
             if self._pending_load is not None:
                 self._write(self._pending_load)
                 self._pending_load = None
         else:
-            assert self.counts is not None and self.last is not None  # noqa: S101
-            self.values = self.values.to(device)
-            self.counts = self.counts.to(device)
-            self.last = self.last.to(device)
-        self._index = torch.arange(self.window, device=device)
+            assert self.packed is not None  # noqa: S101
+            self.window_rows = self.window_rows.to(device)
+            self.packed = self.packed.to(device)
+        counts = torch.arange(self.window + 1, dtype=torch.float64)
+        factor = self.sigma / (counts - 1).clamp(min=1).sqrt()
+        self._factor = factor.masked_fill(counts < self.warmup, math.inf).to(device)
+        self._zeros = torch.zeros(n, dtype=torch.float64, device=device)
         self._device = device
+
+    @property
+    def counts(self) -> torch.Tensor | None:
+        """[ENTERED, SKIPPED, IN_A_ROW] on the device (float64, exact), once placed."""
+        return None if self.packed is None else self.packed[:LAST]
 
     def decide(
         self, tail: torch.Tensor, overflow: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(spike, values) from the agreed tail: spike is a 0-d bool, values float64 per signal.
+        """(spike, values) from the agreed tail: spike is 0-d fp32 (0 or 1), values float64.
 
-        ``overflow`` is the agreed overflow flag: an overflowing step is an overflow, not a
-        spike, so it is never counted twice.
+        ``overflow`` is the agreed overflow flag (0 or 1): an overflowing step is an overflow,
+        not a spike, so it is never counted twice.
         """
         self._place(tail.device)
-        assert self.values is not None and self.counts is not None  # noqa: S101
-        assert self._index is not None  # noqa: S101
-        world = tail.numel() // len(self.signals)
-        per_rank = tail.view(len(self.signals), world).double()
-        rows = []
-        for i, name in enumerate(self.signals):
-            rows.append(per_rank[i].mean() if name == "loss" else per_rank[i].sum().sqrt())
-        values = torch.stack(rows)
-        filled = self.counts[ENTERED].clamp(max=self.window)
-        mask = (self._index < filled).double()
-        n = filled.double()
-        mean = (self.values * mask).sum(1) / n.clamp(min=1)
-        spread = (self.values - mean[:, None]) * mask
-        std = (spread.square().sum(1) / (n - 1).clamp(min=1)).sqrt()
-        above = (values > mean + self.sigma * std).any()
-        spike = above & (filled >= self.warmup) & (overflow.reshape(()) <= 0)
-        return spike, values
+        assert self.window_rows is not None and self._factor is not None  # noqa: S101
+        n = len(self.signals)
+        world = tail.numel() // n
+        # The loss is the mean over ranks, the grad norm the root of the summed squares; written
+        # into the packed column that push() shifts in (its last entry is the ones row's 1).
+        assert self.packed is not None  # noqa: S101
+        column = self.packed[LAST:]
+        values = torch.sum(tail.view(n, world), 1, dtype=torch.float64, out=column[:n])
+        if self.watches_loss and world > 1:
+            values[:1].div_(world)
+        if self.watches_grad_norm:
+            values[n - 1 :].sqrt_()
+        rows = self.window_rows
+        sums = rows.sum(1)  # every signal's total, and the count of values
+        mean = sums[:n] / sums[n]  # NaN when empty: no threshold, no spike
+        deviations = torch.addcmul(rows[:n], mean[:, None], rows[n], value=-1.0)
+        threshold = torch.addcmul(
+            mean,
+            self._factor.take(sums[n:].long()),  # inf before the warm-up: no spike
+            torch.linalg.vector_norm(deviations, dim=1),
+        )
+        above = (values > threshold).any()
+        # A spike where no overflow (the flag is 0 or 1): as fp32, the flag's type.
+        spike = torch.empty((), dtype=torch.float32, device=tail.device)
+        return torch.gt(above, overflow.reshape(()), out=spike), values
 
-    def push(self, values: torch.Tensor, spike: torch.Tensor, applied: torch.Tensor) -> None:
-        """End of an iteration: an applied step's (finite) values enter the window; count."""
-        assert self.values is not None and self.counts is not None  # noqa: S101
-        assert self.last is not None  # noqa: S101
-        enters = applied.reshape(()) & torch.isfinite(values).all()
-        position = (self.counts[ENTERED] % self.window).reshape(1)
-        old = self.values.index_select(1, position)
-        self.values.index_copy_(1, position, torch.where(enters, values[:, None], old))
-        spike = spike.reshape(()).long()
-        in_a_row = torch.where(
-            spike > 0, self.counts[IN_A_ROW] + 1, torch.where(enters, 0, self.counts[IN_A_ROW])
-        )
-        self.counts.copy_(
-            torch.stack(
-                [self.counts[ENTERED] + enters.long(), self.counts[SKIPPED] + spike, in_a_row]
-            )
-        )
-        self.last.copy_(values)
-        self._publish()
+    def push(self, values: torch.Tensor, spike: torch.Tensor, skip: torch.Tensor) -> None:
+        """End of an iteration: an applied step's (finite) values enter the window; count.
+
+        ``values`` and ``spike`` are :meth:`decide`'s; ``skip`` the step's skip flag (0 or 1).
+        """
+        assert self.window_rows is not None and self.packed is not None  # noqa: S101
+        rows = self.window_rows
+        # Applied (skip == 0) and finite: a dot with zeros is 0, or NaN for an inf or NaN.
+        enters = torch.eq(torch.dot(values, self._zeros), skip.reshape(()))
+        shifted = torch.cat([rows[:, 1:], self.packed[LAST:, None]], 1)
+        torch.where(enters, shifted, rows, out=rows)
+        spike = spike.reshape(())
+        # Entering and a spike exclude each other: a spike skips the step.
+        self.packed[:LAST].add_(torch.stack([enters, spike, spike]))
+        self.packed[IN_A_ROW : IN_A_ROW + 1].masked_fill_(enters, 0.0)
+        self._publish()  # with the step's values, which decide() wrote into the packed vector
 
     def end_iteration(self) -> None:
         """Forget this iteration's loss (update() calls it, whatever happened)."""
@@ -230,9 +270,9 @@ class SpikeGate:
 
     def _publish(self) -> None:
         """Start a copy of the counters and last values to the host (non-blocking on CUDA)."""
-        assert self.counts is not None and self.last is not None  # noqa: S101
-        row = torch.cat([self.counts.double(), self.last])
-        if row.device.type != "cuda":
+        assert self.packed is not None  # noqa: S101
+        row = self.packed
+        if row.device.type != "cuda":  # read when asked: the latest values, as published
             self._in_flight = (row, None)
             return
         buffer = torch.empty(row.shape, dtype=row.dtype, pin_memory=True)
@@ -248,7 +288,7 @@ class SpikeGate:
             "spike_skipped_in_a_row": int(in_a_row),
             "spike_window_values": int(min(entered, self.window)),
         }
-        for name, value in zip(self.signals, last, strict=True):
+        for name, value in zip(self.signals, last[: len(self.signals)], strict=True):
             out[f"spike_{name}"] = value
         return out
 
@@ -266,15 +306,17 @@ class SpikeGate:
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
         """The window and counters (waits for the device after device-side steps)."""
-        if self.values is None:
+        if self.window_rows is None:
             if self._pending_load is not None:
                 return dict(self._pending_load)
             values = torch.zeros(len(self.signals), self.window, dtype=torch.float64)
             counts = [0, 0, 0]
         else:
-            assert self.counts is not None  # noqa: S101
-            values = self.values.detach().cpu().clone()
-            counts = [int(c) for c in self.counts.tolist()]
+            assert self.packed is not None  # noqa: S101
+            counts = [int(c) for c in self.packed[:LAST].tolist()]
+            # The i-th value that entered lives in slot i % window of the saved ring.
+            shift = counts[ENTERED] % self.window
+            values = self.window_rows[:-1].detach().cpu().roll(shift, dims=1).clone()
         return {
             "spike_signals": ",".join(self.signals),
             "spike_window_values": values,
@@ -327,31 +369,45 @@ class SpikeGate:
                 "num_spike_skipped_steps": 0,
                 "num_spike_skipped_in_a_row": 0,
             }
-        if self.values is None:
+        if self.window_rows is None:
             self._pending_load = checked
             self._host = self._host_from(_row(checked, len(self.signals)))
             return
         self._write(checked)
 
     def _write(self, checked: Mapping[str, Any]) -> None:
-        assert self.values is not None and self.counts is not None  # noqa: S101
-        assert self.last is not None  # noqa: S101
-        self.values.copy_(checked["spike_window_values"].to(self.values.device, torch.float64))
+        assert self.window_rows is not None and self.packed is not None  # noqa: S101
+        entered = checked["spike_window_entered"]
+        ring = checked["spike_window_values"].to(torch.float64).cpu()
+        filled = min(entered, self.window)
+        rows = torch.zeros(len(self.signals) + 1, self.window, dtype=torch.float64)
+        rows[:-1] = ring.roll(-(entered % self.window), dims=1)  # oldest first, newest last
+        rows[-1, self.window - filled :] = 1.0
+        rows[:-1] *= rows[-1]  # a slot past the values saved is empty, whatever it held
+        self.window_rows.copy_(rows)
         counts = [
-            checked["spike_window_entered"],
+            entered,
             checked["num_spike_skipped_steps"],
             checked["num_spike_skipped_in_a_row"],
         ]
-        self.counts.copy_(torch.tensor(counts, dtype=torch.int64).to(self.counts.device))
-        self.last.fill_(math.nan)
+        self.packed[:LAST].copy_(torch.tensor(counts, dtype=torch.float64))
+        self.packed[LAST:-1] = math.nan
         self._host = self._host_from(_row(checked, len(self.signals)))
         self._in_flight = None
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        if self.values is not None:  # tensors go through the state dict, as the scale does
+        if self.window_rows is not None:  # tensors go through the state dict, as the scale does
             state["_pending_load"] = self.state_dict()
-        for name in ("values", "counts", "last", "_index", "_device", "_loss", "_in_flight"):
+        for name in (
+            "window_rows",
+            "packed",
+            "_factor",
+            "_slots",
+            "_device",
+            "_loss",
+            "_in_flight",
+        ):
             state[name] = None
         return state
 
@@ -374,19 +430,24 @@ def tensors_in(outputs: Any) -> list[torch.Tensor]:
 
 
 def _squared_norm(
-    grads: Sequence[torch.Tensor], carried: torch.Tensor, device: torch.device
+    grads: Sequence[torch.Tensor], carried: torch.Tensor | None, device: torch.device
 ) -> torch.Tensor:
     """Sum of squares of ``grads`` / carried^2, in float64 on ``device``: one fused norm per group.
 
     fp32 accumulation inside the norm, as torch's clip_grad_norm_ (an fp16 grad near 65504 would
     overflow an fp16 norm).
     """
-    total = torch.zeros((), dtype=torch.float64, device=device)
+    total: torch.Tensor | None = None
     if grads:
         grouped = torch._C._group_tensors_by_device_and_dtype([list(grads)], False)
         for lists, _ in grouped.values():
             norms = torch._foreach_norm(lists[0], 2, dtype=torch.float32)  # type: ignore[arg-type]
-            part = torch.stack(norms).double().square().sum()
-            total = total + part.to(device)
+            squares = torch.empty(len(norms), dtype=torch.float64, device=norms[0].device)
+            part = torch.stack(norms, out=squares).square_().sum()  # in fp64, as stacked
+            total = part if total is None else total + part.to(device)
+    if total is None:
+        total = torch.zeros((), dtype=torch.float64, device=device)
+    if carried is None:  # the grads are unscaled: the sum as it is
+        return total.to(device)
     factor = carried.to(device).double().reshape(())
-    return total / factor.square()
+    return total.to(device) / factor.square()

@@ -505,7 +505,7 @@ class GradScaler(TorchGradScalerSurface):
                         )
             if self._spike is not None:  # this rank's loss and grad norm, in its own slots
                 every = optimizer_grads(optimizer) if report.covered else grads
-                carried = self._unit(scale) if unscale else scale
+                carried = None if unscale else scale  # None: unscaled grads
                 tail = self._spike.tail(
                     every, carried, device, _dist.rank(group), _dist.world_size(group)
                 )
@@ -897,7 +897,7 @@ class GradScaler(TorchGradScalerSurface):
         for state in states:
             if state.spike is not None and state.spike_values is not None:
                 assert state.skip is not None  # noqa: S101 - decided with the spike
-                self._spike.push(state.spike_values, state.spike, state.skip <= 0)
+                self._spike.push(state.spike_values, state.spike, state.skip)
                 skip = state.skip
         self._spike.end_iteration()
         return skip

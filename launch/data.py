@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from dscale.bench._scaling_models import batches
+from dscale.models import token_batches
 
 Batches = Callable[[int], torch.Tensor]
 
@@ -28,9 +28,9 @@ def synthetic_batches(
 ) -> Batches:
     """Sequences that follow ``next = (7 * prev + 3) % vocab`` except for ``noise`` of the bytes.
 
-    The library's (``dscale.bench``), so the scaling benchmark trains on the same data.
+    The library's (``dscale.models``), so the scaling benchmark trains on the same data.
     """
-    return batches(seed, seq_len, batch_size, noise, vocab_size, rank=rank)
+    return token_batches(seed, seq_len, batch_size, noise, vocab_size, rank=rank)
 
 
 def text_batches(seed: int, rank: int, seq_len: int, batch_size: int, path: str) -> Batches:

@@ -1,7 +1,7 @@
 """The two models the job can train: a tiny per-token MLP and a small GPT-style transformer.
 
 Both map token ids ``(batch, seq)`` to logits ``(batch, seq, vocab)``; their ``blocks()`` are the
-units that FSDP2 shards. They live in the library (``dscale.bench``), so that
+units that FSDP2 shards. They live in the library (``dscale.models``), so that
 ``python -m dscale.bench scaling`` trains exactly these models; the launcher only builds them.
 """
 
@@ -11,7 +11,7 @@ from typing import Any
 
 from torch import nn
 
-from dscale.bench._scaling_models import GPT, MLP
+from dscale.models import GPT, MLP
 
 __all__ = ["GPT", "MLP", "build_model"]
 

@@ -193,6 +193,8 @@ def test_device_path_runs_only_the_device_rows(tmp_path, capsys) -> None:
     assert rows == [(8, "fused"), (8, "foreach"), (200, "fused"), (200, "foreach")]
     assert {"single", "phases", "unscale_pass", "sweep", "distributed"}.isdisjoint(out)
     assert "dscale_device/torch" in capsys.readouterr().out
+    for s in out["device_path"]:  # issue 34's ratio: predictive's overhead over the dynamic one
+        assert set(s["ratios"]["dscale_predictive/dscale_device"]) >= INTERVAL_KEYS
 
 
 @pytest.mark.parametrize("bad", ["8x4:sgd", "8:sgd:fused", "0x4:sgd:fused", "8x4:lamb:fused"])

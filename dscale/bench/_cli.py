@@ -10,7 +10,6 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -81,16 +80,6 @@ def machine_info(device: torch.device) -> dict[str, Any]:
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
     return info
-
-
-def _single_rank_group(tmp: str) -> None:
-    """ShardedGradScaler all-reduces even alone: give it a 1-rank gloo group (dscale skips it)."""
-    store = dist.FileStore(  # type: ignore[attr-defined]
-        os.path.join(tmp, "store"), 1
-    )
-    dist.init_process_group(
-        "gloo", store=store, rank=0, world_size=1, timeout=timedelta(seconds=60)
-    )
 
 
 def run_single(cfg: dict[str, Any], device: torch.device) -> dict[str, Any]:
@@ -177,7 +166,7 @@ def run(
         result["distributed"] = _ranks.run_here(_dist_cfg(cfg, reps))
     else:
         with tempfile.TemporaryDirectory() as tmp:
-            _single_rank_group(tmp)
+            _ranks.single_rank_group(tmp)
             try:
                 if device_path_only:
                     result["device_path"] = _single.device_path(cfg["reps"], dev)

@@ -50,6 +50,16 @@ FUSED_ARMS = (*NO_WRAPPER_ARMS, "sharded_unscaled")
 FUSED_PAIRS = (("dscale", "sharded_unscaled"), *NO_WRAPPER_PAIRS, (FLOOR, "sharded_unscaled"))
 
 
+def single_rank_group(tmp: str) -> None:
+    """ShardedGradScaler all-reduces even alone: give it a 1-rank gloo group (dscale skips it)."""
+    store = dist.FileStore(  # type: ignore[attr-defined]
+        os.path.join(tmp, "store"), 1
+    )
+    dist.init_process_group(
+        "gloo", store=store, rank=0, world_size=1, timeout=timedelta(seconds=60)
+    )
+
+
 def _mlp(width: int, depth: int) -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(*[nn.Linear(width, width) for _ in range(depth)])

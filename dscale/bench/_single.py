@@ -111,7 +111,12 @@ def step_overhead(
 # Device path: few small tensors, where each launch (dispatch) is the cost, at two counts.
 DEVICE_PATH_ROWS = ((8, 4096, "adamw"), (200, 4096, "adamw"))
 DEVICE_PATH_SCALERS = (*DEVICE_PATH_ARMS, "torch", "torch_aa")
-DEVICE_PATH_PAIRS = (*((name, "torch") for name in DEVICE_PATH_ARMS), ("torch_aa", "torch"))
+DEVICE_PATH_PAIRS = (
+    *((name, "torch") for name in DEVICE_PATH_ARMS),
+    ("torch_aa", "torch"),
+    # What predictive costs over the dynamic rule on the same path (issue 34: <= 1.5 on the CPU).
+    ("dscale_predictive", "dscale_device"),
+)
 
 
 def device_path(reps: int, device: torch.device) -> list[dict[str, Any]]:
