@@ -78,7 +78,13 @@ def _same(shown: str, printed: str) -> bool:
 
 def _check_figures(shown: str, printed: str, clone: Path) -> list[str]:
     """The output block's lines that the command did not print (paths read as ``...``)."""
-    lines = [ln.strip() for ln in printed.replace(str(clone), "...").splitlines()]
+    # Ranks print to one terminal, so one rank's line can land in the middle of another's
+    # ("...100 stepsrank 0: loss..."): a line is also cut where a rank's line starts.
+    lines = [
+        piece.strip()
+        for ln in printed.replace(str(clone), "...").splitlines()
+        for piece in re.split(r"(?<=\S)(?=rank \d+: )", ln)
+    ]
     wanted = [ln.strip() for ln in shown.splitlines() if ln.strip() not in ("", "...")]
     return [w for w in wanted if not _VARIES.search(w) and not any(_same(w, ln) for ln in lines)]
 
