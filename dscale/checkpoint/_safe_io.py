@@ -7,7 +7,8 @@ on every rank (pytorch/pytorch#189308; DCP assumes a trusted environment). Here:
 * ``.metadata`` goes through an unpickler that resolves exact ``(module, name)`` pairs only, the
   globals torch 2.13's FileSystemWriter writes, and refuses dotted names (protocol 4 resolves
   ``os.system`` inside any allowed module). The result is then checked to be DCP metadata whose
-  storage entries name plain files of the folder.
+  storage entries name plain files of the folder, stored through no transform (DCP would
+  decompress a ``stream.zstd`` record where zstandard is installed, unbounded by the disk bytes).
 * values go through ``torch.load(weights_only=True)``, tensors and non-tensors alike, after
   their zip is checked to be stored as torch.save writes it (no inflating past the disk bytes).
 * every refusal is a CheckpointError naming the file.
@@ -107,6 +108,13 @@ def _check_metadata(metadata: Any) -> Metadata:
                 f"storage entry {index.fqn!r} points at {info.relative_path!r}, "
                 "not a __<rank>_<n>.distcp file of this folder"
             )
+        if info.transform_descriptors:
+            # DCP would decompress it (stream.zstd, where zstandard or pyzstd is installed):
+            # an allocation that the bytes on disk do not bound, and no check of its zip.
+            raise ValueError(
+                f"storage entry {index.fqn!r} is stored through the transforms "
+                f"{list(info.transform_descriptors)!r}, and dscale.checkpoint writes none"
+            )
     return metadata
 
 
@@ -150,8 +158,8 @@ class SafeReader(FileSystemReader):
         with self.fs.create_stream(path, "rb") as stream:
             for item in items:
                 info = self.storage_data[item.storage_index]
-                if not info.transform_descriptors:  # as torch.save wrote it: a zip
-                    check_stored(_Window(stream, info.offset, info.length), info.length)
+                # As torch.save wrote it: a zip (_check_metadata refused any transform).
+                check_stored(_Window(stream, info.offset, info.length), info.length)
                 raw = self.transforms.transform_load_stream(
                     item, info.transform_descriptors or (), self._slice_file(stream, info)
                 )

@@ -8,6 +8,7 @@ the file, leave the model as it was, and never create the marker.
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
 import re
@@ -268,5 +269,57 @@ def test_a_record_inflating_past_its_bytes_on_disk_is_refused(tmp_path):
     model = make_model(seed=5)
     before = params(model)
     with pytest.raises(CheckpointError, match=rf"{file_name} holds a value.*unpacks \d+ bytes to "):
+        load_checkpoint(folder, model=model)
+    assert all(torch.equal(before[k], v) for k, v in params(model).items())
+
+
+class _ZlibAsZstandard:
+    """A stand-in for the ``zstandard`` module (not installed here): DCP's ZStandard extension
+    calls ``ZstdDecompressor().stream_reader(stream)``; this one inflates zlib, which packs
+    zeros as well as zstd does."""
+
+    class ZstdDecompressor:
+        def stream_reader(self, stream):
+            import io
+            import zlib
+
+            return io.BytesIO(zlib.decompress(stream.read()))
+
+
+def test_a_record_declaring_a_decompressing_transform_is_refused(tmp_path, monkeypatch):
+    """DCP decompresses a record whose ``.metadata`` entry lists ``stream.zstd`` when zstandard
+    or pyzstd is installed, and the stored-zip check was skipped for such a record: 0.3 MB on
+    disk inflated to a 256 MiB storage behind a view of the weight's shape, and loaded (zeros).
+    dscale.checkpoint writes no transforms, so one is refused. Oracle: the same record without
+    the transform is refused by the stored-zip check; the model is unchanged either way."""
+    import zlib
+
+    from torch.distributed.checkpoint import _extension
+
+    monkeypatch.setattr(_extension, "zstandard", _ZlibAsZstandard)
+    CheckpointManager(tmp_path / "ckpt").save(1, model=make_model())
+    folder = tmp_path / "ckpt" / "step-1"
+    storage = torch.zeros(64 << 20)  # 256 MiB, saved whole behind the view
+    buffer = io.BytesIO()
+    torch.save(storage[:32].view(8, 4), buffer)  # a stored zip, as torch.save writes it
+    record = zlib.compress(buffer.getvalue(), 9)
+    assert len(record) < 1 << 20
+    file_name = plant(folder, "model.0.weight", record)
+    metadata = FileSystemReader(folder).read_metadata()
+    (index,) = [i for i in metadata.storage_data if i.fqn == "model.0.weight"]
+    metadata.storage_data[index].transform_descriptors = ["stream.zstd/1"]
+    metadata.storage_meta = None
+    (folder / ".metadata").write_bytes(pickle.dumps(metadata, protocol=4))
+    reseal(folder)
+    model = make_model(seed=5)
+    before = params(model)
+    with pytest.raises(CheckpointError, match=r"stream\.zstd.*dscale\.checkpoint writes none"):
+        load_checkpoint(folder, model=model)
+    assert all(torch.equal(before[k], v) for k, v in params(model).items())
+    # Oracle: without the transform the same bytes are not a stored zip, and are refused.
+    metadata.storage_data[index].transform_descriptors = None
+    (folder / ".metadata").write_bytes(pickle.dumps(metadata, protocol=4))
+    reseal(folder)
+    with pytest.raises(CheckpointError, match=rf"{file_name} holds a value"):
         load_checkpoint(folder, model=model)
     assert all(torch.equal(before[k], v) for k, v in params(model).items())
