@@ -220,16 +220,25 @@ def check_stored(record: Any, length: int) -> None:
 
     torch.save stores its entries uncompressed, but torch.load also inflates compressed ones:
     a 260 kB record could unpack a 256 MiB storage behind a tensor of the model's shape, an
-    allocation the bytes on disk do not bound. Only the zip's directory is read.
+    allocation the bytes on disk do not bound. Entries together must fit in the record too:
+    a directory whose entries all point at the same stored bytes (a 1 MB record naming 300
+    storages) made torch.load allocate 300 MB. Only the zip's directory is read.
     """
     try:
         with zipfile.ZipFile(record) as archive:
+            total = 0
             for entry in archive.infolist():
                 if entry.compress_type != zipfile.ZIP_STORED or entry.file_size > length:
                     raise ValueError(
                         f"its entry {entry.filename} unpacks {entry.compress_size} bytes to "
                         f"{entry.file_size} (compression {entry.compress_type}); torch.save "
                         "writes every entry stored, as it is"
+                    )
+                total += entry.file_size
+                if total > length:
+                    raise ValueError(
+                        f"its entries up to {entry.filename} hold {total} bytes, more than the "
+                        f"record's {length}: they overlap, which torch.save never writes"
                     )
     except zipfile.BadZipFile as exc:
         raise ValueError(f"it is not a torch.save record ({exc})") from None

@@ -27,6 +27,7 @@ from tests.checkpoint._hostile import (
     corpus,
     deflated,
     hostile_folders_on_two_ranks,
+    overlapping,
     plant,
     records_by_file,
     torch_saved,
@@ -322,4 +323,41 @@ def test_a_record_declaring_a_decompressing_transform_is_refused(tmp_path, monke
     reseal(folder)
     with pytest.raises(CheckpointError, match=rf"{file_name} holds a value"):
         load_checkpoint(folder, model=model)
+    assert all(torch.equal(before[k], v) for k, v in params(model).items())
+
+
+def test_a_record_whose_zip_entries_overlap_is_refused_before_torch_load(tmp_path, monkeypatch):
+    """The overlapping-files zip bomb: a 1 MB stored record whose directory names 300 storages,
+    all pointing at the same stored bytes. Each entry is stored and fits in the record, so the
+    stored-zip check let it through and torch.load allocated 300 MB (a list, refused only
+    after). Oracle: torch.load itself on the record, which returns 300 distinct storages."""
+    import io as _io
+
+    from dscale.checkpoint import _safe_io
+
+    record = overlapping(1 << 18, 300)  # 1 MiB of floats, 300 names for it
+    assert len(record) < 2 << 20
+    direct = torch.load(_io.BytesIO(record), weights_only=True)
+    assert len({t.untyped_storage().data_ptr() for t in direct}) == 300
+    del direct
+    loaded_bytes = []
+    real_load = torch.load
+
+    def spy(*args, **kwargs):
+        obj = real_load(*args, **kwargs)
+        tensors = obj if isinstance(obj, list) else [obj] if torch.is_tensor(obj) else []
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+        loaded_bytes.append(sum(storages.values()))
+        return obj
+
+    monkeypatch.setattr(_safe_io.torch, "load", spy)
+    CheckpointManager(tmp_path / "ckpt").save(1, model=make_model())
+    folder = tmp_path / "ckpt" / "step-1"
+    file_name = plant(folder, "model.0.weight", record)
+    model = make_model(seed=5)
+    before = params(model)
+    with pytest.raises(CheckpointError) as refused:
+        load_checkpoint(folder, model=model)
+    assert max(loaded_bytes, default=0) < 1 << 20, f"torch.load allocated {max(loaded_bytes)}"
+    assert re.search(rf"{file_name} holds a value.*they overlap", str(refused.value))
     assert all(torch.equal(before[k], v) for k, v in params(model).items())
