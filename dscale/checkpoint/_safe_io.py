@@ -329,7 +329,8 @@ def load_scaler_file(scaler: Any, path: str | pathlib.Path) -> None:
     """Load a scaler state dict saved with ``torch.save(scaler.state_dict(), path)``.
 
     This is how a ``torch.amp.GradScaler`` state is usually stored. It loads with
-    ``weights_only=True``, so a file holding anything but plain values is refused.
+    ``weights_only=True``, so a file holding anything but plain values is refused, and its zip
+    must be stored as torch.save writes it (a few kB could otherwise inflate to GiB).
 
     Raises:
         CheckpointError: the file is missing, unreadable, or not a scaler state dict.
@@ -341,6 +342,9 @@ def load_scaler_file(scaler: Any, path: str | pathlib.Path) -> None:
             "file written by torch.save(scaler.state_dict(), path)"
         )
     try:
+        if zipfile.is_zipfile(file):  # torch.save's format since torch 1.6
+            with file.open("rb") as stream:
+                check_stored(stream, file.stat().st_size)
         state = torch.load(file, weights_only=True, map_location="cpu")
     except Exception as exc:
         raise CheckpointError(

@@ -361,3 +361,41 @@ def test_a_record_whose_zip_entries_overlap_is_refused_before_torch_load(tmp_pat
     assert max(loaded_bytes, default=0) < 1 << 20, f"torch.load allocated {max(loaded_bytes)}"
     assert re.search(rf"{file_name} holds a value.*they overlap", str(refused.value))
     assert all(torch.equal(before[k], v) for k, v in params(model).items())
+
+
+def test_a_scaler_file_inflating_past_its_bytes_is_refused_before_torch_load(tmp_path, monkeypatch):
+    """load_scaler_file (a torch-saved scaler state dict) had no stored-zip check: a 0.3 MB
+    file whose 'scale' is a view of a deflated 256 MiB storage made torch.load allocate it.
+    Oracle: torch.load on the same file returns that storage; the scaler is unchanged."""
+    import zipfile
+
+    from dscale.checkpoint import _safe_io, load_scaler_file
+
+    storage = torch.zeros(64 << 20)
+    storage[0] = 1024.0
+    state = {"scale": storage[:1], "growth_factor": 2.0, "backoff_factor": 0.5}
+    state |= {"growth_interval": 2000, "_growth_tracker": 0}
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    src = zipfile.ZipFile(io.BytesIO(buffer.getvalue()))
+    file = tmp_path / "scaler.pt"
+    with zipfile.ZipFile(file, "w") as dst:
+        for info in src.infolist():
+            kind = zipfile.ZIP_DEFLATED if "/data/" in info.filename else zipfile.ZIP_STORED
+            dst.writestr(info.filename, src.read(info), compress_type=kind)
+    assert file.stat().st_size < 1 << 20
+    loaded = torch.load(file, weights_only=True)["scale"]
+    assert loaded.untyped_storage().nbytes() == 256 << 20
+    del loaded
+    calls = []
+    real_load = torch.load
+    monkeypatch.setattr(
+        _safe_io.torch, "load", lambda *a, **k: calls.append(a) or real_load(*a, **k)
+    )
+    scaler = make_scaler(init_scale=8.0)
+    before = scaler.state_dict()
+    with pytest.raises(CheckpointError) as refused:
+        load_scaler_file(scaler, file)
+    assert calls == [], "torch.load read the file"
+    assert re.search(r"scaler\.pt cannot be loaded.*unpacks", str(refused.value))
+    assert scaler.state_dict() == before
