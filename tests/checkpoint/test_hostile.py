@@ -399,3 +399,39 @@ def test_a_scaler_file_inflating_past_its_bytes_is_refused_before_torch_load(tmp
     assert calls == [], "torch.load read the file"
     assert re.search(r"scaler\.pt cannot be loaded.*unpacks", str(refused.value))
     assert scaler.state_dict() == before
+
+
+def test_a_sparse_data_file_that_no_record_names_is_refused_before_it_is_hashed(
+    tmp_path, monkeypatch
+):
+    """Holes were looked for only in data files that ``.metadata`` names: a 1 GiB sparse
+    ``__7_0.distcp`` (4 kB on disk) listed in the manifest loaded, after every rank had hashed
+    all of it (16 TiB on ext4 would take hours). Oracle: the same file written densely (a
+    small one) is hashed and loads; the sparse one is refused before any data file is read."""
+    from dscale.checkpoint import _hashing
+
+    CheckpointManager(tmp_path / "ckpt").save(1, model=make_model())
+    folder = tmp_path / "ckpt" / "step-1"
+    extra = folder / "__7_0.distcp"
+    extra.write_bytes(b"x" * 4096)  # dense: hashed, and loads
+    reseal(folder)
+    assert load_checkpoint(folder, model=make_model(seed=5)) == 1
+    os.truncate(extra, 1 << 30)  # the rest a hole
+    if os.stat(extra).st_blocks * 512 >= 1 << 30:
+        pytest.skip("this filesystem does not make sparse files")
+    reseal(folder)
+    hashed = []
+    real_verify = _hashing.verify_share
+    monkeypatch.setattr(
+        "dscale.checkpoint._load.verify_share",
+        lambda path, entries, *a, **k: (
+            hashed.extend(name for _, name in entries if name.startswith("__"))
+            or real_verify(path, entries, *a, **k)
+        ),
+    )
+    model = make_model(seed=5)
+    before = params(model)
+    with pytest.raises(CheckpointError, match=r"__7_0\.distcp is a sparse file.*no record"):
+        load_checkpoint(folder, model=model)
+    assert hashed == []
+    assert all(torch.equal(before[k], v) for k, v in params(model).items())
