@@ -14,7 +14,7 @@ data is read. Here, with ``os.lstat`` only (nothing is opened):
   size (``st_blocks``) is asked for its holes (``SEEK_HOLE``); a hole is accepted only inside
   the data of a tensor record (its size is then checked against the model's own, and a
   filesystem that compresses may store zeros as holes), never in ``.metadata``, the manifest,
-  a pickled value or after the last record.
+  a pickled value, after the last record or in a data file that no record names.
 
 Hard links are accepted: a hard link reads the same checked bytes as a copy (and Linux's
 ``protected_hardlinks`` keeps one from reaching a file its creator could not read), and a save
