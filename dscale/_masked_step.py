@@ -5,13 +5,15 @@ value from before the step wherever the agreed overflow flag is set. No ``.item(
 plain optimizers step without a host sync. The price is a copy of the parameters and the optimizer
 state per step (memory: one extra copy of both; time: one read and two writes of each).
 
-Exactly equal to skipping, with two host reads of the flag by construction:
+Exactly equal to skipping, with these host reads of the flag by construction:
 - the step that creates optimizer state (normally the first one) reads the flag once: state that a
   skipped step created is removed, as if the step never ran, and no device-side value can stand
   for "absent" (SGD's momentum buffer starts as the grad, ASGD's eta as the lr, ...);
 - a state tensor kept on the CPU while the flag is on a GPU (Adam's ``step`` without
   ``capturable=True``) needs the flag on the host each step; ``capturable=True`` or ``fused=True``
-  avoid it.
+  avoid it;
+- a sparse state tensor (SGD's momentum buffer for sparse grads) has no masked copy on the device:
+  the flag is read on the host each step, and a skipped step puts the saved copy back.
 State that is not a tensor (a Python int ``step``) cannot be put back on the device: such an
 optimizer is refused at its first step with an error that names it.
 """
@@ -45,6 +47,10 @@ class _SkipMask:
         if device not in self.on:
             self.on[device] = copy_to(self.found_inf, device) > 0
         return self.on[device]
+
+    def on_host(self) -> bool:
+        """The flag on the host (a host sync on GPU): for state no device op can mask."""
+        return bool(self.found_inf.item() > 0)
 
 
 @dataclasses.dataclass
@@ -216,6 +222,12 @@ def _masked_step_per_tensor(
                     continue
                 original, saved = before[key]
                 if isinstance(value, torch.Tensor) and isinstance(saved, torch.Tensor):
+                    if value.layout != torch.strided or saved.layout != torch.strided:
+                        # A sparse buffer (SGD's momentum for sparse grads): no where() for
+                        # it, so the flag is read on the host; the saved copy goes back whole.
+                        if skip.on_host():
+                            state[key] = saved
+                        continue
                     restored = torch.where(skip(value.device), saved, value)
                     if value is original:
                         value.copy_(restored)

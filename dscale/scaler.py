@@ -1060,20 +1060,20 @@ class GradScaler(TorchGradScalerSurface):
         values = _snapshot_dict(self._book.read() if wait else self._book.latest())
         predictive = self._predictive
         if predictive is not None:  # grad_max_abs, target_scale, margin_log2, underflow
-            raw = (
-                self._book.words_now(predictive.pos["window"])
-                if wait
-                else self._book.latest_words()
-            )
-            if raw is None:
-                telemetry = predictive.telemetry
-            else:
-                words, rows, policy, pos = raw
-                telemetry = predictive.telemetry_from(words, rows, pos, policy)
-            values.update(predictive.snapshot(telemetry))
+            values.update(predictive.snapshot(self._telemetry(predictive, wait=wait)))
         if self._spike is not None:  # spike_skipped_steps, _in_a_row, _window_values, values
             values.update(self._spike.snapshot(wait=wait))
         return values
+
+    def _telemetry(
+        self, predictive: _predictive_state.PredictiveScaling, *, wait: bool = True
+    ) -> _predictive.Telemetry:
+        """policy="predictive"'s telemetry of the last update, from the device if it is there."""
+        raw = self._book.words_now(predictive.pos["window"]) if wait else self._book.latest_words()
+        if raw is None:
+            return predictive.telemetry
+        words, rows, policy, pos = raw
+        return predictive.telemetry_from(words, rows, pos, policy)
 
     def get_scale(self) -> float:
         """The current scale as a Python float (1.0 when disabled).
@@ -1199,6 +1199,8 @@ class GradScaler(TorchGradScalerSurface):
         state["_scale_for_step"] = None
         # Hooks are registered on live models; a copy must attach() again.
         state["_hooks"] = ReductionHooks()
+        if self._enabled and self._predictive is not None:  # the last update's (rings are kept)
+            state["_predictive_telemetry"] = self._telemetry(self._predictive)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -1215,8 +1217,11 @@ class GradScaler(TorchGradScalerSurface):
         )
         for name, default in defaults:
             state.setdefault(name, default)  # pickled before these existed
+        telemetry = state.pop("_predictive_telemetry", None)
         self.__dict__.update(state)
         predictive = getattr(self, "_predictive", None)
+        if predictive is not None and telemetry is not None:
+            predictive.telemetry = telemetry
         if predictive is not None:  # its device words, sized by this version's layout
             lengths = predictive.lengths
             self._book.tail_words = _predictive_state.tail_words(

@@ -14,7 +14,7 @@ data is read. Here, with ``os.lstat`` only (nothing is opened):
   size (``st_blocks``) is asked for its holes (``SEEK_HOLE``); a hole is accepted only inside
   the data of a tensor record (its size is then checked against the model's own, and a
   filesystem that compresses may store zeros as holes), never in ``.metadata``, the manifest,
-  a pickled value or after the last record.
+  a pickled value, after the last record or in a data file that no record names.
 
 Hard links are accepted: a hard link reads the same checked bytes as a copy (and Linux's
 ``protected_hardlinks`` keeps one from reaching a file its creator could not read), and a save
@@ -175,12 +175,17 @@ def check_declared_sizes(path: Path, metadata: Metadata, sizes: dict[str, int]) 
                 f"{path / '.metadata'} declares {fqn!r} as {tuple(meta.size)} ({declared} "
                 f"bytes) but its chunks hold {covered} bytes"
             )
-    _check_holes(path, metadata)
+    _check_holes(path, metadata, sizes)
 
 
-def _check_holes(path: Path, metadata: Metadata) -> None:
-    """Raise unless every hole of a data file lies inside the data of one tensor record."""
-    records: dict[str, list[tuple[int, int, int, str]]] = {}
+def _check_holes(path: Path, metadata: Metadata, sizes: dict[str, int]) -> None:
+    """Raise unless every hole of a data file lies inside the data of one tensor record.
+
+    Data files that no record names count too: the manifest has them hashed, all through.
+    """
+    records: dict[str, list[tuple[int, int, int, str]]] = {
+        name: [] for name in sizes if name.startswith("__")
+    }
     for index, info in metadata.storage_data.items():
         meta = metadata.state_dict_metadata.get(index.fqn)
         data = 0  # bytes of the record that may be holes: a tensor chunk's data, never pickles

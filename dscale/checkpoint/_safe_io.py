@@ -7,7 +7,8 @@ on every rank (pytorch/pytorch#189308; DCP assumes a trusted environment). Here:
 * ``.metadata`` goes through an unpickler that resolves exact ``(module, name)`` pairs only, the
   globals torch 2.13's FileSystemWriter writes, and refuses dotted names (protocol 4 resolves
   ``os.system`` inside any allowed module). The result is then checked to be DCP metadata whose
-  storage entries name plain files of the folder.
+  storage entries name plain files of the folder, stored through no transform (DCP would
+  decompress a ``stream.zstd`` record where zstandard is installed, unbounded by the disk bytes).
 * values go through ``torch.load(weights_only=True)``, tensors and non-tensors alike, after
   their zip is checked to be stored as torch.save writes it (no inflating past the disk bytes).
 * every refusal is a CheckpointError naming the file.
@@ -107,6 +108,13 @@ def _check_metadata(metadata: Any) -> Metadata:
                 f"storage entry {index.fqn!r} points at {info.relative_path!r}, "
                 "not a __<rank>_<n>.distcp file of this folder"
             )
+        if info.transform_descriptors:
+            # DCP would decompress it (stream.zstd, where zstandard or pyzstd is installed):
+            # an allocation that the bytes on disk do not bound, and no check of its zip.
+            raise ValueError(
+                f"storage entry {index.fqn!r} is stored through the transforms "
+                f"{list(info.transform_descriptors)!r}, and dscale.checkpoint writes none"
+            )
     return metadata
 
 
@@ -150,8 +158,8 @@ class SafeReader(FileSystemReader):
         with self.fs.create_stream(path, "rb") as stream:
             for item in items:
                 info = self.storage_data[item.storage_index]
-                if not info.transform_descriptors:  # as torch.save wrote it: a zip
-                    check_stored(_Window(stream, info.offset, info.length), info.length)
+                # As torch.save wrote it: a zip (_check_metadata refused any transform).
+                check_stored(_Window(stream, info.offset, info.length), info.length)
                 raw = self.transforms.transform_load_stream(
                     item, info.transform_descriptors or (), self._slice_file(stream, info)
                 )
@@ -212,16 +220,25 @@ def check_stored(record: Any, length: int) -> None:
 
     torch.save stores its entries uncompressed, but torch.load also inflates compressed ones:
     a 260 kB record could unpack a 256 MiB storage behind a tensor of the model's shape, an
-    allocation the bytes on disk do not bound. Only the zip's directory is read.
+    allocation the bytes on disk do not bound. Entries together must fit in the record too:
+    a directory whose entries all point at the same stored bytes (a 1 MB record naming 300
+    storages) made torch.load allocate 300 MB. Only the zip's directory is read.
     """
     try:
         with zipfile.ZipFile(record) as archive:
+            total = 0
             for entry in archive.infolist():
                 if entry.compress_type != zipfile.ZIP_STORED or entry.file_size > length:
                     raise ValueError(
                         f"its entry {entry.filename} unpacks {entry.compress_size} bytes to "
                         f"{entry.file_size} (compression {entry.compress_type}); torch.save "
                         "writes every entry stored, as it is"
+                    )
+                total += entry.file_size
+                if total > length:
+                    raise ValueError(
+                        f"its entries up to {entry.filename} hold {total} bytes, more than the "
+                        f"record's {length}: they overlap, which torch.save never writes"
                     )
     except zipfile.BadZipFile as exc:
         raise ValueError(f"it is not a torch.save record ({exc})") from None
@@ -312,7 +329,8 @@ def load_scaler_file(scaler: Any, path: str | pathlib.Path) -> None:
     """Load a scaler state dict saved with ``torch.save(scaler.state_dict(), path)``.
 
     This is how a ``torch.amp.GradScaler`` state is usually stored. It loads with
-    ``weights_only=True``, so a file holding anything but plain values is refused.
+    ``weights_only=True``, so a file holding anything but plain values is refused, and its zip
+    must be stored as torch.save writes it (a few kB could otherwise inflate to GiB).
 
     Raises:
         CheckpointError: the file is missing, unreadable, or not a scaler state dict.
@@ -324,6 +342,9 @@ def load_scaler_file(scaler: Any, path: str | pathlib.Path) -> None:
             "file written by torch.save(scaler.state_dict(), path)"
         )
     try:
+        if zipfile.is_zipfile(file):  # torch.save's format since torch 1.6
+            with file.open("rb") as stream:
+                check_stored(stream, file.stat().st_size)
         state = torch.load(file, weights_only=True, map_location="cpu")
     except Exception as exc:
         raise CheckpointError(

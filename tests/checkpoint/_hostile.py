@@ -316,3 +316,41 @@ def hostile_folders_on_two_ranks(rank: int, world: int, root: str) -> dict:
     out["victim_after_save"] = (base / "outside" / "victim").read_bytes()
     out["step_8_loads"] = load_checkpoint(base / "good" / "step-8", model=make_model(seed=3))
     return out
+
+
+def overlapping(n_floats: int, copies: int) -> bytes:
+    """A torch.save zip of ``copies`` float32 tensors of ``n_floats``, whose ``copies`` storage
+    entries all point at one stored entry's bytes (the overlapping-files zip bomb): the record
+    holds one storage, torch.load allocates ``copies``."""
+    import struct
+    import zipfile
+
+    buffer = io.BytesIO()
+    torch.save([torch.ones(n_floats) for _ in range(copies)], buffer)
+    src = zipfile.ZipFile(io.BytesIO(buffer.getvalue()))
+    prefix = src.infolist()[0].filename.split("/")[0] + "/data/"
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as dst:
+        for info in src.infolist():
+            if not info.filename.startswith(prefix) or info.filename == prefix + "0":
+                dst.writestr(info, src.read(info))
+    data = out.getvalue()
+    end = data.rfind(b"PK\x05\x06")
+    directory_size, directory_at = struct.unpack("<II", data[end + 12 : end + 20])
+    directory = data[directory_at : directory_at + directory_size]
+    entries, pos = [], 0
+    while pos < len(directory):
+        name_len, extra_len, comment_len = struct.unpack("<HHH", directory[pos + 28 : pos + 34])
+        size = 46 + name_len + extra_len + comment_len
+        entries.append(directory[pos : pos + size])
+        if directory[pos + 46 : pos + 46 + name_len].decode() == prefix + "0":
+            first = directory[pos : pos + 46]
+        pos += size
+    for i in range(1, copies):  # the same local header, under another name
+        name = f"{prefix}{i}".encode()
+        entries.append(first[:28] + struct.pack("<HHH", len(name), 0, 0) + first[34:] + name)
+    directory = b"".join(entries)
+    tail = struct.pack(
+        "<IHHHHIIH", 0x06054B50, 0, 0, len(entries), len(entries), len(directory), directory_at, 0
+    )
+    return data[:directory_at] + directory + tail

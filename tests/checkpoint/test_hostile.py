@@ -8,6 +8,7 @@ the file, leave the model as it was, and never create the marker.
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
 import re
@@ -26,6 +27,7 @@ from tests.checkpoint._hostile import (
     corpus,
     deflated,
     hostile_folders_on_two_ranks,
+    overlapping,
     plant,
     records_by_file,
     torch_saved,
@@ -269,4 +271,167 @@ def test_a_record_inflating_past_its_bytes_on_disk_is_refused(tmp_path):
     before = params(model)
     with pytest.raises(CheckpointError, match=rf"{file_name} holds a value.*unpacks \d+ bytes to "):
         load_checkpoint(folder, model=model)
+    assert all(torch.equal(before[k], v) for k, v in params(model).items())
+
+
+class _ZlibAsZstandard:
+    """A stand-in for the ``zstandard`` module (not installed here): DCP's ZStandard extension
+    calls ``ZstdDecompressor().stream_reader(stream)``; this one inflates zlib, which packs
+    zeros as well as zstd does."""
+
+    class ZstdDecompressor:
+        def stream_reader(self, stream):
+            import io
+            import zlib
+
+            return io.BytesIO(zlib.decompress(stream.read()))
+
+
+def test_a_record_declaring_a_decompressing_transform_is_refused(tmp_path, monkeypatch):
+    """DCP decompresses a record whose ``.metadata`` entry lists ``stream.zstd`` when zstandard
+    or pyzstd is installed, and the stored-zip check was skipped for such a record: 0.3 MB on
+    disk inflated to a 256 MiB storage behind a view of the weight's shape, and loaded (zeros).
+    dscale.checkpoint writes no transforms, so one is refused. Oracle: the same record without
+    the transform is refused by the stored-zip check; the model is unchanged either way."""
+    import zlib
+
+    from torch.distributed.checkpoint import _extension
+
+    monkeypatch.setattr(_extension, "zstandard", _ZlibAsZstandard)
+    CheckpointManager(tmp_path / "ckpt").save(1, model=make_model())
+    folder = tmp_path / "ckpt" / "step-1"
+    storage = torch.zeros(64 << 20)  # 256 MiB, saved whole behind the view
+    buffer = io.BytesIO()
+    torch.save(storage[:32].view(8, 4), buffer)  # a stored zip, as torch.save writes it
+    record = zlib.compress(buffer.getvalue(), 9)
+    assert len(record) < 1 << 20
+    file_name = plant(folder, "model.0.weight", record)
+    metadata = FileSystemReader(folder).read_metadata()
+    (index,) = [i for i in metadata.storage_data if i.fqn == "model.0.weight"]
+    metadata.storage_data[index].transform_descriptors = ["stream.zstd/1"]
+    metadata.storage_meta = None
+    (folder / ".metadata").write_bytes(pickle.dumps(metadata, protocol=4))
+    reseal(folder)
+    model = make_model(seed=5)
+    before = params(model)
+    with pytest.raises(CheckpointError, match=r"stream\.zstd.*dscale\.checkpoint writes none"):
+        load_checkpoint(folder, model=model)
+    assert all(torch.equal(before[k], v) for k, v in params(model).items())
+    # Oracle: without the transform the same bytes are not a stored zip, and are refused.
+    metadata.storage_data[index].transform_descriptors = None
+    (folder / ".metadata").write_bytes(pickle.dumps(metadata, protocol=4))
+    reseal(folder)
+    with pytest.raises(CheckpointError, match=rf"{file_name} holds a value"):
+        load_checkpoint(folder, model=model)
+    assert all(torch.equal(before[k], v) for k, v in params(model).items())
+
+
+def test_a_record_whose_zip_entries_overlap_is_refused_before_torch_load(tmp_path, monkeypatch):
+    """The overlapping-files zip bomb: a 1 MB stored record whose directory names 300 storages,
+    all pointing at the same stored bytes. Each entry is stored and fits in the record, so the
+    stored-zip check let it through and torch.load allocated 300 MB (a list, refused only
+    after). Oracle: torch.load itself on the record, which returns 300 distinct storages."""
+    import io as _io
+
+    from dscale.checkpoint import _safe_io
+
+    record = overlapping(1 << 18, 300)  # 1 MiB of floats, 300 names for it
+    assert len(record) < 2 << 20
+    direct = torch.load(_io.BytesIO(record), weights_only=True)
+    assert len({t.untyped_storage().data_ptr() for t in direct}) == 300
+    del direct
+    loaded_bytes = []
+    real_load = torch.load
+
+    def spy(*args, **kwargs):
+        obj = real_load(*args, **kwargs)
+        tensors = obj if isinstance(obj, list) else [obj] if torch.is_tensor(obj) else []
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+        loaded_bytes.append(sum(storages.values()))
+        return obj
+
+    monkeypatch.setattr(_safe_io.torch, "load", spy)
+    CheckpointManager(tmp_path / "ckpt").save(1, model=make_model())
+    folder = tmp_path / "ckpt" / "step-1"
+    file_name = plant(folder, "model.0.weight", record)
+    model = make_model(seed=5)
+    before = params(model)
+    with pytest.raises(CheckpointError) as refused:
+        load_checkpoint(folder, model=model)
+    assert max(loaded_bytes, default=0) < 1 << 20, f"torch.load allocated {max(loaded_bytes)}"
+    assert re.search(rf"{file_name} holds a value.*they overlap", str(refused.value))
+    assert all(torch.equal(before[k], v) for k, v in params(model).items())
+
+
+def test_a_scaler_file_inflating_past_its_bytes_is_refused_before_torch_load(tmp_path, monkeypatch):
+    """load_scaler_file (a torch-saved scaler state dict) had no stored-zip check: a 0.3 MB
+    file whose 'scale' is a view of a deflated 256 MiB storage made torch.load allocate it.
+    Oracle: torch.load on the same file returns that storage; the scaler is unchanged."""
+    import zipfile
+
+    from dscale.checkpoint import _safe_io, load_scaler_file
+
+    storage = torch.zeros(64 << 20)
+    storage[0] = 1024.0
+    state = {"scale": storage[:1], "growth_factor": 2.0, "backoff_factor": 0.5}
+    state |= {"growth_interval": 2000, "_growth_tracker": 0}
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    src = zipfile.ZipFile(io.BytesIO(buffer.getvalue()))
+    file = tmp_path / "scaler.pt"
+    with zipfile.ZipFile(file, "w") as dst:
+        for info in src.infolist():
+            kind = zipfile.ZIP_DEFLATED if "/data/" in info.filename else zipfile.ZIP_STORED
+            dst.writestr(info.filename, src.read(info), compress_type=kind)
+    assert file.stat().st_size < 1 << 20
+    loaded = torch.load(file, weights_only=True)["scale"]
+    assert loaded.untyped_storage().nbytes() == 256 << 20
+    del loaded
+    calls = []
+    real_load = torch.load
+    monkeypatch.setattr(
+        _safe_io.torch, "load", lambda *a, **k: calls.append(a) or real_load(*a, **k)
+    )
+    scaler = make_scaler(init_scale=8.0)
+    before = scaler.state_dict()
+    with pytest.raises(CheckpointError) as refused:
+        load_scaler_file(scaler, file)
+    assert calls == [], "torch.load read the file"
+    assert re.search(r"scaler\.pt cannot be loaded.*unpacks", str(refused.value))
+    assert scaler.state_dict() == before
+
+
+def test_a_sparse_data_file_that_no_record_names_is_refused_before_it_is_hashed(
+    tmp_path, monkeypatch
+):
+    """Holes were looked for only in data files that ``.metadata`` names: a 1 GiB sparse
+    ``__7_0.distcp`` (4 kB on disk) listed in the manifest loaded, after every rank had hashed
+    all of it (16 TiB on ext4 would take hours). Oracle: the same file written densely (a
+    small one) is hashed and loads; the sparse one is refused before any data file is read."""
+    from dscale.checkpoint import _hashing
+
+    CheckpointManager(tmp_path / "ckpt").save(1, model=make_model())
+    folder = tmp_path / "ckpt" / "step-1"
+    extra = folder / "__7_0.distcp"
+    extra.write_bytes(b"x" * 4096)  # dense: hashed, and loads
+    reseal(folder)
+    assert load_checkpoint(folder, model=make_model(seed=5)) == 1
+    os.truncate(extra, 1 << 30)  # the rest a hole
+    if os.stat(extra).st_blocks * 512 >= 1 << 30:
+        pytest.skip("this filesystem does not make sparse files")
+    reseal(folder)
+    hashed = []
+    real_verify = _hashing.verify_share
+    monkeypatch.setattr(
+        "dscale.checkpoint._load.verify_share",
+        lambda path, entries, *a, **k: (
+            hashed.extend(name for _, name in entries if name.startswith("__"))
+            or real_verify(path, entries, *a, **k)
+        ),
+    )
+    model = make_model(seed=5)
+    before = params(model)
+    with pytest.raises(CheckpointError, match=r"__7_0\.distcp is a sparse file.*no record"):
+        load_checkpoint(folder, model=model)
+    assert hashed == []
     assert all(torch.equal(before[k], v) for k, v in params(model).items())

@@ -184,3 +184,46 @@ def test_grad_max_abs_of_an_overflowed_step_survives_a_fold_and_a_set_scale() ->
     assert math.isnan(expected[1]) and math.isnan(expected[2]), expected  # overflow, then set
     assert expected[3] == 0.0 and expected[4] == 0.0 and expected[5] > 0, expected
     assert _differences(host, device) == [], (expected, got)
+
+
+@pytest.mark.parametrize("on_device", [False, True], ids=["host-path", "device-path"])
+def test_a_pickled_copy_reads_what_the_scaler_reads(on_device) -> None:
+    """pickle and copy.deepcopy kept the rings but dropped what the last update measured: the
+    copy's snapshot() gave grad_max_abs NaN (the value that means "overflowed") and target_scale
+    NaN after an ordinary step. Oracle: the original scaler's snapshot(), every field, every
+    step of a random run (overflows, zero grads, update(new_scale=...)), both paths."""
+    import copy
+    import pickle
+
+    failures = []
+    plan = _plan(seed=3)[:30]
+    for name in ("predictive", "predictive-hysteresis", "predictive-spike"):
+        for stepper, make_opt in STEPPERS.items():
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+            opt = make_opt(model.parameters())
+            kwargs = dict(SCALERS[name], init_scale=2.0**10, sync_free=stepper == "sgd-sync-free")
+            scaler = dscale.GradScaler("cpu", **kwargs)
+            if on_device:
+                decide_on_device(scaler)
+            for step, todo in enumerate(plan):
+                opt.zero_grad()
+                x = torch.randn(4, 6, generator=torch.Generator().manual_seed(step))
+                loss = model(x).square().mean() * (0.0 if todo["empty"] else todo["weight"])
+                scaler.scale(loss).backward()
+                if todo["overflow"]:
+                    model[2].weight.grad[0, 0] = math.inf
+                scaler.step(opt)
+                scaler.update(todo["new_scale"])
+                want = scaler.snapshot()
+                for how, copied in (
+                    ("pickle", pickle.loads(pickle.dumps(scaler))),
+                    ("deepcopy", copy.deepcopy(scaler)),
+                ):
+                    got = copied.snapshot()
+                    failures += [
+                        f"{name} {stepper} step {step} {how} {k}: {want[k]!r} -> {got[k]!r}"
+                        for k in want
+                        if not (want[k] == got[k] or (math.isnan(want[k]) and math.isnan(got[k])))
+                    ]
+    assert not failures, "\n".join(failures[:12]) + f"\n({len(failures)} in all)"
