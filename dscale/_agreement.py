@@ -24,7 +24,8 @@ alike, so every rank sends a vector of the same length.
 from __future__ import annotations
 
 import functools
-from typing import Any, NamedTuple
+import math
+from typing import Any, NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
@@ -117,11 +118,25 @@ def scale_range(agreed: torch.Tensor) -> ScaleRange:
     return ScaleRange(-agreed[NEG_SCALE], agreed[SCALE])
 
 
+class AgreementField(Protocol):
+    """A feature's values riding the vector (``GradScaler.add_agreement_field``).
+
+    ``append_to`` returns ``vector`` with this rank's values for ``optimizer``'s step appended
+    (or ``vector`` itself), the same length on every rank; the field keeps the returned tensor
+    and its offset, and reads the agreed values there once the step is decided.
+    """
+
+    def append_to(self, vector: torch.Tensor, optimizer: Any) -> torch.Tensor: ...
+
+
 def all_reduce_flag(values: torch.Tensor, group: Any) -> Any:
     """Start a MAX all-reduce of the agreement vector ``values`` in place; return its work handle.
 
     MAX, not SUM: one rank's inf must skip the step on every rank, and the flag stays 0 or 1-ish
-    whatever the world size. The call is asynchronous; on NCCL ``work.wait()`` only makes the
-    current CUDA stream wait, so the host never blocks here.
+    whatever the world size. Every field is sanitised first, NaN -> +inf: gloo's and NCCL's MAX
+    drop a NaN sent by a non-zero rank (5.0 wins over NaN from rank 1; MS-AMP PR #58), so a NaN
+    flag, measurement or amax would vanish on the way. The call is asynchronous; on NCCL
+    ``work.wait()`` only makes the current CUDA stream wait, so the host never blocks here.
     """
+    torch.nan_to_num(values, nan=math.inf, posinf=math.inf, neginf=-math.inf, out=values)
     return dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group, async_op=True)

@@ -1,0 +1,19 @@
+"""FP8 training on torchao's float8 kernels, with dscale's agreement (``pip install dscale[fp8]``).
+
+:func:`convert_to_float8` swaps a model's linears (torchao's tensorwise or rowwise recipe);
+:class:`WeightScales` agrees FSDP2 float8 all-gather weight scales inside the scaler's one
+collective. Importing this package does not import torchao; the calls do (ImportError with the
+install line when it is missing). See docs/fp8.md.
+"""
+
+from dscale.fp8._bound import adam_update_bound
+from dscale.fp8._convert import Float8Conversion, convert_to_float8
+from dscale.fp8._weight_scales import LayoutMismatchError, WeightScales
+
+__all__ = [
+    "Float8Conversion",
+    "LayoutMismatchError",
+    "WeightScales",
+    "adam_update_bound",
+    "convert_to_float8",
+]
