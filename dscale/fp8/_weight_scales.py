@@ -102,9 +102,12 @@ class WeightScales:
         self.num_nonfinite = 0
         self._sent: torch.Tensor | None = None
         self._offset = 0
-        self._set_exact_scales()
-        for wrapper, view in zip(self._wrappers, self.scales.unbind()):
-            wrapper._precomputed_scale = view
+        if self.bounded:
+            self._set_exact_scales()
+            for wrapper, view in zip(self._wrappers, self.scales.unbind()):
+                wrapper._precomputed_scale = view
+        else:
+            self._precompute()
         self._unregister = scaler.register_step_callback(self._after_step)
         if self.bounded:
             scaler.add_agreement_field(self)
@@ -130,10 +133,7 @@ class WeightScales:
         if optimizer is not self._optimizer or not self._locals:
             return
         if not self.bounded:
-            _torchao.fsdp_utils().precompute_float8_dynamic_scale_for_fsdp(self._model)
-            for wrapper, view in zip(self._wrappers, self.scales.unbind()):
-                view.copy_(wrapper._precomputed_scale)
-                wrapper._precomputed_scale = view
+            self._precompute()
             return
         assert self._sent is not None  # noqa: S101 - append_to ran in this step's check
         amax = self._sent[self._offset : self._offset + len(self._locals)].double()
@@ -152,14 +152,21 @@ class WeightScales:
             )
         self.scales.copy_(torch.where(good, new, self.scales.double()))
 
+    def _precompute(self) -> None:
+        """torchao's precompute (its own all-reduce), its scales kept as views of ``scales``."""
+        _torchao.fsdp_utils().precompute_float8_dynamic_scale_for_fsdp(self._model)
+        for wrapper, view in zip(self._wrappers, self.scales.unbind()):
+            view.copy_(wrapper._precomputed_scale)
+            wrapper._precomputed_scale = view
+
     def _set_exact_scales(self) -> None:
-        """Exact scales from the whole weights' amax (one collective: at construction/load)."""
+        """Scales from the whole weights' amax, less the margin (one collective, once)."""
         if not self._locals:
             return
         local = torch.stack(torch._foreach_norm(self._locals, math.inf)).double().tolist()
         per_rank = _dist.all_gather_floats(local, self._group)
         amax = torch.tensor(per_rank, dtype=torch.float64).nan_to_num(nan=math.inf).amax(0)
-        exact = self.fp8_max / amax.clamp(min=AMAX_FLOOR)
+        exact = self.fp8_max / (amax.clamp(min=AMAX_FLOOR) * (1.0 + ROUNDING_MARGIN))
         self.scales.copy_(exact.to(self.scales.device))
 
     # ------------------------------------------------------------------------------ state
