@@ -24,7 +24,9 @@ def allreduces_in(fn) -> int:
 
 def sharded(keep: list[str] | None = None) -> tuple[torch.nn.Module, Any]:
     model = _models.net()
-    conv = fp8.convert_to_float8(model, float8_all_gather=True, keep_high_precision=keep)
+    conv = fp8.convert_to_float8(
+        model, float8_all_gather=True, keep_high_precision=keep, emulate=True
+    )
     for block in model.blocks:
         fully_shard(block)
     fully_shard(model)
