@@ -83,8 +83,7 @@ class WeightScales:
             )
         _dist.gather_then_raise(problem, self._group, "WeightScales", (LayoutMismatchError,))
         self.names = tuple(names)
-        self._locals = [w._local_tensor._tensor for w in weights]
-        self._wrappers = [w._local_tensor for w in weights]
+        self._locals, self._wrappers = _shards(weights)
         group_of = {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
         missing = [n for n, w in zip(names, weights) if id(w) not in group_of]
         if missing:
@@ -171,18 +170,32 @@ class WeightScales:
 
     # ------------------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """``names`` (converted, sharded-in-float8 layers) and ``scales`` in use (floats)."""
-        return {"names": list(self.names), "scales": self.scales.tolist()}
+        """``scales``: the scales the next forward casts with (float32, one per layer, by name).
+
+        They are not the exact scales of the weights (those follow from the weights): they come
+        from the bound, so a resume must use these to cast bit for bit as the run it continues.
+        ``num_layers`` guards against loading another model's.
+        """
+        return {"scales": self.scales.detach().clone().cpu(), "num_layers": len(self.names)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Use the saved scales (same layers), so a resume casts exactly as the run it continues."""
-        names, scales = state.get("names"), state.get("scales")
-        if names != list(self.names) or not isinstance(scales, list) or len(scales) != len(names):
+        """Use the saved scales, so a resume casts exactly as the run it continues.
+
+        Call it after the model's weights are loaded: loading may replace FSDP2's local shards,
+        so the weights' scale views are attached again here.
+        """
+        scales = state.get("scales")
+        if not isinstance(scales, torch.Tensor) or scales.shape != (len(self.names),):
             raise ValueError(
-                f"WeightScales state is for layers {names}, this model's are {list(self.names)}; "
-                "load a checkpoint of the same model and conversion"
+                f"WeightScales state holds {getattr(scales, 'shape', scales)!r} scales, this "
+                f"model has {len(self.names)} float8 all-gather layers {list(self.names)}; load "
+                "a checkpoint of the same model and conversion"
             )
-        self.scales.copy_(torch.tensor(scales, dtype=torch.float32))
+        _, weights = _float8_gathered_weights(self._model)
+        self._locals, self._wrappers = _shards(weights)
+        self.scales.copy_(scales.to(self.scales.device, torch.float32))
+        for wrapper, view in zip(self._wrappers, self.scales.unbind()):
+            wrapper._precomputed_scale = view
 
     def close(self) -> None:
         """Stop updating the scales (the weights keep the last ones)."""
@@ -200,6 +213,11 @@ def _float8_gathered_weights(model: nn.Module) -> tuple[list[str], list[Any]]:
             found.append((_clean(name), weight))
     found.sort(key=lambda item: item[0])
     return [n for n, _ in found], [w for _, w in found]
+
+
+def _shards(weights: list[Any]) -> tuple[list[torch.Tensor], list[Any]]:
+    """Each DTensor weight's local shard as a plain tensor, and its float8 wrapper."""
+    return [w._local_tensor._tensor for w in weights], [w._local_tensor for w in weights]
 
 
 def _clean(name: str) -> str:
