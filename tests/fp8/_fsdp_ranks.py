@@ -107,8 +107,35 @@ def layouts_differ(rank: int) -> str:
     return "no error"
 
 
+def ddp(rank: int, guarded: bool) -> dict[str, Any]:
+    """A float8 model under DDP, with a StepGuard or none (the oracle), 4 steps."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = _models.net()
+    fp8.convert_to_float8(model, emulate=True)
+    wrapped = DistributedDataParallel(model)
+    opt = torch.optim.AdamW(wrapped.parameters(), lr=3e-3)
+    guard = dscale.StepGuard("cpu") if guarded else None
+    losses = []
+    for step in range(4):
+        tokens, target = _models.batch(step, rank)
+        loss = _models.loss_of(wrapped, tokens, target)
+        if guard is None:
+            loss.backward()
+            opt.step()
+        else:
+            guard.scale(loss).backward()
+            guard.step(opt)
+            guard.update()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "params": [p.detach().clone() for p in model.parameters()]}
+
+
 def scenarios(rank: int, world: int) -> dict[str, Any]:
     return {
+        "ddp_plain": ddp(rank, guarded=False),
+        "ddp_guard": ddp(rank, guarded=True),
         "ao": train(rank, "ao"),
         "dscale": train(rank, "dscale"),
         "ao_nan": train(rank, "ao", lr=1e-2, nan_steps=(3,)),

@@ -4,7 +4,7 @@ The oracle is torchao's own arm: ``precompute_float8_dynamic_scale_for_fsdp`` af
 (exact scales, one more all-reduce). dscale's arm puts the weights' amaxes into its one
 collective and bounds the step: every rank's scales bitwise equal, never above the exact
 scale (no saturation), within 5% of it at lr 3e-3, losses within 1e-3, one all-reduce per step.
-All scenarios run in one spawn.
+All scenarios run in one spawn, with a float8 model under DDP (StepGuard against no guard).
 """
 
 from __future__ import annotations
@@ -83,3 +83,16 @@ def test_ranks_that_converted_different_layers_fail_on_every_rank_fsdp2(runs):
         message = runs[rank]["layouts"]
         assert "ranks converted different layers to float8" in message
         assert "rank 1: ['blocks.0.fc1', 'blocks.0.fc2']" in message
+
+
+def test_a_float8_model_under_ddp_trains_as_without_the_guard_ddp(runs):
+    import torch
+
+    for rank in (0, 1):
+        ours, plain = runs[rank]["ddp_guard"], runs[rank]["ddp_plain"]
+        assert ours["losses"] == plain["losses"]
+        assert all(torch.equal(a, b) for a, b in zip(ours["params"], plain["params"]))
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(runs[0]["ddp_guard"]["params"], runs[1]["ddp_guard"]["params"])
+    )
