@@ -132,8 +132,34 @@ def ddp(rank: int, guarded: bool) -> dict[str, Any]:
     return {"losses": losses, "params": [p.detach().clone() for p in model.parameters()]}
 
 
+def numerics_worst_rank(rank: int) -> dict[str, Any]:
+    """DDP, Float8Numerics every step; an outlier enters blocks.0.fc1 on rank 1 only."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = _models.net()
+    fp8.convert_to_float8(model, emulate=True)
+    if rank == 1:
+
+        def blow_up(module, args):
+            bump = torch.zeros_like(args[0])
+            bump[0, 0, 0] = args[0].detach().abs().max() * 1e4
+            return (args[0] + bump,)
+
+        model.blocks[0].fc1.register_forward_pre_hook(blow_up)
+    wrapped = DistributedDataParallel(model)
+    opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-3)
+    guard = dscale.StepGuard("cpu")
+    numerics = fp8.Float8Numerics(wrapped, guard, every=1)
+    tokens, target = _models.batch(0, rank)
+    guard.scale(_models.loss_of(wrapped, tokens, target)).backward()
+    guard.step(opt)
+    guard.update()
+    return numerics.snapshot()
+
+
 def scenarios(rank: int, world: int) -> dict[str, Any]:
     return {
+        "numerics": numerics_worst_rank(rank),
         "ddp_plain": ddp(rank, guarded=False),
         "ddp_guard": ddp(rank, guarded=True),
         "ao": train(rank, "ao"),

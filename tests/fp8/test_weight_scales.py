@@ -96,3 +96,9 @@ def test_a_float8_model_under_ddp_trains_as_without_the_guard_ddp(runs):
         torch.equal(a, b)
         for a, b in zip(runs[0]["ddp_guard"]["params"], runs[1]["ddp_guard"]["params"])
     )
+
+
+def test_numerics_report_the_worst_rank_on_every_rank_ddp(runs):
+    assert runs[0]["numerics"] == runs[1]["numerics"]  # agreed through the one collective
+    flagged = {k for k, row in runs[0]["numerics"].items() if row["flushed"] > 0.05}
+    assert flagged == {"blocks.0.fc1/input"}  # rank 1's outlier, seen by rank 0 too
