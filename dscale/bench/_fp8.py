@@ -131,3 +131,35 @@ def run_arm(
         "skipped_steps": skipped,
         "float8_layers": len(weights),
     }
+
+
+def telemetry_ops(steps: int = 3) -> dict[str, int]:
+    """aten ops per step a Float8Numerics(every=2) adds, unsampled (step 1) and sampled (step 2).
+
+    One process, the MLP arm's model, no FSDP: the hooks are what is counted.
+    """
+    import dscale.fp8 as fp8
+
+    counts = {}
+    for every in (None, 2):
+        torch.manual_seed(0)
+        model = MODELS["mlp"]()
+        fp8.convert_to_float8(model, keep_high_precision=["head"], emulate=True)
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        guard = StepGuard("cpu")
+        if every is not None:
+            fp8.Float8Numerics(model, guard, every=every)
+        ops = []
+        for step in range(steps):
+            tokens, target = batch(step, 0)
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                logits = model(tokens)
+                loss = nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
+                guard.scale(loss).backward()
+                guard.step(opt)
+                guard.update()
+                opt.zero_grad()
+            ops.append(sum(1 for e in prof.events() if e.name.startswith("aten::")))
+        counts["plain" if every is None else "numerics"] = ops
+    plain, ours = counts["plain"], counts["numerics"]
+    return {"extra_ops_unsampled": ours[1] - plain[1], "extra_ops_sampled": ours[2] - plain[2]}

@@ -79,6 +79,12 @@ def render(result: dict[str, Any]) -> str:
                 f"{r['saturated_weight_elements']:>9} {ratio:>9} {r['final_loss']:>8.4f} "
                 f"{r['scales_equal_across_ranks']!s:>11}"
             )
+    if "telemetry" in result:
+        t = result["telemetry"]
+        lines.append(
+            f"Float8Numerics(every=2), MLP: {t['extra_ops_unsampled']} extra aten ops on an "
+            f"unsampled step, {t['extra_ops_sampled']} on a sampled one"
+        )
     if result["sweep"]:
         lines.append("dscale arm, MLP, overflow injected on rank 1 (agreed skips):")
         lines.append(f"{'lr':>7} {'betas':>12} {'saturated':>9} {'min ratio':>9} {'skipped':>7}")
@@ -111,7 +117,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         with open(out) as f:
             result: dict[str, Any] = json.load(f)
     result["machine"] = {"platform": platform.platform(), "torch": torch.__version__}
-    result["telemetry"] = {"extra_ops_unsampled": None, "extra_ops_sampled": None}
+    result["telemetry"] = _fp8.telemetry_ops()
     print(render(result))  # noqa: T201
     if args.json:
         with open(args.json, "w") as f:
