@@ -8,11 +8,13 @@ install line when it is missing). See docs/fp8.md.
 
 from dscale.fp8._bound import adam_update_bound
 from dscale.fp8._convert import Float8Conversion, convert_to_float8
+from dscale.fp8._fallback import Float8Fallback
 from dscale.fp8._numerics import Float8Numerics, tensor_stats
 from dscale.fp8._weight_scales import LayoutMismatchError, WeightScales
 
 __all__ = [
     "Float8Conversion",
+    "Float8Fallback",
     "Float8Numerics",
     "LayoutMismatchError",
     "WeightScales",
