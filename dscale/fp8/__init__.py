@@ -7,6 +7,7 @@ install line when it is missing). See docs/fp8.md.
 """
 
 from dscale.fp8._bound import adam_update_bound
+from dscale.fp8._collector import Float8NumericsCollector
 from dscale.fp8._convert import Float8Conversion, convert_to_float8
 from dscale.fp8._fallback import Float8Fallback
 from dscale.fp8._numerics import Float8Numerics, tensor_stats
@@ -16,6 +17,7 @@ __all__ = [
     "Float8Conversion",
     "Float8Fallback",
     "Float8Numerics",
+    "Float8NumericsCollector",
     "LayoutMismatchError",
     "WeightScales",
     "adam_update_bound",

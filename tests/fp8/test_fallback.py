@@ -84,3 +84,30 @@ def test_a_state_naming_other_layers_is_refused_and_changes_nothing():
         fallback.load_state_dict({"fallen": ["blocks.0.fc1", "nope"], "runs": {}})
     assert fallback.fallen == []
     assert not _matches_linear(model.blocks[0].fc1)
+
+
+def test_the_collector_exports_the_sample_and_the_switched_layer():
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    model = _models.net()
+    fp8.convert_to_float8(model, emulate=True)
+    outlier = model.blocks[1].fc2.register_forward_pre_hook(_blow_up)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    guard = dscale.StepGuard("cpu")
+    numerics = fp8.Float8Numerics(model, guard, every=1)
+    fallback = fp8.Float8Fallback(numerics, guard, threshold=0.05, samples=1)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(fp8.Float8NumericsCollector(numerics, fallback, rank=3))
+    tokens, target = _models.batch(0)
+    guard.scale(_models.loss_of(model, tokens, target)).backward()
+    guard.step(opt)
+    guard.update()
+    outlier.remove()
+    text = generate_latest(registry).decode()
+    flushed = numerics.snapshot()["blocks.1.fc2/input"]["flushed"]
+    assert flushed > 0.05
+    line = 'dscale_fp8_flushed_ratio{layer="blocks.1.fc2",rank="3",tensor="input"} '
+    assert f"{line}{flushed!r}" in text
+    assert 'dscale_fp8_fallback{layer="blocks.1.fc2",rank="3"} 1.0' in text
+    assert 'dscale_fp8_fallback_layers{rank="3"} 1.0' in text
+    assert 'dscale_fp8_samples_total{rank="3"} 1.0' in text
