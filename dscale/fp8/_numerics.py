@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dscale import _agreement
 from dscale.fp8 import _torchao
 
 TENSORS = (("input", torch.float8_e4m3fn), ("weight", torch.float8_e4m3fn))
@@ -127,7 +128,7 @@ class Float8Numerics:
         blank = torch.zeros(len(FIELDS))
         rows = [self._stats.get(k, blank).to(vector.device) for k in self.keys]
         self._offset = vector.numel()
-        self._sent = torch.cat([vector, torch.cat(rows)])
+        self._sent = _agreement.append_field(vector, torch.cat(rows))  # NaN rides as +inf
         return self._sent
 
     def _after_step(self, optimizer: Any, applied: bool) -> None:

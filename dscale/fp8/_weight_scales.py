@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dscale import _dist
+from dscale import _agreement, _dist
 from dscale.fp8 import _bound, _torchao
 from dscale.fp8._convert import Float8Conversion
 
@@ -124,7 +124,7 @@ class WeightScales:
             return vector
         amax = torch.stack(torch._foreach_norm(self._locals, math.inf))
         self._offset = vector.numel()
-        self._sent = torch.cat([vector, amax.to(vector.device, torch.float32)])
+        self._sent = _agreement.append_field(vector, amax)  # NaN rides as +inf
         return self._sent
 
     # ------------------------------------------------------------------------- after the step
