@@ -157,8 +157,39 @@ def numerics_worst_rank(rank: int) -> dict[str, Any]:
     return numerics.snapshot()
 
 
+def fallback_agreed(rank: int) -> dict[str, Any]:
+    """DDP; an outlier enters blocks.0.fc1 on rank 1 only; Float8Fallback after 2 samples."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = _models.net()
+    fp8.convert_to_float8(model, emulate=True)
+    if rank == 1:
+
+        def blow_up(module, args):
+            bump = torch.zeros_like(args[0])
+            bump.view(-1)[0] = args[0].detach().abs().max() * 1e4
+            return (args[0] + bump,)
+
+        model.blocks[0].fc1.register_forward_pre_hook(blow_up)
+    wrapped = DistributedDataParallel(model)
+    opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-3)
+    guard = dscale.StepGuard("cpu")
+    numerics = fp8.Float8Numerics(wrapped, guard, every=1)
+    fallback = fp8.Float8Fallback(numerics, guard, threshold=0.05, samples=2)
+    fell = []
+    for step in range(3):
+        tokens, target = _models.batch(step, rank)
+        guard.scale(_models.loss_of(wrapped, tokens, target)).backward()
+        guard.step(opt)
+        guard.update()
+        opt.zero_grad()
+        fell.append(list(fallback.fallen))
+    return {"fell": fell, "params": [p.detach().clone() for p in model.parameters()]}
+
+
 def scenarios(rank: int, world: int) -> dict[str, Any]:
     return {
+        "fallback": fallback_agreed(rank),
         "numerics": numerics_worst_rank(rank),
         "ddp_plain": ddp(rank, guarded=False),
         "ddp_guard": ddp(rank, guarded=True),

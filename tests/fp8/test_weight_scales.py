@@ -102,3 +102,14 @@ def test_numerics_report_the_worst_rank_on_every_rank_ddp(runs):
     assert runs[0]["numerics"] == runs[1]["numerics"]  # agreed through the one collective
     flagged = {k for k, row in runs[0]["numerics"].items() if row["flushed"] > 0.05}
     assert flagged == {"blocks.0.fc1/input"}  # rank 1's outlier, seen by rank 0 too
+
+
+def test_the_fallback_switches_the_same_layer_at_the_same_step_on_every_rank_ddp(runs):
+    import torch
+
+    fell = [runs[r]["fallback"]["fell"] for r in (0, 1)]
+    assert fell[0] == fell[1]  # the same layers at the same step on both ranks
+    # rank 1's outlier: the layer it enters (and fc2 behind it, which it reaches), at step 1
+    assert fell[0][0] == [] and "blocks.0.fc1" in fell[0][1]
+    params = [runs[r]["fallback"]["params"] for r in (0, 1)]
+    assert all(torch.equal(a, b) for a, b in zip(*params))  # the replicas stayed equal
