@@ -128,6 +128,7 @@ def run_arm(
         "mean_scale_ratio": sum(ratios) / len(ratios) if ratios else None,
         "scales_equal_across_ranks": all(r[n : 2 * n] == used_all for r in every),
         "final_loss": sum(r[-1] for r in every) / len(every),
+        "losses": losses,  # this rank's, per step (rank 0's land in the JSON)
         "skipped_steps": skipped,
         "float8_layers": len(weights),
     }

@@ -38,6 +38,9 @@ def run_here(cfg: dict[str, Any]) -> dict[str, Any]:
             arm: _fp8.run_arm(rank, model, arm, steps=steps, lr=3e-3, betas=(0.9, 0.95))
             for arm in ARMS
         }
+    for arms in table.values():  # the "loss within 1e-3 of torchao's arm", per step
+        pairs = zip(arms["dscale"]["losses"], arms["torchao"]["losses"])
+        arms["dscale"]["max_abs_loss_diff_vs_torchao"] = max(abs(a - b) for a, b in pairs)
     sweep = []
     if cfg["sweep"]:
         inf_steps = tuple(range(25, steps, 50))
@@ -79,6 +82,11 @@ def render(result: dict[str, Any]) -> str:
                 f"{r['saturated_weight_elements']:>9} {ratio:>9} {r['final_loss']:>8.4f} "
                 f"{r['scales_equal_across_ranks']!s:>11}"
             )
+    for model, arms in result["arms"].items():
+        diff = arms["dscale"]["max_abs_loss_diff_vs_torchao"]
+        lines.append(
+            f"{model}: largest |loss(dscale) - loss(torchao)| over the steps, rank 0: {diff:.2e}"
+        )
     if "telemetry" in result:
         t = result["telemetry"]
         lines.append(
