@@ -60,3 +60,19 @@ def resume(rank: int, world: int, directory: str) -> dict[str, Any]:
         )
         out[name] = _steps(rank, model, opt, guard, scales, range(step, 6))
     return out
+
+
+def resume_on_one_rank(rank: int, world: int, directory: str) -> dict[str, Any]:
+    """Load the 2-rank checkpoint on 1 rank; the forward of step 3 on rank 0's batch."""
+    model, opt, guard, scales = _build(1)
+    load_checkpoint(
+        f"{directory}/step-3",
+        model=model,
+        optimizer=opt,
+        scaler=guard,
+        extra={"fp8_weight_scales": scales},
+    )
+    tokens, target = _models.batch(3, 0)
+    with torch.no_grad():
+        loss = _models.loss_of(model, tokens, target).item()
+    return {"scales": scales.scales.tolist(), "loss": loss}

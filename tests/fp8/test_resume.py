@@ -23,6 +23,13 @@ def test_resume_is_bitwise_the_uninterrupted_run_fsdp2(tmp_path):
         assert run["first"] == run["whole"][:3]
         assert run["resumed"] == run["whole"][3:]  # losses and scales, bit for bit
         assert [loss for loss, _ in run["without_scales"]] != [x for x, _ in run["whole"][3:]]
+    # 2 ranks -> 1: the same checkpoint on one rank casts step 3's forward with the same scales
+    # and gives rank 0's loss of the uninterrupted 2-rank run, bit for bit (the forward depends
+    # on the weights and the scales only).
+    one = run_ranks(_resume_ranks.resume_on_one_rank, str(tmp_path), world_size=1)[0]
+    whole = out[0]["whole"]
+    assert one["scales"] == whole[2][1]  # the scales step 3's forward cast with
+    assert one["loss"] == whole[3][0]
 
 
 def test_loading_another_models_scales_is_refused_and_changes_nothing():
