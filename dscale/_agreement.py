@@ -24,7 +24,8 @@ alike, so every rank sends a vector of the same length.
 from __future__ import annotations
 
 import functools
-from typing import Any, NamedTuple
+import math
+from typing import Any, NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
@@ -117,11 +118,35 @@ def scale_range(agreed: torch.Tensor) -> ScaleRange:
     return ScaleRange(-agreed[NEG_SCALE], agreed[SCALE])
 
 
+def append_field(vector: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
+    """``vector`` with ``part`` appended as float32, NaN sent as +inf (so MAX cannot drop it)."""
+    part = part.to(vector.device, torch.float32).reshape(-1)
+    return torch.cat(
+        [vector, torch.nan_to_num(part, nan=math.inf, posinf=math.inf, neginf=-math.inf)]
+    )
+
+
+class AgreementField(Protocol):
+    """A feature's values riding the vector (``GradScaler.add_agreement_field``).
+
+    ``append_to`` returns ``vector`` with this rank's values for ``optimizer``'s step appended
+    with :func:`append_field` (or ``vector`` itself), the same length on every rank; the field
+    keeps the returned tensor
+    and its offset, and reads the agreed values there once the step is decided.
+    """
+
+    def append_to(self, vector: torch.Tensor, optimizer: Any) -> torch.Tensor: ...
+
+
 def all_reduce_flag(values: torch.Tensor, group: Any) -> Any:
     """Start a MAX all-reduce of the agreement vector ``values`` in place; return its work handle.
 
     MAX, not SUM: one rank's inf must skip the step on every rank, and the flag stays 0 or 1-ish
-    whatever the world size. The call is asynchronous; on NCCL ``work.wait()`` only makes the
-    current CUDA stream wait, so the host never blocks here.
+    whatever the world size. No field may hold a NaN: gloo's and NCCL's MAX drop a NaN sent by a
+    non-zero rank (5.0 wins over NaN from rank 1; MS-AMP PR #58). Each field is NaN-free where it
+    is made, so the seam adds no op: the flag is 0 or 1 (the check's kernel, flags folded as
+    ``> 0``), the scale finite, predictive's and the spike gate's fields ``nan_to_num``-ed, and
+    registered fields appended through :func:`append_field`. The call is asynchronous; on NCCL
+    ``work.wait()`` only makes the current CUDA stream wait, so the host never blocks here.
     """
     return dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group, async_op=True)

@@ -264,6 +264,7 @@ class GradScaler(TorchGradScalerSurface):
         self._outcomes: dict[int, bool | torch.Tensor] = {}
         self._last_stepped: int | None = None
         self._callbacks: list[Callable[[torch.optim.Optimizer, bool], None]] = []
+        self._fields: list[_agreement.AgreementField] = []  # features' fields (dscale.fp8)
         self._observers: list[GradObserver] = []
         self._updates_since_stuck_check = 0
         self._hooks = ReductionHooks()
@@ -433,6 +434,8 @@ class GradScaler(TorchGradScalerSurface):
                     self._refused_measurement(device),
                     with_range=self._carries_range(),
                 )
+                for extra in self._fields:  # as long as the peers'
+                    refusal = extra.append_to(refusal, optimizer)
                 if self._spike is not None:  # as long as the peers' (our slots: -inf)
                     width = len(self._spike.signals) * _dist.world_size(group)
                     blank = torch.full((width,), -math.inf, device=device)
@@ -503,6 +506,8 @@ class GradScaler(TorchGradScalerSurface):
                         mark_overflow(
                             state.agreed, _agreement.measured_at(self._carries_range()), other
                         )
+            for extra in self._fields:  # registered fields, before the spike gate's tail
+                state.agreed = extra.append_to(state.agreed, optimizer)
             if self._spike is not None:  # this rank's loss and grad norm, in its own slots
                 every = optimizer_grads(optimizer) if report.covered else grads
                 carried = None if unscale else scale  # None: unscaled grads
@@ -1021,6 +1026,14 @@ class GradScaler(TorchGradScalerSurface):
         """
         self._callbacks.append(callback)
         return lambda: self._callbacks.remove(callback)
+
+    def add_agreement_field(self, field: _agreement.AgreementField) -> Callable[[], None]:
+        """Let ``field`` append values to every step's agreement vector (dscale.fp8's amaxes).
+
+        Its values ride the one MAX all-reduce (NaN sent as +inf); returns an unregister function.
+        """
+        self._fields.append(field)
+        return lambda: self._fields.remove(field)
 
     def add_observer(self, observer: GradObserver) -> None:
         """Attach a :class:`GradObserver` (e.g. numerics stats for the metrics exporter)."""

@@ -30,7 +30,12 @@ from launch.record import SkipRecord
 # labels the metrics (job_name).
 JOB_NAME_ENV = "DSCALE_JOB_NAME"
 
-DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+DTYPES = {
+    "fp16": torch.float16,
+    "bf16": torch.bfloat16,
+    "fp32": torch.float32,
+    "fp8": torch.bfloat16,  # bf16 autocast around torchao's float8 linears
+}
 
 
 @dataclass
@@ -91,7 +96,7 @@ class RunContext:
 
     @property
     def precision(self) -> str:
-        """``trainer.precision``: fp16, bf16 or fp32."""
+        """``trainer.precision``: fp16, bf16, fp32 or fp8."""
         return str(self.config["trainer"]["precision"])
 
     @property
@@ -120,6 +125,10 @@ class RunContext:
 
     def parallelize(self, model: nn.Module) -> nn.Module:
         """Move ``model`` to the device and wrap it as ``parallel.strategy`` says."""
+        if self.precision == "fp8":  # float8 linears first: DDP and FSDP2 wrap the result
+            from launch.fp8 import convert
+
+            convert(model, self.config.get("fp8", {}), self.device)
         return wrap_model(model, self.config["parallel"]["strategy"], self.device)
 
     def checkpoints(

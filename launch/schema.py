@@ -36,11 +36,15 @@ class Strategy(str, Enum):
 
 
 class Precision(str, Enum):
-    """The autocast dtype; fp16 gets a loss scaler, bf16 and fp32 a StepGuard (no scaling)."""
+    """The autocast dtype; fp16 gets a loss scaler, bf16 and fp32 a StepGuard (no scaling).
+
+    fp8: bf16 autocast, the model's linears as torchao float8 ones (``fp8.*``), a StepGuard.
+    """
 
     fp16 = "fp16"
     bf16 = "bf16"
     fp32 = "fp32"
+    fp8 = "fp8"
 
 
 class Device(str, Enum):
@@ -177,6 +181,18 @@ class TrainerConfig:
 
 
 @dataclass
+class FP8Config:
+    """``trainer.precision=fp8``: ``dscale.fp8.convert_to_float8`` arguments of the same name.
+
+    ``emulate``: auto (torchao's emulation on the CPU, FP8 GEMMs on a GPU), true or false.
+    """
+
+    recipe: str = "tensorwise"
+    keep_high_precision: list[str] = field(default_factory=lambda: ["head"])
+    emulate: str = "auto"
+
+
+@dataclass
 class MetricsConfig:
     """Per-rank Prometheus endpoint: rank r serves on ``port`` + local rank."""
 
@@ -255,6 +271,7 @@ class JobConfig:
     data: Any = MISSING
     scaler: ScalerConfig = field(default_factory=ScalerConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    fp8: FP8Config = field(default_factory=FP8Config)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)

@@ -191,13 +191,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     """Parse arguments, run, print the tables (rank 0 only) and write ``--json``.
 
     ``python -m dscale.bench scaling ...`` runs the scaling policies' benchmark instead, and
-    ``python -m dscale.bench ops ...`` the op counts (``_ops_cli``).
+    ``python -m dscale.bench ops ...`` the op counts (``_ops_cli``), ``python -m dscale.bench
+    fp8 ...`` the FP8 weight scales' (``_fp8_cli``).
     """
     args_in = list(sys.argv[1:] if argv is None else argv)
     if args_in[:1] == ["scaling"]:
         from dscale.bench._scaling_cli import main as scaling_main
 
         scaling_main(args_in[1:])
+        return
+    if args_in[:1] == ["fp8"]:
+        from dscale.bench._fp8_cli import main as fp8_main
+
+        fp8_main(args_in[1:])
         return
     if args_in[:1] == ["ops"]:
         from dscale.bench._ops_cli import main as ops_main

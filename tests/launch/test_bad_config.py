@@ -68,7 +68,7 @@ def test_impossible_value_names_its_key(override: str, named: str) -> None:
 @pytest.mark.parametrize(
     ("override", "choices"),
     [
-        ("trainer.precision=fp8", "[fp16, bf16, fp32]"),
+        ("trainer.precision=fp4", "[fp16, bf16, fp32, fp8]"),
         ("parallel.strategy=tp", "[single, ddp, fsdp]"),
         ("trainer.device=tpu", "[auto, cpu, cuda]"),
         ("launcher.start_method=thread", "[spawn, fork, forkserver]"),

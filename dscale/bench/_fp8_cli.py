@@ -1,0 +1,132 @@
+"""Command line of ``python -m dscale.bench fp8``: spawn 2 gloo ranks, run the arms, report.
+
+Main table: per model, arms hp / torchao / dscale at lr 3e-3, AdamW betas (0.9, 0.95). Sweep
+(``dscale`` arm, MLP): lr 1e-4, 3e-3, 1e-2 x betas (0.9, 0.95), (0.9, 0.999), an overflow
+injected on rank 1 every 50 steps (agreed skips). Counts and losses are deterministic; nothing
+here is timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import tempfile
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.multiprocessing.spawn import start_processes
+
+from dscale.bench import _fp8
+
+ARMS = ("hp", "torchao", "dscale")
+LRS = (1e-4, 3e-3, 1e-2)
+BETAS = ((0.9, 0.95), (0.9, 0.999))
+
+
+def run_here(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Every arm and sweep point on this rank (all ranks run the same list)."""
+    rank = dist.get_rank()
+    steps = cfg["steps"]
+    table: dict[str, dict[str, Any]] = {}
+    for model in cfg["models"]:
+        table[model] = {
+            arm: _fp8.run_arm(rank, model, arm, steps=steps, lr=3e-3, betas=(0.9, 0.95))
+            for arm in ARMS
+        }
+    for arms in table.values():  # the issue's "loss within 1e-3 of torchao's arm", per step
+        pairs = zip(arms["dscale"]["losses"], arms["torchao"]["losses"])
+        arms["dscale"]["max_abs_loss_diff_vs_torchao"] = max(abs(a - b) for a, b in pairs)
+    sweep = []
+    if cfg["sweep"]:
+        inf_steps = tuple(range(25, steps, 50))
+        for lr in LRS:
+            for betas in BETAS:
+                row = _fp8.run_arm(
+                    rank, "mlp", "dscale", steps=steps, lr=lr, betas=betas, inf_steps=inf_steps
+                )
+                sweep.append({"lr": lr, "betas": list(betas), **row})
+    return {"steps": steps, "arms": table, "sweep": sweep}
+
+
+def _spawned(rank: int, world: int, store_path: str, cfg: dict[str, Any], out: str) -> None:
+    torch.set_num_threads(1)
+    store = dist.FileStore(store_path, world)  # type: ignore[attr-defined]
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=300)
+    )
+    try:
+        result = run_here(cfg)
+        if rank == 0:
+            with open(out, "w") as f:
+                json.dump(result, f)
+    finally:
+        dist.destroy_process_group()
+    os._exit(0)  # gloo ranks that ran FSDP2 may abort in C++ teardown; the result is written
+
+
+def render(result: dict[str, Any]) -> str:
+    """The tables as text."""
+    lines = [f"FP8 weight scales, 2 gloo ranks, FSDP2 float8 all-gather, {result['steps']} steps"]
+    head = f"{'model':5} {'arm':8} {'allreduce/step':>14} {'saturated':>9} {'min ratio':>9} "
+    lines.append(head + f"{'loss':>8} {'ranks equal':>11}")
+    for model, arms in result["arms"].items():
+        for arm, r in arms.items():
+            ratio = "-" if r["min_scale_ratio"] is None else f"{r['min_scale_ratio']:.4f}"
+            lines.append(
+                f"{model:5} {arm:8} {r['collectives_per_step']:>14} "
+                f"{r['saturated_weight_elements']:>9} {ratio:>9} {r['final_loss']:>8.4f} "
+                f"{r['scales_equal_across_ranks']!s:>11}"
+            )
+    for model, arms in result["arms"].items():
+        diff = arms["dscale"]["max_abs_loss_diff_vs_torchao"]
+        lines.append(
+            f"{model}: largest |loss(dscale) - loss(torchao)| over the steps, rank 0: {diff:.2e}"
+        )
+    if "telemetry" in result:
+        t = result["telemetry"]
+        lines.append(
+            f"Float8Numerics(every=2), MLP: {t['extra_ops_unsampled']} extra aten ops on an "
+            f"unsampled step, {t['extra_ops_sampled']} on a sampled one"
+        )
+    if result["sweep"]:
+        lines.append("dscale arm, MLP, overflow injected on rank 1 (agreed skips):")
+        lines.append(f"{'lr':>7} {'betas':>12} {'saturated':>9} {'min ratio':>9} {'skipped':>7}")
+        for r in result["sweep"]:
+            lines.append(
+                f"{r['lr']:>7g} {tuple(r['betas'])!s:>12} {r['saturated_weight_elements']:>9} "
+                f"{r['min_scale_ratio']:>9.4f} {r['skipped_steps']:>7}"
+            )
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Parse arguments, spawn the ranks, print the tables and write ``--json``."""
+    parser = argparse.ArgumentParser(prog="python -m dscale.bench fp8", description=__doc__)
+    parser.add_argument("--json", metavar="PATH", help="write every number here")
+    parser.add_argument("--steps", type=int, default=200, help="steps per arm (default 200)")
+    parser.add_argument("--models", default="gpt,mlp", help="comma-separated: gpt, mlp")
+    parser.add_argument("--no-sweep", action="store_true", help="skip the lr x betas sweep")
+    args = parser.parse_args(argv)
+    models = [m for m in args.models.split(",") if m]
+    bad = [m for m in models if m not in _fp8.MODELS]
+    if bad or args.steps < 2:
+        parser.error(f"--models takes {sorted(_fp8.MODELS)} (got {bad}); --steps must be >= 2")
+    cfg = {"steps": args.steps, "models": models, "sweep": not args.no_sweep}
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result.json")
+        start_processes(
+            _spawned, args=(2, os.path.join(tmp, "store"), cfg, out), nprocs=2, start_method="spawn"
+        )
+        with open(out) as f:
+            result: dict[str, Any] = json.load(f)
+    result["machine"] = {"platform": platform.platform(), "torch": torch.__version__}
+    result["telemetry"] = _fp8.telemetry_ops()
+    print(render(result))  # noqa: T201
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)

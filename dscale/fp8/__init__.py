@@ -1,0 +1,26 @@
+"""FP8 training on torchao's float8 kernels, with dscale's agreement (``pip install dscale[fp8]``).
+
+:func:`convert_to_float8` swaps a model's linears (torchao's tensorwise or rowwise recipe);
+:class:`WeightScales` agrees FSDP2 float8 all-gather weight scales inside the scaler's one
+collective. Importing this package does not import torchao; the calls do (ImportError with the
+install line when it is missing). See docs/fp8.md.
+"""
+
+from dscale.fp8._bound import adam_update_bound
+from dscale.fp8._collector import Float8NumericsCollector
+from dscale.fp8._convert import Float8Conversion, convert_to_float8
+from dscale.fp8._fallback import Float8Fallback
+from dscale.fp8._numerics import Float8Numerics, tensor_stats
+from dscale.fp8._weight_scales import LayoutMismatchError, WeightScales
+
+__all__ = [
+    "Float8Conversion",
+    "Float8Fallback",
+    "Float8Numerics",
+    "Float8NumericsCollector",
+    "LayoutMismatchError",
+    "WeightScales",
+    "adam_update_bound",
+    "convert_to_float8",
+    "tensor_stats",
+]

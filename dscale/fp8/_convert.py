@@ -1,0 +1,143 @@
+"""convert_to_float8(): one call that swaps a model's linears for torchao's float8 ones.
+
+dscale writes no FP8 kernels: the swap is torchao's ``convert_to_float8_training``. What this
+adds is the choice made in one place (the recipe by name, a filter for layers kept in high
+precision, linears whose dims the FP8 GEMM cannot take left as they are, with a log line naming
+them) and a record of what was converted, which :class:`dscale.fp8.WeightScales` and the
+telemetry read, and which ranks compare so that a rank that converted other layers fails loudly.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Literal
+
+from torch import nn
+
+from dscale.fp8 import _torchao
+
+logger = logging.getLogger(__name__)
+
+Recipe = Literal["tensorwise", "rowwise"]
+RECIPES: tuple[str, ...] = ("tensorwise", "rowwise")
+
+#: torch._scaled_mm needs both GEMM dims of a weight divisible by 16 (cuBLASLt's rule for FP8).
+DIM_MULTIPLE = 16
+
+
+@dataclass(frozen=True)
+class Float8Conversion:
+    """What :func:`convert_to_float8` did: names of converted and left layers, and how.
+
+    ``left`` maps a linear's name to why it stayed in high precision (``"filter"`` or the dims).
+    """
+
+    recipe: str
+    float8_all_gather: bool
+    converted: tuple[str, ...]
+    left: dict[str, str] = field(default_factory=dict)
+
+    def layout(self) -> tuple[str, bool, tuple[str, ...]]:
+        """What every rank must agree on (compared across ranks by WeightScales)."""
+        return (self.recipe, self.float8_all_gather, self.converted)
+
+
+def convert_to_float8(
+    model: nn.Module,
+    *,
+    recipe: Recipe = "tensorwise",
+    keep_high_precision: Callable[[str, nn.Module], bool] | Iterable[str] | None = None,
+    float8_all_gather: bool = False,
+    emulate: bool = False,
+) -> Float8Conversion:
+    """Swap ``model``'s ``nn.Linear`` layers for torchao's float8 training linears, in place.
+
+    Call it before wrapping the model in DDP or ``fully_shard`` (FSDP2), on every rank alike.
+    E4M3 forward, E5M2 backward, dynamic scales (torchao's ``tensorwise`` or ``rowwise`` recipe).
+    A loss scaler composes unchanged: dynamic FP8 scales cancel a power-of-two loss scale.
+
+    Args:
+        model: the model; changed in place (a root ``nn.Linear`` cannot be: wrap it).
+        recipe: ``"tensorwise"`` (one scale per tensor; FSDP2 float8 all-gather possible) or
+            ``"rowwise"`` (one scale per row; all-gathers in high precision).
+        keep_high_precision: layers to leave as they are: a function ``(name, module) -> bool``
+            or names (a layer whose name equals or starts with ``name + "."`` is kept).
+            Heads and the first/last layers are the usual choice.
+        float8_all_gather: FSDP2 all-gathers the weights in float8 (tensorwise only); then use
+            :class:`dscale.fp8.WeightScales` for the weights' scales.
+        emulate: torchao's emulation (no ``torch._scaled_mm``), for hardware without FP8.
+
+    Returns:
+        A :class:`Float8Conversion` naming the converted layers and those left, with why.
+
+    Raises:
+        ImportError: torchao is missing (the message has the install line).
+        ValueError: an unknown recipe, or float8 all-gather with the rowwise recipe.
+    """
+    if recipe not in RECIPES:
+        raise ValueError(
+            f"recipe={recipe!r} is not one of {list(RECIPES)}; tensorwise keeps one scale per "
+            "tensor (the default), rowwise one per row"
+        )
+    if float8_all_gather and recipe != "tensorwise":
+        raise ValueError(
+            f"float8_all_gather=True needs recipe='tensorwise', got recipe={recipe!r}: torchao's "
+            "rowwise recipe all-gathers weights in high precision; pass float8_all_gather=False"
+        )
+    if isinstance(model, nn.Linear):
+        raise ValueError(
+            "convert_to_float8() changes a model in place and cannot swap a root nn.Linear; "
+            "wrap it (nn.Sequential(linear)) and convert that"
+        )
+    float8 = _torchao.float8()
+    keep = _keep_function(keep_high_precision)
+    left: dict[str, str] = {}
+    for name, module in model.named_modules():
+        if type(module) is not nn.Linear:
+            continue
+        if keep(name, module):
+            left[name] = "filter"
+        elif module.in_features % DIM_MULTIPLE or module.out_features % DIM_MULTIPLE:
+            left[name] = (
+                f"in_features={module.in_features}, out_features={module.out_features} "
+                f"(FP8 GEMMs need both divisible by {DIM_MULTIPLE})"
+            )
+    for name, why in left.items():
+        if why != "filter":
+            logger.info("convert_to_float8: %s stays in high precision: %s", name, why)
+    config = float8.Float8LinearConfig.from_recipe_name(recipe)
+    config = _with(config, enable_fsdp_float8_all_gather=float8_all_gather, emulate=emulate)
+    converted: list[str] = []
+
+    def take(module: nn.Module, name: str) -> bool:
+        if name in left or type(module) is not nn.Linear:
+            return False
+        converted.append(name)
+        return True
+
+    float8.convert_to_float8_training(model, module_filter_fn=take, config=config)
+    return Float8Conversion(recipe, float8_all_gather, tuple(sorted(converted)), left)
+
+
+def _keep_function(
+    keep: Callable[[str, nn.Module], bool] | Iterable[str] | None,
+) -> Callable[[str, nn.Module], bool]:
+    if keep is None:
+        return lambda name, module: False
+    if callable(keep):
+        return keep
+    if isinstance(keep, str):
+        raise ValueError(
+            f"keep_high_precision={keep!r} is one string; pass a list of layer names "
+            f"([{keep!r}]) or a function (name, module) -> bool"
+        )
+    names = tuple(keep)
+    return lambda name, module: any(name == n or name.startswith(n + ".") for n in names)
+
+
+def _with(config: object, **changes: object) -> object:
+    import dataclasses
+
+    return dataclasses.replace(config, **changes)  # type: ignore[type-var]

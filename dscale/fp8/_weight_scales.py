@@ -1,0 +1,227 @@
+"""WeightScales: FSDP2 float8 all-gather weight scales agreed in dscale's one collective.
+
+With float8 all-gather, each rank casts its weight shard to float8 before the all-gather, so
+every rank must use the same scale per weight, from the amax of the whole weight. torchao gets
+it with one more all-reduce after ``optimizer.step()`` (``precompute_float8_dynamic_scale_for_
+fsdp``), or one per weight per gather without it. dscale's collective runs before the step (it
+decides the skip), so the weights' pre-step shard amaxes ride it, and after the step the scale
+comes from the optimizer's update bound (``_bound``): ``fp8_max / (amax + lr * B(t))``, computed
+once from agreed numbers, identically on every rank; a skipped step moved nothing (bound 0).
+No post-step weight can saturate. Optimizers with no known bound fall back to torchao's precompute.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from dscale import _agreement, _dist
+from dscale.fp8 import _bound, _torchao
+from dscale.fp8._convert import Float8Conversion
+
+logger = logging.getLogger(__name__)
+
+#: Head-room on the bound for float32 rounding in the optimizer's update (a few ulps).
+ROUNDING_MARGIN = 2.0**-16
+#: torchao's floor on an amax (float8_utils.EPS), so an all-zero weight gets a finite scale.
+AMAX_FLOOR = 1e-12
+
+
+class LayoutMismatchError(ValueError):
+    """Ranks converted different layers to float8 (raised on every rank, naming them)."""
+
+
+class WeightScales:
+    """Agreed float8 all-gather weight scales for an FSDP2 model, with no extra collective.
+
+    Example::
+
+        conversion = dscale.fp8.convert_to_float8(model, float8_all_gather=True)
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        scaler = dscale.StepGuard("cpu")
+        scales = dscale.fp8.WeightScales(model, opt, scaler, conversion)
+        # then train as usual: scaler.step(opt); scaler.update()
+
+    Construction compares the converted layers across the scaler's ranks (a rank that converted
+    others raises :class:`LayoutMismatchError` on every rank), then sets exact scales (one
+    collective, once). With Adam or AdamW the amaxes ride the scaler's agreement vector; with
+    any other optimizer torchao's precompute runs after each step (its own all-reduce).
+    State: :meth:`state_dict` holds the scales in use, so that a resume uses the same.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scaler: Any,
+        conversion: Float8Conversion,
+    ) -> None:
+        self._model = model
+        self._optimizer = optimizer
+        self._group = scaler._process_group()
+        names, weights = _float8_gathered_weights(model)
+        problem = None
+        if conversion.float8_all_gather and tuple(names) != conversion.converted:
+            problem = LayoutMismatchError(
+                f"WeightScales: the model's float8 all-gather weights {names} differ from the "
+                f"layers convert_to_float8() converted {list(conversion.converted)}; call "
+                "fully_shard() after convert_to_float8(float8_all_gather=True), on every layer"
+            )
+        layouts = _dist.all_gather_objects((names, conversion.layout()), self._group)
+        if problem is None and any(lay != layouts[0] for lay in layouts):
+            problem = LayoutMismatchError(
+                "ranks converted different layers to float8: "
+                + "; ".join(f"rank {r}: {lay[0]}" for r, lay in enumerate(layouts))
+                + "; convert the same layers on every rank (the same keep_high_precision)"
+            )
+        _dist.gather_then_raise(problem, self._group, "WeightScales", (LayoutMismatchError,))
+        self.names = tuple(names)
+        self._locals, self._wrappers = _shards(weights)
+        group_of = {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
+        missing = [n for n, w in zip(names, weights) if id(w) not in group_of]
+        if missing:
+            raise ValueError(
+                f"WeightScales: the optimizer does not hold the float8 weights {missing}; "
+                "build it from the sharded model's parameters (after fully_shard)"
+            )
+        self._group_index = torch.tensor([group_of[id(w)] for w in weights], dtype=torch.long)
+        device = self._locals[0].device if self._locals else torch.device("cpu")
+        fp8 = torch.float8_e4m3fn if not weights else weights[0]._local_tensor._dtype
+        self.fp8_max = float(torch.finfo(fp8).max)
+        # One tensor the weights' _precomputed_scale are views of: updated in place, one op.
+        self.scales = torch.ones(len(weights), dtype=torch.float32, device=device)
+        self.bounded = _bound.has_bound(optimizer)
+        self.num_nonfinite = 0
+        self._sent: torch.Tensor | None = None
+        self._offset = 0
+        if self.bounded:
+            self._set_exact_scales()
+            for wrapper, view in zip(self._wrappers, self.scales.unbind()):
+                wrapper._precomputed_scale = view
+        else:
+            self._precompute()
+        self._unregister = scaler.register_step_callback(self._after_step)
+        if self.bounded:
+            scaler.add_agreement_field(self)
+        else:
+            logger.info(
+                "WeightScales: %s has no known update bound; torchao's precompute runs after "
+                "each step (one more all-reduce)",
+                type(optimizer).__name__,
+            )
+
+    # ------------------------------------------------------------ the agreement field protocol
+    def append_to(self, vector: torch.Tensor, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+        """``vector`` with this rank's pre-step shard amaxes appended (this optimizer's only)."""
+        if optimizer is not self._optimizer or not self._locals:
+            return vector
+        amax = torch.stack(torch._foreach_norm(self._locals, math.inf))
+        self._offset = vector.numel()
+        self._sent = _agreement.append_field(vector, amax)  # NaN rides as +inf
+        return self._sent
+
+    # ------------------------------------------------------------------------- after the step
+    def _after_step(self, optimizer: torch.optim.Optimizer, applied: bool) -> None:
+        if optimizer is not self._optimizer or not self._locals:
+            return
+        if not self.bounded:
+            self._precompute()
+            return
+        assert self._sent is not None  # noqa: S101 - append_to ran in this step's check
+        amax = self._sent[self._offset : self._offset + len(self._locals)].double()
+        self._sent = None
+        if applied:
+            bounds = torch.tensor(_bound.group_step_bounds(optimizer), dtype=torch.float64)
+            amax = amax + bounds.to(amax.device)[self._group_index.to(amax.device)]
+        new = self.fp8_max / (amax.clamp(min=AMAX_FLOOR) * (1.0 + ROUNDING_MARGIN))
+        good = torch.isfinite(new) & (new > 0)
+        if not bool(good.all()):
+            # A weight with inf or NaN (on some rank: NaN rode the MAX as +inf) keeps its scale.
+            self.num_nonfinite += 1
+            logger.warning(
+                "WeightScales: non-finite weight amax for %s; their scales stay as they were",
+                [n for n, ok in zip(self.names, good.tolist()) if not ok],
+            )
+        self.scales.copy_(torch.where(good, new, self.scales.double()))
+
+    def _precompute(self) -> None:
+        """torchao's precompute (its own all-reduce), its scales kept as views of ``scales``."""
+        _torchao.fsdp_utils().precompute_float8_dynamic_scale_for_fsdp(self._model)
+        for wrapper, view in zip(self._wrappers, self.scales.unbind()):
+            view.copy_(wrapper._precomputed_scale)
+            wrapper._precomputed_scale = view
+
+    def _set_exact_scales(self) -> None:
+        """Scales from the whole weights' amax, less the margin (one collective, once)."""
+        if not self._locals:
+            return
+        local = torch.stack(torch._foreach_norm(self._locals, math.inf)).double().tolist()
+        per_rank = _dist.all_gather_floats(local, self._group)
+        amax = torch.tensor(per_rank, dtype=torch.float64).nan_to_num(nan=math.inf).amax(0)
+        exact = self.fp8_max / (amax.clamp(min=AMAX_FLOOR) * (1.0 + ROUNDING_MARGIN))
+        self.scales.copy_(exact.to(self.scales.device))
+
+    # ------------------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """``scales``: the scales the next forward casts with (float32, one per layer, by name).
+
+        They are not the exact scales of the weights (those follow from the weights): they come
+        from the bound, so a resume must use these to cast bit for bit as the run it continues.
+        ``num_layers`` guards against loading another model's.
+        """
+        return {"scales": self.scales.detach().clone().cpu(), "num_layers": len(self.names)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Use the saved scales, so a resume casts exactly as the run it continues.
+
+        Call it after the model's weights are loaded: loading may replace FSDP2's local shards,
+        so the weights' scale views are attached again here.
+        """
+        scales = state.get("scales")
+        if not isinstance(scales, torch.Tensor) or scales.shape != (len(self.names),):
+            raise ValueError(
+                f"WeightScales state holds {getattr(scales, 'shape', scales)!r} scales, this "
+                f"model has {len(self.names)} float8 all-gather layers {list(self.names)}; load "
+                "a checkpoint of the same model and conversion"
+            )
+        _, weights = _float8_gathered_weights(self._model)
+        self._locals, self._wrappers = _shards(weights)
+        self.scales.copy_(scales.to(self.scales.device, torch.float32))
+        for wrapper, view in zip(self._wrappers, self.scales.unbind()):
+            wrapper._precomputed_scale = view
+
+    def close(self) -> None:
+        """Stop updating the scales (the weights keep the last ones)."""
+        self._unregister()
+
+
+def _float8_gathered_weights(model: nn.Module) -> tuple[list[str], list[Any]]:
+    """Names and DTensor weights of the float8 linears FSDP2 all-gathers in float8, by name."""
+    cls = _torchao.float8_linear_class()
+    wrapper = _torchao.fsdp_utils().WeightWithDynamicFloat8CastTensor
+    found = []
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        if isinstance(module, cls) and isinstance(getattr(weight, "_local_tensor", None), wrapper):
+            found.append((_clean(name), weight))
+    found.sort(key=lambda item: item[0])
+    return [n for n, _ in found], [w for _, w in found]
+
+
+def _shards(weights: list[Any]) -> tuple[list[torch.Tensor], list[Any]]:
+    """Each DTensor weight's local shard as a plain tensor, and its float8 wrapper."""
+    return [w._local_tensor._tensor for w in weights], [w._local_tensor for w in weights]
+
+
+def _clean(name: str) -> str:
+    """A module name without wrappers' prefixes (DDP's ``module.``, compile's ``_orig_mod.``)."""
+    for prefix in ("module.", "_orig_mod."):
+        name = name.replace(prefix, "")
+    return name

@@ -1,0 +1,33 @@
+"""``python -m dscale.bench fp8``: a short run reports every arm with the issue's fields.
+
+Counts are deterministic, so the smoke run checks them: one all-reduce per step for dscale's
+arm, two for torchao's precompute, no saturated weight element in dscale's arm.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def test_short_fp8_benchmark_reports_every_arm(tmp_path):
+    out = tmp_path / "fp8.json"
+    cmd = [sys.executable, "-m", "dscale.bench", "fp8", "--steps", "4", "--models", "mlp"]
+    proc = subprocess.run(
+        [*cmd, "--no-sweep", "--json", str(out)], capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    arms = result["arms"]["mlp"]
+    assert set(arms) == {"hp", "torchao", "dscale"}
+    for arm in arms.values():
+        assert {"collectives_per_step", "saturated_weight_elements", "min_scale_ratio"} <= set(arm)
+        assert "final_loss" in arm
+    assert arms["dscale"]["collectives_per_step"] == 1
+    assert arms["torchao"]["collectives_per_step"] == 2
+    assert arms["dscale"]["saturated_weight_elements"] == 0
+    assert arms["dscale"]["scales_equal_across_ranks"]
+    assert result["telemetry"]["extra_ops_unsampled"] == 0
+    assert result["telemetry"]["extra_ops_sampled"] > 0
+    assert "dscale" in proc.stdout

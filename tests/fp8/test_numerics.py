@@ -1,0 +1,111 @@
+"""Float8Numerics: exact against a brute-force reference, quiet when unsampled, and local.
+
+The reference rounds every element to the nearest value of a table of all 256 bit patterns of
+the format (ties to even), independently of torch's float8 cast.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dscale
+import dscale.fp8 as fp8
+from tests.fp8 import _models
+
+
+def _reference(x: torch.Tensor, dtype: torch.dtype) -> list[float]:
+    info = torch.finfo(dtype)
+    table = torch.arange(256, dtype=torch.uint8).view(dtype).float()
+    table = table[torch.isfinite(table)].double().unique()
+    xs = x.double().flatten()
+    amax = xs.abs().max().item()
+    scale = torch.tensor(info.max / amax, dtype=torch.float32).double()  # torchao's, in fp32
+    sat = flushed = sub = 0
+    for v in (xs * scale).tolist():
+        if abs(v) > info.max:
+            sat += 1
+        c = min(max(v, -info.max), info.max)
+        d = (table - c).abs()
+        best = table[d == d.min()]
+        if len(best) > 1:  # a tie: the value with an even mantissa (an even bit pattern)
+            pats = [
+                int(torch.tensor(b, dtype=torch.float32).to(dtype).view(torch.uint8))
+                for b in best.tolist()
+            ]
+            q = best[[p % 2 == 0 for p in pats].index(True)].item()
+        else:
+            q = best.item()
+        if v != 0 and q == 0:
+            flushed += 1
+        if q != 0 and abs(q) < info.smallest_normal:
+            sub += 1
+    n = xs.numel()
+    return [amax, sat / n, flushed / n, sub / n]
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_stats_match_the_brute_force_reference(dtype):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2048, generator=g) * torch.logspace(-9, 0, 2048)  # many tiny values
+    x[7] = 0.0
+    ours = fp8.tensor_stats(x, dtype).tolist()
+    want = _reference(x, dtype)
+    assert ours[0] == pytest.approx(want[0], rel=1e-6)
+    assert ours[1:] == pytest.approx(want[1:], abs=1e-9)
+    assert ours[2] > 0 and ours[3] > 0  # the case is not trivial
+
+
+def _train(numerics_every, outlier_at=None, steps=4):
+    model = _models.net()
+    fp8.convert_to_float8(model, emulate=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    guard = dscale.StepGuard("cpu")
+    numerics = fp8.Float8Numerics(model, guard, every=numerics_every)
+    if outlier_at is not None:
+
+        def blow_up(module, args):
+            bump = torch.zeros_like(args[0])
+            bump[0, 0, 0] = args[0].detach().abs().max() * 1e4
+            return (args[0] + bump,)
+
+        dict(model.named_modules())[outlier_at].register_forward_pre_hook(blow_up)
+    ops = []
+    for step in range(steps):
+        tokens, target = _models.batch(step)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            loss = _models.loss_of(model, tokens, target)
+            guard.scale(loss).backward()
+            guard.step(opt)
+            guard.update()
+            opt.zero_grad()
+        ops.append(sum(1 for e in prof.events() if e.name.startswith("aten::")))
+    return numerics, ops
+
+
+def test_unsampled_steps_dispatch_no_extra_op():
+    _, plain = _train(numerics_every=10**9, steps=3)  # only step 0 sampled
+    numerics, ops = _train(numerics_every=2, steps=3)  # steps 0 and 2 sampled
+    assert ops[1] == plain[1]  # step 1: unsampled, not one op more
+    assert ops[2] > plain[2]
+    assert numerics.num_samples == 2
+
+
+def test_an_outlier_flags_only_its_layer():
+    numerics, _ = _train(numerics_every=1, outlier_at="blocks.1.fc2", steps=1)
+    snap = numerics.snapshot()
+    assert set(snap) == {
+        f"blocks.{b}.{fc}/{t}"
+        for b in (0, 1)
+        for fc in ("fc1", "fc2")
+        for t in ("input", "weight", "grad_output")
+    }
+    flagged = {k for k, row in snap.items() if row["flushed"] > 0.05}
+    assert flagged == {"blocks.1.fc2/input"}
+
+
+def test_bad_every_is_refused():
+    model = _models.net()
+    fp8.convert_to_float8(model, emulate=True)
+    with pytest.raises(ValueError, match="every must be a positive int"):
+        fp8.Float8Numerics(model, dscale.StepGuard("cpu"), every=0)
