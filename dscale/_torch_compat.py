@@ -73,7 +73,8 @@ class TorchOptimizerState(dict):  # type: ignore[type-arg]
             flags = [torch.as_tensor(v).float().reshape(()) for v in dict(value).values()]
             if flags:
                 device = flags[0].device
-                found = (torch.stack([f.to(device) for f in flags]) > 0).any().float()
+                # NaN counts as found (torch's step skips on it): `not <= 0`, not `> 0`.
+                found = (~(torch.stack([f.to(device) for f in flags]) <= 0)).any().float()
                 if state.agreed is None:  # before the check: it folds the flag in
                     state.user_found = found
                 elif state.deferred:  # after unscale_(): folded in when the ranks agree

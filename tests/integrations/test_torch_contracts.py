@@ -177,7 +177,8 @@ def test_an_optimizer_passed_the_scaler_gets_it_and_no_attributes_as_from_torch(
 
 @pytest.mark.parametrize("decide_on_device", [False, True], ids=["host", "device"])
 @pytest.mark.parametrize(
-    ("written", "found"), [(1.0, True), (2.0, True), (0.5, True), (0.0, False), (-1.0, False)]
+    ("written", "found"),
+    [(1.0, True), (2.0, True), (0.5, True), (float("nan"), True), (0.0, False), (-1.0, False)],
 )
 def test_a_written_flag_with_no_grads_left_to_check_counts_as_found_when_above_zero(
     decide_on_device, written, found
