@@ -444,6 +444,9 @@ class GradScaler(TorchGradScalerSurface):
                     state.deferred, state.deferred_group = True, group
                     return True
                 _agreement.all_reduce_flag(refusal, group).wait()
+                # This rank now holds what its peers agreed on (a skip): update() backs off as
+                # theirs does, and a second step() raises instead of waiting alone in a collective.
+                state.agreed, state.over_group, state.stage = refusal, True, _Stage.STEPPED
             raise
         state.backwards = report.backwards
         grads = optimizer_grads(optimizer, set(report.covered))
@@ -703,11 +706,24 @@ class GradScaler(TorchGradScalerSurface):
         elif state.agreed is None:  # marked UNSCALED by code that unscaled the grads itself
             self._check(optimizer, state, unscale=False, unscaled_by_caller=True)
         elif state.backwards and self._hooks.backwards(optimizer) != state.backwards:
-            # Every rank sees the same backward passes (DDP's and FSDP2's are collective), so
-            # every rank refuses here alike, before anything is applied.
+            # A backward through DDP or FSDP2 is collective, so every rank refuses here alike. One
+            # outside the reduction (no_sync(), the bare module) may run on one rank only: the
+            # agreement unscale_() left pending then goes out marked overflowed, so that the
+            # peers skip rather than wait in it. Nothing is applied here either way. (Where no
+            # collective runs, the flag is left as it is: nothing can reach the peers.)
+            if state.deferred and (
+                state.deferred_group is not None or state.late_found is not None
+            ):
+                with _NoGrad():
+                    state.agreed[_agreement.OVERFLOW].fill_(1.0)
+                    if self._predictive is not None:
+                        at = _agreement.measured_at(self._carries_range())
+                        mark_overflow(state.agreed, at, torch.ones((), device=state.agreed.device))
+                self._agreed(state)
             raise RuntimeError(
-                "attach(): a backward pass ran through the attached model after "
-                "scaler.unscale_(optimizer) and before scaler.step(optimizer); the flag that "
+                "attach(): a backward pass ran through the attached model (or, outside its "
+                "reduction, through its parameters) after scaler.unscale_(optimizer) and before "
+                "scaler.step(optimizer); the flag that "
                 "unscale_() agreed on does not cover the grads it added, so the step is refused. "
                 "Call scaler.unscale_(optimizer) after the last backward before the step"
             )

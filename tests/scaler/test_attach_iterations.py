@@ -225,6 +225,98 @@ def _refused_after_unscale(rank: int) -> dict[str, Any]:
     return {"error": error, "moved": moved, "norm": float(norm), "applied": applied}
 
 
+def _outside_reduction_after_unscale(rank: int, kind: str, how: str) -> dict[str, Any]:
+    """unscale_(), then a backward that adds to the grads outside DDP's reduction (under
+    ``no_sync()``, or through the bare module), then step(). torch's scaler (and dscale's without
+    attach()) apply what the grads then hold; under attach() the hooks' rescale turned the
+    unscaled grads back into scaled ones, which the flag unscale_() agreed on never saw."""
+    model = DDP(tiny_model())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = _scaler(kind)
+    if kind == "attach":
+        scaler.attach(model)
+    scaler.scale(_loss(model, batch(rank, 0), False)).backward()
+    scaler.unscale_(opt)
+    if how == "no_sync":
+        with model.no_sync():
+            scaler.scale(_loss(model, batch(rank, 1), False)).backward()
+    else:
+        scaler.scale(_loss(model.module, batch(rank, 1), False)).backward()
+    before = full_params(model, "ddp")
+    error = None
+    try:
+        scaler.step(opt)
+    except RuntimeError as exc:
+        error = str(exc)
+    scaler.update()
+    return {"error": error, "moved": not torch.equal(before, full_params(model, "ddp"))}
+
+
+def _outside_reduction_on_one_rank(rank: int) -> dict[str, Any]:
+    """As above on rank 1 only, where the step keeps its agreement collective (a flag written on
+    every rank): rank 1 refuses, and rank 0 must skip rather than wait for it."""
+    import dscale
+
+    model = DDP(tiny_model())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = dscale.GradScaler("cpu", init_scale=2.0**10)
+    scaler.attach(model)
+    flag = torch.zeros(())
+    scaler._per_optimizer_states[id(opt)]["found_inf_per_device"] = {flag.device: flag}
+    scaler.scale(_loss(model, batch(rank, 0), False)).backward()
+    scaler.unscale_(opt)
+    if rank == 1:
+        scaler.scale(_loss(model.module, batch(rank, 1), False)).backward()
+    before = full_params(model, "ddp")
+    error = None
+    try:
+        scaler.step(opt)
+    except RuntimeError as exc:
+        error = str(exc)
+    scaler.update()
+    return {
+        "error": error,
+        "moved": not torch.equal(before, full_params(model, "ddp")),
+        "params": full_params(model, "ddp"),
+        "scale": scaler.get_scale(),
+    }
+
+
+def _recovery_after_refusal(rank: int, where: str) -> dict[str, Any]:
+    """Rank 1 writes a grad after the reduction in iteration 1 and is refused (in step(), or
+    after ``where="unscale"``'s unscale_() at the flag's first read) while rank 0 skips; both
+    ranks catch it, call update() and go on. They must go on as one: same scale, same weights."""
+    import dscale
+
+    model = DDP(tiny_model())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = dscale.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
+    scaler.attach(model)
+    flag = torch.zeros(())  # every rank writes one: the step keeps its agreement collective
+    errors: list[str | None] = []
+    scales = []
+    for step in range(4):
+        opt.zero_grad()
+        scaler._per_optimizer_states[id(opt)]["found_inf_per_device"] = {flag.device: flag}
+        scaler.scale(_loss(model, batch(rank, step), False)).backward()
+        if rank == 1 and step == 1:
+            model.module[0].weight.grad.mul_(0.5)
+        error = None
+        try:
+            if where == "unscale":
+                scaler.unscale_(opt)
+            scaler.step(opt)
+        except RuntimeError as exc:
+            error = str(exc)
+        try:
+            scaler.update()
+        except Exception as exc:  # recorded: the test names it
+            error = f"{error} / update(): {exc!r}"
+        errors.append(error)
+        scales.append(scaler.get_scale())
+    return {"errors": errors, "scales": scales, "params": full_params(model, "ddp")}
+
+
 def _group_is_collected(rank: int, attach: bool) -> bool:
     """``del model; dist.destroy_process_group(group)``: nothing of the scaler's holds the group."""
     import dscale
@@ -290,6 +382,13 @@ def _all(rank: int, world_size: int) -> dict[str, Any]:
     }
     out["backward_after_unscale"] = _backward_after_unscale(rank)
     out["refused_after_unscale"] = _refused_after_unscale(rank)
+    out["outside_reduction_after_unscale"] = {
+        (kind, how): _outside_reduction_after_unscale(rank, kind, how)
+        for kind in ("torch", "plain", "attach")
+        for how in ("no_sync", "bare")
+    }
+    out["outside_reduction_on_one_rank"] = _outside_reduction_on_one_rank(rank)
+    out["recovery"] = {w: _recovery_after_refusal(rank, w) for w in ("step", "unscale")}
     out["group_collected"] = {a: _group_is_collected(rank, a) for a in (False, True)}
     return out
 
@@ -343,3 +442,38 @@ def test_attach_does_not_keep_ddps_process_group_alive(results) -> None:
     for out in results.values():
         # Without attach() the group goes (the control); with it, it must go too.
         assert out["group_collected"] == {False: True, True: True}
+
+
+@pytest.mark.parametrize("how", ["no_sync", "bare"])
+def test_a_backward_outside_the_reduction_between_unscale_and_step_is_refused(results, how) -> None:
+    for out in results.values():
+        runs = out["outside_reduction_after_unscale"]
+        # The control: torch's scaler and dscale's without attach() apply a step here.
+        assert runs[("torch", how)]["moved"] and runs[("plain", how)]["moved"]
+        got = runs[("attach", how)]
+        assert got["error"] is not None and "unscale_(optimizer) after the last" in got["error"]
+        assert not got["moved"], "attach() applied grads the flag never saw"
+
+
+def test_a_backward_outside_the_reduction_on_one_rank_skips_the_peers(results) -> None:
+    r0, r1 = (
+        results[0]["outside_reduction_on_one_rank"],
+        results[1]["outside_reduction_on_one_rank"],
+    )
+    assert r1["error"] is not None and "attach()" in r1["error"] and not r1["moved"]
+    assert r0["error"] is None and not r0["moved"]  # skipped with rank 1, not applied alone
+    assert r0["scale"] == r1["scale"] == 2.0**9
+    assert torch.equal(r0["params"], r1["params"])
+
+
+@pytest.mark.parametrize("where", ["step", "unscale"])
+def test_ranks_go_on_as_one_after_a_refusal_on_one_rank(results, where) -> None:
+    r0, r1 = results[0]["recovery"][where], results[1]["recovery"][where]
+    assert r0["errors"] == [None] * 4, r0["errors"]
+    assert r1["errors"][1] is not None and "written after" in r1["errors"][1]
+    assert "update()" not in r1["errors"][1], r1["errors"][1]
+    assert [r1["errors"][i] for i in (0, 2, 3)] == [None] * 3, r1["errors"]
+    # Rank 0 (the oracle: it saw nothing wrong) skipped iteration 1 and backed off.
+    assert r0["scales"][1] == r0["scales"][0] / 2
+    assert r1["scales"] == r0["scales"]
+    assert torch.equal(r0["params"], r1["params"])
