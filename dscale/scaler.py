@@ -868,9 +868,15 @@ class GradScaler(TorchGradScalerSurface):
                 "update() found no inf checks since the last update(): call "
                 "scaler.step(optimizer) (or scaler.unscale_(optimizer)) before scaler.update()"
             )
+        refused = None
         for state in states:
             if state.deferred:  # unscale_() without step(): agree on it now
-                self._start_deferred(state)
+                try:
+                    self._start_deferred(state)
+                except AttachRefusal as exc:
+                    # This rank joined its peers' agreement (a skip): update as they do, then
+                    # raise, so that the next iteration starts on every rank alike.
+                    refused = exc
         self._scale_range = self._range_over_group(states)
         known = all(s.applied is not None for s in states)
         # Overflows only: a step the spike gate skipped is no reason to back off the scale.
@@ -904,6 +910,8 @@ class GradScaler(TorchGradScalerSurface):
             found = skip_flag  # observers hear "the step was skipped", for a spike too
         for observer in self._observers:
             observer.on_update(self, found)  # type: ignore[arg-type]
+        if refused is not None:
+            raise refused
 
     def _end_spike_iteration(self, states: list[_OptimizerState]) -> torch.Tensor | None:
         """The spike gate's end of an iteration: the window and counters; the skip flag."""

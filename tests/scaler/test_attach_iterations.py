@@ -284,8 +284,9 @@ def _outside_reduction_on_one_rank(rank: int) -> dict[str, Any]:
 
 def _recovery_after_refusal(rank: int, where: str) -> dict[str, Any]:
     """Rank 1 writes a grad after the reduction in iteration 1 and is refused (in step(), or
-    after ``where="unscale"``'s unscale_() at the flag's first read) while rank 0 skips; both
-    ranks catch it, call update() and go on. They must go on as one: same scale, same weights."""
+    after ``where="unscale"``'s unscale_() at the flag's first read; ``"unscale_update"``: an
+    iteration with unscale_() and no step(), so at update()) while rank 0 skips; both ranks
+    catch it, call update() and go on. They must go on as one: same scale, same weights."""
     import dscale
 
     model = DDP(tiny_model())
@@ -295,7 +296,8 @@ def _recovery_after_refusal(rank: int, where: str) -> dict[str, Any]:
     flag = torch.zeros(())  # every rank writes one: the step keeps its agreement collective
     errors: list[str | None] = []
     scales = []
-    for step in range(4):
+    # "unscale_update" stops after iteration 1: that rank's stale state would hang the next.
+    for step in range(2 if where == "unscale_update" else 4):
         opt.zero_grad()
         scaler._per_optimizer_states[id(opt)]["found_inf_per_device"] = {flag.device: flag}
         scaler.scale(_loss(model, batch(rank, step), False)).backward()
@@ -303,18 +305,24 @@ def _recovery_after_refusal(rank: int, where: str) -> dict[str, Any]:
             model.module[0].weight.grad.mul_(0.5)
         error = None
         try:
-            if where == "unscale":
+            if where != "step":
                 scaler.unscale_(opt)
-            scaler.step(opt)
+            if where != "unscale_update" or step != 1:
+                scaler.step(opt)
         except RuntimeError as exc:
             error = str(exc)
         try:
             scaler.update()
         except Exception as exc:  # recorded: the test names it
-            error = f"{error} / update(): {exc!r}"
+            error = f"{error} / update(): {exc!r}" if error else f"update(): {exc}"
         errors.append(error)
         scales.append(scaler.get_scale())
-    return {"errors": errors, "scales": scales, "params": full_params(model, "ddp")}
+    return {
+        "errors": errors,
+        "scales": scales,
+        "params": full_params(model, "ddp"),
+        "states_left": len(scaler._per_optimizer_states),  # update() starts the next afresh
+    }
 
 
 def _group_is_collected(rank: int, attach: bool) -> bool:
@@ -388,7 +396,9 @@ def _all(rank: int, world_size: int) -> dict[str, Any]:
         for how in ("no_sync", "bare")
     }
     out["outside_reduction_on_one_rank"] = _outside_reduction_on_one_rank(rank)
-    out["recovery"] = {w: _recovery_after_refusal(rank, w) for w in ("step", "unscale")}
+    out["recovery"] = {
+        w: _recovery_after_refusal(rank, w) for w in ("step", "unscale", "unscale_update")
+    }
     out["group_collected"] = {a: _group_is_collected(rank, a) for a in (False, True)}
     return out
 
@@ -466,13 +476,19 @@ def test_a_backward_outside_the_reduction_on_one_rank_skips_the_peers(results) -
     assert torch.equal(r0["params"], r1["params"])
 
 
-@pytest.mark.parametrize("where", ["step", "unscale"])
+@pytest.mark.parametrize("where", ["step", "unscale", "unscale_update"])
 def test_ranks_go_on_as_one_after_a_refusal_on_one_rank(results, where) -> None:
     r0, r1 = results[0]["recovery"][where], results[1]["recovery"][where]
-    assert r0["errors"] == [None] * 4, r0["errors"]
-    assert r1["errors"][1] is not None and "written after" in r1["errors"][1]
-    assert "update()" not in r1["errors"][1], r1["errors"][1]
-    assert [r1["errors"][i] for i in (0, 2, 3)] == [None] * 3, r1["errors"]
+    n = len(r0["errors"])
+    assert r0["errors"] == [None] * n, r0["errors"]
+    refusal = r1["errors"][1]
+    assert refusal is not None and "written after" in refusal
+    if where == "unscale_update":  # found at the flag's first read: update()
+        assert refusal.startswith("update(): attach()"), refusal
+    else:
+        assert "update()" not in refusal, refusal
+    assert r1["errors"][:1] + r1["errors"][2:] == [None] * (n - 1), r1["errors"]
+    assert r0["states_left"] == r1["states_left"] == 0
     # Rank 0 (the oracle: it saw nothing wrong) skipped iteration 1 and backed off.
     assert r0["scales"][1] == r0["scales"][0] / 2
     assert r1["scales"] == r0["scales"]
