@@ -277,6 +277,8 @@ class GradScaler(TorchGradScalerSurface):
         # What _get_scale_async() answers a step(grad_scaler=...) optimizer whose grads are
         # unscaled already (attach()'s hooks): 1, since it divides by what it reads.
         self._scale_for_step: torch.Tensor | None = None
+        # id of the optimizer whose step(grad_scaler=...) runs: its reads of the flag agree.
+        self._stepping: int | None = None
         self._inv_scale: tuple[float, torch.Tensor] | None = None  # (scale, 1/scale)
         self._one: torch.Tensor | None = None
         # False for a StepGuard (dscale/step_guard.py): the scale is 1 and never moves.
@@ -355,9 +357,9 @@ class GradScaler(TorchGradScalerSurface):
         """Divide ``optimizer``'s grads by the scale in place and check them for inf/NaN.
 
         Optional: step() does it when you don't. Call it before clipping. No host sync. The
-        ranks agree on the flag when it is first read (step(), update(), _found_inf_per_device()),
-        so a ``found_inf_per_device`` that code written for torch's scaler writes in between
-        counts, as in torch.
+        ranks agree on the flag in step() (or update()), so a ``found_inf_per_device`` that code
+        written for torch's scaler writes in between counts, as in torch; a read in between
+        (``_found_inf_per_device()``) gives this rank's flag, as torch's, and no collective.
         """
         if not self._enabled:
             return
@@ -803,10 +805,12 @@ class GradScaler(TorchGradScalerSurface):
             state.prechecked = True  # an unscale_() from the optimizer has nothing left to do
             self._scale_for_step = self._unit(scale)
         step: Any = optimizer.step  # takes grad_scaler= (checked by _takes_grad_scaler)
+        self._stepping = id(optimizer)
         try:
             retval = step(*args, grad_scaler=self, **kwargs)
         finally:
             self._scale_for_step = None
+            self._stepping = None
         if state.agreed is None:
             raise RuntimeError(
                 f"{type(optimizer).__name__}.step(grad_scaler=...) never checked its grads: it "
@@ -822,7 +826,16 @@ class GradScaler(TorchGradScalerSurface):
         return retval
 
     def _agree_now(self, optimizer: torch.optim.Optimizer) -> None:
-        """Start the agreement that unscale_() left for the first read of ``optimizer``'s flag."""
+        """Start the agreement that unscale_() left for later, where every rank reads the flag.
+
+        That is inside ``optimizer``'s step(grad_scaler=...) (it reads the flag it skips on).
+        Elsewhere a read may come from one rank only (a log line on rank 0): started there
+        alone, the all-reduce would pair with the peers' next collective (a user's
+        clip_grad_norm_ before step()) and the ranks would hang. It gets this rank's flag then,
+        as from torch's scaler, and the ranks agree in step() or update().
+        """
+        if self._stepping != id(optimizer):
+            return
         state = self._per_optimizer_states.get(id(optimizer))
         if state is not None and state.deferred:
             self._start_deferred(state)
@@ -1221,6 +1234,7 @@ class GradScaler(TorchGradScalerSurface):
         state["_inv_scale"] = None  # device tensors, made again on demand
         state["_one"] = None
         state["_scale_for_step"] = None
+        state["_stepping"] = None
         # Hooks are registered on live models; a copy must attach() again.
         state["_hooks"] = ReductionHooks()
         return state

@@ -325,6 +325,74 @@ def _recovery_after_refusal(rank: int, where: str) -> dict[str, Any]:
     }
 
 
+def _read_on_one_rank(rank: int, kind: str, parallel: str) -> dict[str, Any]:
+    """unscale_(), ``_found_inf_per_device()`` read on rank 0 only (a log line), a collective of
+    the user's (FSDP2's clip_grad_norm_, or an all-reduce), step(): the read must start no
+    collective of its own, or it pairs with the peer's next one. Rank 1 overflows in iteration 1.
+    """
+    base = tiny_model()
+    model = wrap(base, parallel)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    scaler = _scaler("torch" if kind == "torch" else "plain")
+    if kind == "attach":
+        scaler.attach(model)
+    norms, scales, reads = [], [], []
+    for step in range(3):
+        opt.zero_grad()
+        scaler.scale(_loss(model, batch(rank, step), step == 1 and rank == 1)).backward()
+        scaler.unscale_(opt)
+        if rank == 0:
+            reads.append([float(f) for f in scaler._found_inf_per_device(opt).values()])
+        if parallel == "fsdp2":
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).full_tensor()
+        else:
+            norm = torch.tensor([float(rank + 1)])
+            dist.all_reduce(norm)
+        norms.append(float(norm))
+        scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+    return {
+        "norms": norms,
+        "scales": scales,
+        "reads": reads,
+        "params": full_params(model, parallel),
+    }
+
+
+def _reads_on_one_rank(rank: int, world_size: int) -> dict[Any, Any]:
+    return {
+        (kind, parallel): _read_on_one_rank(rank, kind, parallel)
+        for parallel in ("ddp", "fsdp2")
+        for kind in ("torch", "plain", "attach")
+    }
+
+
+@pytest.fixture(scope="module")
+def one_rank_reads() -> dict[int, Any]:
+    # Its own spawn with a short collective timeout: a read that started the agreement on rank
+    # 0 alone would pair it with rank 1's all-reduce and leave the ranks waiting.
+    return run_ranks(_reads_on_one_rank, timeout_s=120, pg_timeout_s=20)
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp2"])
+def test_found_inf_per_device_read_on_one_rank_after_unscale_starts_no_collective(
+    one_rank_reads, parallel
+) -> None:
+    for rank, runs in one_rank_reads.items():
+        oracle = runs[("torch", parallel)]
+        assert oracle["scales"][1] == oracle["scales"][0] / 2  # rank 1's overflow: skip, back off
+        for kind in ("plain", "attach"):
+            got = runs[(kind, parallel)]
+            assert got["scales"] == oracle["scales"], (rank, kind)
+            # nan where rank 1 overflowed
+            assert torch.tensor(got["norms"]).allclose(
+                torch.tensor(oracle["norms"]), rtol=0, atol=0, equal_nan=True
+            ), (rank, kind)
+            assert got["reads"] == oracle["reads"], (rank, kind)  # this rank's flag, as torch's
+            assert torch.equal(got["params"], oracle["params"]), (rank, kind)
+
+
 def _group_is_collected(rank: int, attach: bool) -> bool:
     """``del model; dist.destroy_process_group(group)``: nothing of the scaler's holds the group."""
     import dscale
