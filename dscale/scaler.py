@@ -707,28 +707,8 @@ class GradScaler(TorchGradScalerSurface):
             was_unscaled = self._check(optimizer, state, unscale=unscale)
         elif state.agreed is None:  # marked UNSCALED by code that unscaled the grads itself
             self._check(optimizer, state, unscale=False, unscaled_by_caller=True)
-        elif state.backwards and self._hooks.backwards(optimizer) != state.backwards:
-            # A backward through DDP or FSDP2 is collective, so every rank refuses here alike. One
-            # outside the reduction (no_sync(), the bare module) may run on one rank only: the
-            # agreement unscale_() left pending then goes out marked overflowed, so that the
-            # peers skip rather than wait in it. Nothing is applied here either way. (Where no
-            # collective runs, the flag is left as it is: nothing can reach the peers.)
-            if state.deferred and (
-                state.deferred_group is not None or state.late_found is not None
-            ):
-                with _NoGrad():
-                    state.agreed[_agreement.OVERFLOW].fill_(1.0)
-                    if self._predictive is not None:
-                        at = _agreement.measured_at(self._carries_range())
-                        mark_overflow(state.agreed, at, torch.ones((), device=state.agreed.device))
-                self._agreed(state)
-            raise RuntimeError(
-                "attach(): a backward pass ran through the attached model (or, outside its "
-                "reduction, through its parameters) after scaler.unscale_(optimizer) and before "
-                "scaler.step(optimizer); the flag that "
-                "unscale_() agreed on does not cover the grads it added, so the step is refused. "
-                "Call scaler.unscale_(optimizer) after the last backward before the step"
-            )
+        else:
+            self._refuse_a_backward_since_unscale(optimizer, state)
         agreed = self._agreed(state)
         on_host = self._decides_on_host(agreed)
 
@@ -763,6 +743,34 @@ class GradScaler(TorchGradScalerSurface):
             retval = optimizer.step(*args, **kwargs) if applied else None
             self._outcomes[id(optimizer)] = applied
         return self._stepped(optimizer, state, retval)
+
+    def _refuse_a_backward_since_unscale(
+        self, optimizer: torch.optim.Optimizer, state: _OptimizerState
+    ) -> None:
+        """attach(): raise if a backward changed ``optimizer``'s grads after unscale_() checked."""
+        if not state.backwards or self._hooks.backwards(optimizer) == state.backwards:
+            return
+        # A backward through DDP or FSDP2 is collective, so every rank refuses here alike. One
+        # outside the reduction (no_sync(), the bare module) may run on one rank only: the
+        # agreement unscale_() left pending then goes out marked overflowed, so that the
+        # peers skip rather than wait in it. Nothing is applied here either way. (Where no
+        # collective runs, the flag is left as it is: nothing can reach the peers.)
+        mine = state.agreed
+        if state.deferred and (state.deferred_group is not None or state.late_found is not None):
+            assert mine is not None  # noqa: S101 - set by the check that deferred
+            with _NoGrad():
+                mine[_agreement.OVERFLOW].fill_(1.0)
+                if self._predictive is not None:
+                    at = _agreement.measured_at(self._carries_range())
+                    mark_overflow(mine, at, torch.ones((), device=mine.device))
+            self._agreed(state)
+        raise RuntimeError(
+            "attach(): a backward pass ran through the attached model (or, outside its "
+            "reduction, through its parameters) after scaler.unscale_(optimizer) and before "
+            "scaler.step(optimizer); the flag that "
+            "unscale_() agreed on does not cover the grads it added, so the step is refused. "
+            "Call scaler.unscale_(optimizer) after the last backward before the step"
+        )
 
     def _stepped(
         self, optimizer: torch.optim.Optimizer, state: _OptimizerState, retval: Any
@@ -804,6 +812,8 @@ class GradScaler(TorchGradScalerSurface):
             assert unscaled  # noqa: S101 - the hooks reduced: the check unscales what they did not
             state.prechecked = True  # an unscale_() from the optimizer has nothing left to do
             self._scale_for_step = self._unit(scale)
+        if state.stage is _Stage.UNSCALED and state.agreed is not None:
+            self._refuse_a_backward_since_unscale(optimizer, state)  # as step() does
         step: Any = optimizer.step  # takes grad_scaler= (checked by _takes_grad_scaler)
         self._stepping = id(optimizer)
         try:

@@ -393,6 +393,55 @@ def test_found_inf_per_device_read_on_one_rank_after_unscale_starts_no_collectiv
             assert torch.equal(got["params"], oracle["params"]), (rank, kind)
 
 
+class _PassesItself(torch.optim.Optimizer):
+    """torch's older contract (apex/Transformer Engine style): ``step(grad_scaler=...)`` asks
+    the scaler for the flag and the scale, and unscales and skips in its own code."""
+
+    _step_supports_amp_scaling = True
+
+    def __init__(self, params: Any) -> None:
+        super().__init__(params, {"lr": 0.1})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None, *, grad_scaler: Any = None) -> None:
+        found = sum(f.float() for f in grad_scaler._check_inf_per_device(self).values())
+        inv = grad_scaler._get_scale_async().double().reciprocal().float()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.copy_(torch.where(found > 0, p, p - 0.1 * p.grad * inv))
+
+
+def _grad_scaler_step_after_unscale_and_backward(rank: int, kind: str) -> dict[str, Any]:
+    """unscale_(), a backward whose loss overflows on rank 1, then a step(grad_scaler=...)
+    optimizer: torch's scaler checks again in _check_inf_per_device() and skips; under attach()
+    the flag unscale_() agreed on never saw that backward, as for a plain step() (refused)."""
+    import warnings
+
+    model = DDP(tiny_model())
+    opt = _PassesItself(model.parameters())
+    scaler = _scaler(kind)
+    if kind == "attach":
+        scaler.attach(model)
+    scaler.scale(_loss(model, batch(rank, 0), False)).backward()
+    scaler.unscale_(opt)
+    scaler.scale(_loss(model, batch(rank, 1), rank == 1)).backward()
+    before = full_params(model, "ddp")
+    error = None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch's, for grad_scaler=
+        try:
+            scaler.step(opt)
+        except RuntimeError as exc:
+            error = str(exc)
+    after = full_params(model, "ddp")
+    return {
+        "error": error,
+        "moved": not torch.equal(before, after),
+        "finite": bool(after.isfinite().all()),
+    }
+
+
 def _group_is_collected(rank: int, attach: bool) -> bool:
     """``del model; dist.destroy_process_group(group)``: nothing of the scaler's holds the group."""
     import dscale
@@ -464,6 +513,10 @@ def _all(rank: int, world_size: int) -> dict[str, Any]:
         for how in ("no_sync", "bare")
     }
     out["outside_reduction_on_one_rank"] = _outside_reduction_on_one_rank(rank)
+    out["grad_scaler_step"] = {
+        kind: _grad_scaler_step_after_unscale_and_backward(rank, kind)
+        for kind in ("torch", "attach")
+    }
     out["recovery"] = {
         w: _recovery_after_refusal(rank, w) for w in ("step", "unscale", "unscale_update")
     }
@@ -561,3 +614,11 @@ def test_ranks_go_on_as_one_after_a_refusal_on_one_rank(results, where) -> None:
     assert r0["scales"][1] == r0["scales"][0] / 2
     assert r1["scales"] == r0["scales"]
     assert torch.equal(r0["params"], r1["params"])
+
+
+def test_a_backward_between_unscale_and_a_grad_scaler_step_is_refused_as_for_step(results) -> None:
+    for out in results.values():
+        oracle, got = out["grad_scaler_step"]["torch"], out["grad_scaler_step"]["attach"]
+        assert oracle["error"] is None and not oracle["moved"]  # torch checked again: skipped
+        assert got["error"] is not None and "unscale_(optimizer) after the last" in got["error"]
+        assert not got["moved"] and got["finite"]
