@@ -853,8 +853,17 @@ class GradScaler(TorchGradScalerSurface):
     @_eager
     def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[Any, Any]:
         """torch's check without unscaling, for optimizers that unscale themselves: ``{device:
-        flag}``, the flag agreed by every rank (the agreement runs here; no host sync)."""
+        flag}``, the flag agreed by every rank (the agreement runs here; no host sync).
+
+        Agreed inside ``optimizer``'s step(grad_scaler=...), where every rank asks. Called
+        elsewhere (it may be on one rank only), it checks this rank's grads, as torch's does, and
+        changes nothing the step will do: a collective started there alone would leave the
+        ranks' collectives out of step.
+        """
         self._require_scale("_check_inf_per_device")
+        state = self._per_optimizer_states.get(id(optimizer))
+        if self._stepping != id(optimizer) and (state is None or state.agreed is None):
+            return _local_flags(optimizer)
         state = self._per_optimizer_states.setdefault(id(optimizer), _OptimizerState())
         if state.agreed is None:
             self._check(optimizer, state, unscale=False)
@@ -1273,6 +1282,17 @@ class GradScaler(TorchGradScalerSurface):
 
 
 GradScaler._optimizer_state_type = _OptimizerState
+
+
+def _local_flags(optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:
+    """``{device: 1.0 if some grad of optimizer's on this rank is inf/NaN else 0.0}``, read only."""
+    flags: dict[torch.device, torch.Tensor] = {}
+    for device, per_dtype in group_by_device_and_dtype(optimizer_grads(optimizer)).items():
+        norms = [
+            n for tensors in per_dtype.values() for n in torch._foreach_norm(tensors, math.inf)
+        ]
+        flags[device] = (~torch.stack(norms).isfinite()).any().float()
+    return flags
 
 
 def _is_power_of_two(host: _policy.HostState | None) -> bool:

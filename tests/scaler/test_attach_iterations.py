@@ -325,10 +325,11 @@ def _recovery_after_refusal(rank: int, where: str) -> dict[str, Any]:
     }
 
 
-def _read_on_one_rank(rank: int, kind: str, parallel: str) -> dict[str, Any]:
+def _read_on_one_rank(rank: int, kind: str, parallel: str, read: str) -> dict[str, Any]:
     """unscale_(), ``_found_inf_per_device()`` read on rank 0 only (a log line), a collective of
     the user's (FSDP2's clip_grad_norm_, or an all-reduce), step(): the read must start no
     collective of its own, or it pairs with the peer's next one. Rank 1 overflows in iteration 1.
+    ``read="check"``: ``_check_inf_per_device()`` instead, with no unscale_() (no clipping).
     """
     base = tiny_model()
     model = wrap(base, parallel)
@@ -340,10 +341,12 @@ def _read_on_one_rank(rank: int, kind: str, parallel: str) -> dict[str, Any]:
     for step in range(3):
         opt.zero_grad()
         scaler.scale(_loss(model, batch(rank, step), step == 1 and rank == 1)).backward()
-        scaler.unscale_(opt)
+        if read == "found":
+            scaler.unscale_(opt)
         if rank == 0:
-            reads.append([float(f) for f in scaler._found_inf_per_device(opt).values()])
-        if parallel == "fsdp2":
+            flags = getattr(scaler, f"_{read}_inf_per_device")(opt)
+            reads.append([float(f) for f in flags.values()])
+        if parallel == "fsdp2" and read == "found":
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).full_tensor()
         else:
             norm = torch.tensor([float(rank + 1)])
@@ -362,10 +365,15 @@ def _read_on_one_rank(rank: int, kind: str, parallel: str) -> dict[str, Any]:
 
 def _reads_on_one_rank(rank: int, world_size: int) -> dict[Any, Any]:
     return {
-        (kind, parallel): _read_on_one_rank(rank, kind, parallel)
-        for parallel in ("ddp", "fsdp2")
+        (kind, parallel, read): _read_on_one_rank(rank, kind, parallel, read)
+        for parallel, read in READS
         for kind in ("torch", "plain", "attach")
     }
+
+
+# Not ("fsdp2", "check"): there torch's own _check_inf_per_device() on DTensor grads runs a
+# collective (DTensor's found_inf handler gathers the flag), so on one rank torch's scaler hangs.
+READS = (("ddp", "found"), ("fsdp2", "found"), ("ddp", "check"))
 
 
 @pytest.fixture(scope="module")
@@ -375,15 +383,14 @@ def one_rank_reads() -> dict[int, Any]:
     return run_ranks(_reads_on_one_rank, timeout_s=120, pg_timeout_s=20)
 
 
-@pytest.mark.parametrize("parallel", ["ddp", "fsdp2"])
-def test_found_inf_per_device_read_on_one_rank_after_unscale_starts_no_collective(
-    one_rank_reads, parallel
-) -> None:
+@pytest.mark.parametrize(("parallel", "read"), READS)
+def test_a_flag_read_on_one_rank_starts_no_collective(one_rank_reads, parallel, read) -> None:
+    # found: _found_inf_per_device() after unscale_(); check: _check_inf_per_device() before it.
     for rank, runs in one_rank_reads.items():
-        oracle = runs[("torch", parallel)]
+        oracle = runs[("torch", parallel, read)]
         assert oracle["scales"][1] == oracle["scales"][0] / 2  # rank 1's overflow: skip, back off
         for kind in ("plain", "attach"):
-            got = runs[(kind, parallel)]
+            got = runs[(kind, parallel, read)]
             assert got["scales"] == oracle["scales"], (rank, kind)
             # nan where rank 1 overflowed
             assert torch.tensor(got["norms"]).allclose(
