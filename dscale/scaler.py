@@ -900,6 +900,19 @@ class GradScaler(TorchGradScalerSurface):
                 "update() found no inf checks since the last update(): call "
                 "scaler.step(optimizer) (or scaler.unscale_(optimizer)) before scaler.update()"
             )
+        if any(
+            s.agreed is None and s.user_found is None and s.stage is _Stage.READY for s in states
+        ):
+            # A check that raised before it made a flag, with no agreement to join (attach()'s
+            # refusal where DDP's reduction made the flag global): the peers went on.
+            self._forget_optimizer_states()
+            self._hooks.reset()
+            raise RuntimeError(
+                "update(): a step() or unscale_() of this iteration raised on this rank before "
+                "its inf/NaN check finished, and no agreement ran to tell the other ranks, so "
+                "they may have applied their step: the ranks' weights may differ now. Fix what "
+                "that error named, then reload the last checkpoint on every rank"
+            )
         refused = None
         for state in states:
             if state.deferred:  # unscale_() without step(): agree on it now

@@ -449,6 +449,35 @@ def _grad_scaler_step_after_unscale_and_backward(rank: int, kind: str) -> dict[s
     }
 
 
+def _refused_with_no_agreement(rank: int) -> dict[str, Any]:
+    """Every parameter attached (no scaler collective): rank 1 alone runs a second loss through
+    the bare module, step() refuses there while rank 0 applies. update() on rank 1 must say so
+    plainly (it raised a bare AssertionError) and leave the scaler ready for the next iteration."""
+    import dscale
+
+    model = DDP(tiny_model())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = dscale.GradScaler("cpu", init_scale=2.0**10)
+    scaler.attach(model)
+    errors: list[str | None] = []
+    for step in range(2):
+        opt.zero_grad()
+        scaler.scale(_loss(model, batch(rank, step), False)).backward()
+        if rank == 1 and step == 0:
+            scaler.scale(_loss(model.module, batch(rank, 9), False)).backward()
+        error = None
+        try:
+            scaler.step(opt)
+        except RuntimeError as exc:
+            error = f"step(): {exc}"
+        try:
+            scaler.update()
+        except Exception as exc:  # recorded: the test names it
+            error = f"{error} / update(): {type(exc).__name__}: {exc}"
+        errors.append(error)
+    return {"errors": errors, "applied": scaler.step_applied(opt)}
+
+
 def _group_is_collected(rank: int, attach: bool) -> bool:
     """``del model; dist.destroy_process_group(group)``: nothing of the scaler's holds the group."""
     import dscale
@@ -524,6 +553,7 @@ def _all(rank: int, world_size: int) -> dict[str, Any]:
         kind: _grad_scaler_step_after_unscale_and_backward(rank, kind)
         for kind in ("torch", "attach")
     }
+    out["refused_with_no_agreement"] = _refused_with_no_agreement(rank)
     out["recovery"] = {
         w: _recovery_after_refusal(rank, w) for w in ("step", "unscale", "unscale_update")
     }
@@ -629,3 +659,12 @@ def test_a_backward_between_unscale_and_a_grad_scaler_step_is_refused_as_for_ste
         assert oracle["error"] is None and not oracle["moved"]  # torch checked again: skipped
         assert got["error"] is not None and "unscale_(optimizer) after the last" in got["error"]
         assert not got["moved"] and got["finite"]
+
+
+def test_update_after_a_refusal_no_peer_heard_of_says_the_ranks_may_differ(results) -> None:
+    r0, r1 = results[0]["refused_with_no_agreement"], results[1]["refused_with_no_agreement"]
+    assert r0["errors"] == [None, None] and r0["applied"]  # rank 0 applied: no collective ran
+    first, second = r1["errors"]
+    assert first is not None and first.startswith("step(): attach()"), first
+    assert "update(): RuntimeError" in first and "weights may differ" in first, first
+    assert second is None and r1["applied"]  # the next iteration runs as usual
