@@ -49,7 +49,8 @@ class HookReport:
     on every rank of the scaler's group; ``unscaled``: the covered grads are unscaled;
     ``measured``: policy="predictive"'s ``[scaled max, underflowing elements, elements]``;
     ``backwards``: the backward passes so far through the models holding the optimizer's
-    parameters (:meth:`ReductionHooks.backwards`).
+    parameters, and those that added to their unscaled grads outside the reduction
+    (:meth:`ReductionHooks.backwards`).
     """
 
     flag: torch.Tensor | None
@@ -99,6 +100,9 @@ class HookState:
         # Backward passes through the hooks so far: a flag read for a step belongs to one of them,
         # and a later backward (the GAN pattern: backward, step, backward, step) makes a new one.
         self.generation = 0
+        # DDP: backward passes outside the reduction (no_sync(), the bare module) that added to
+        # grads the hook had unscaled; they change the grads as a new generation would.
+        self.accumulations = 0
         # After each backward with hooks: id(param) -> (the grad, its version) as the hook left it.
         self.records: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
         # DDP: ids of params whose grads hold this hook's unscaled output; rescaled before a
@@ -182,6 +186,7 @@ class HookState:
         grad = param.grad
         if not known or grad is None:
             return
+        self.accumulations += 1
         with torch.no_grad():
             grad.mul_(copy_to(self.scale_of(), grad.device))
         self.rescaled.add(id(param))
@@ -352,8 +357,11 @@ class ReductionHooks:
         return bool(self.states) and any(s.found for s in self._relevant(optimizer))
 
     def backwards(self, optimizer: torch.optim.Optimizer) -> tuple[int, ...]:
-        """The backward passes so far through the models holding ``optimizer``'s parameters."""
-        return tuple(s.generation for s in self._relevant(optimizer)) if self.states else ()
+        """The backward passes so far through the models holding ``optimizer``'s parameters, and
+        those outside the reduction that added to grads their hooks had unscaled."""
+        if not self.states:
+            return ()
+        return tuple(n for s in self._relevant(optimizer) for n in (s.generation, s.accumulations))
 
     def _flags(
         self, states: list[HookState], device: torch.device
@@ -421,7 +429,7 @@ class ReductionHooks:
             is_global=is_global,
             unscaled=True,
             measured=measured,
-            backwards=tuple(s.generation for s in relevant),
+            backwards=tuple(n for s in relevant for n in (s.generation, s.accumulations)),
         )
 
     def reset(self) -> None:

@@ -35,6 +35,11 @@ def _found_per_device(state: Any) -> dict[torch.device, torch.Tensor]:
             state.work.wait()
             state.work = None
         flag = state.agreed[OVERFLOW]  # a view into the agreement vector, no copy
+        if getattr(state, "deferred", False):
+            # After unscale_(), before the ranks agree: this rank's flag with any written since,
+            # as torch's reads; a copy, since the view becomes the agreed flag.
+            late = state.late_found
+            flag = flag.clone() if late is None else torch.maximum(flag, (late > 0).float())
         found[flag.device] = flag
     return found
 
@@ -47,10 +52,11 @@ class TorchOptimizerState(dict):  # type: ignore[type-arg]
     ``["stage"] = OptState.UNSCALED`` (and may set ``["found_inf_per_device"]`` to its own
     rank-local flags): step() then does not unscale again, checks the grads it was not told
     about, adds those flags and agrees across ranks as usual. A flag written after unscale_()
-    counts too (torch reads it in step() and update()): unscale_() leaves the agreement to the
-    first read of the flag, and until then ``["found_inf_per_device"]`` reads this rank's flag, as
-    torch's does. A write once the ranks have agreed (in step(), ``_found_inf_per_device()``)
-    raises: it could no longer change the step on every rank. Any other key raises.
+    counts too (torch reads it in step() and update()): unscale_() leaves the agreement to
+    step() or update(), and until then ``["found_inf_per_device"]`` and ``_found_inf_per_device()``
+    read this rank's flag, as torch's do. A write once the ranks have agreed (in step(), or in a
+    step(grad_scaler=...) optimizer's ``_found_inf_per_device()``) raises: it could no longer
+    change the step on every rank. Any other key raises.
 
     Under ``attach()``, where DDP's reduction already made the flag global, a written flag keeps
     the step's agreement collective: every rank must then write one (any value), as the same
@@ -283,10 +289,11 @@ class TorchGradScalerSurface(torch.amp.GradScaler):
         return self._book.read().growth_tracker
 
     def _agree_now(self, optimizer: torch.optim.Optimizer) -> None:
-        """GradScaler: start an agreement that unscale_() left for the first read of the flag."""
+        """GradScaler: start an agreement that unscale_() left for later, where every rank reads."""
 
     def _found_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[Any, Any]:
-        """``{device: flag}`` for ``optimizer``'s last check: the flag agreed by every rank."""
+        """``{device: flag}`` for ``optimizer``'s last check: the flag agreed by every rank (this
+        rank's between unscale_() and step(), as torch's)."""
         self._agree_now(optimizer)
         found: dict[Any, Any] = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
         return found

@@ -278,6 +278,8 @@ class GradScaler(TorchGradScalerSurface):
         # What _get_scale_async() answers a step(grad_scaler=...) optimizer whose grads are
         # unscaled already (attach()'s hooks): 1, since it divides by what it reads.
         self._scale_for_step: torch.Tensor | None = None
+        # id of the optimizer whose step(grad_scaler=...) runs: its reads of the flag agree.
+        self._stepping: int | None = None
         self._inv_scale: tuple[float, torch.Tensor] | None = None  # (scale, 1/scale)
         self._one: torch.Tensor | None = None
         # False for a StepGuard (dscale/step_guard.py): the scale is 1 and never moves.
@@ -356,9 +358,9 @@ class GradScaler(TorchGradScalerSurface):
         """Divide ``optimizer``'s grads by the scale in place and check them for inf/NaN.
 
         Optional: step() does it when you don't. Call it before clipping. No host sync. The
-        ranks agree on the flag when it is first read (step(), update(), _found_inf_per_device()),
-        so a ``found_inf_per_device`` that code written for torch's scaler writes in between
-        counts, as in torch.
+        ranks agree on the flag in step() (or update()), so a ``found_inf_per_device`` that code
+        written for torch's scaler writes in between counts, as in torch; a read in between
+        (``_found_inf_per_device()``) gives this rank's flag, as torch's, and no collective.
         """
         if not self._enabled:
             return
@@ -447,6 +449,9 @@ class GradScaler(TorchGradScalerSurface):
                     state.deferred, state.deferred_group = True, group
                     return True
                 _agreement.all_reduce_flag(refusal, group).wait()
+                # This rank now holds what its peers agreed on (a skip): update() backs off as
+                # theirs does, and a second step() raises instead of waiting alone in a collective.
+                state.agreed, state.over_group, state.stage = refusal, True, _Stage.STEPPED
             raise
         state.backwards = report.backwards
         grads = optimizer_grads(optimizer, set(report.covered))
@@ -707,15 +712,8 @@ class GradScaler(TorchGradScalerSurface):
             was_unscaled = self._check(optimizer, state, unscale=unscale)
         elif state.agreed is None:  # marked UNSCALED by code that unscaled the grads itself
             self._check(optimizer, state, unscale=False, unscaled_by_caller=True)
-        elif state.backwards and self._hooks.backwards(optimizer) != state.backwards:
-            # Every rank sees the same backward passes (DDP's and FSDP2's are collective), so
-            # every rank refuses here alike, before anything is applied.
-            raise RuntimeError(
-                "attach(): a backward pass ran through the attached model after "
-                "scaler.unscale_(optimizer) and before scaler.step(optimizer); the flag that "
-                "unscale_() agreed on does not cover the grads it added, so the step is refused. "
-                "Call scaler.unscale_(optimizer) after the last backward before the step"
-            )
+        else:
+            self._refuse_a_backward_since_unscale(optimizer, state)
         agreed = self._agreed(state)
         on_host = self._decides_on_host(agreed)
 
@@ -750,6 +748,34 @@ class GradScaler(TorchGradScalerSurface):
             retval = optimizer.step(*args, **kwargs) if applied else None
             self._outcomes[id(optimizer)] = applied
         return self._stepped(optimizer, state, retval)
+
+    def _refuse_a_backward_since_unscale(
+        self, optimizer: torch.optim.Optimizer, state: _OptimizerState
+    ) -> None:
+        """attach(): raise if a backward changed ``optimizer``'s grads after unscale_() checked."""
+        if not state.backwards or self._hooks.backwards(optimizer) == state.backwards:
+            return
+        # A backward through DDP or FSDP2 is collective, so every rank refuses here alike. One
+        # outside the reduction (no_sync(), the bare module) may run on one rank only: the
+        # agreement unscale_() left pending then goes out marked overflowed, so that the
+        # peers skip rather than wait in it. Nothing is applied here either way. (Where no
+        # collective runs, the flag is left as it is: nothing can reach the peers.)
+        mine = state.agreed
+        if state.deferred and (state.deferred_group is not None or state.late_found is not None):
+            assert mine is not None  # noqa: S101 - set by the check that deferred
+            with _NoGrad():
+                mine[_agreement.OVERFLOW].fill_(1.0)
+                if self._predictive is not None:
+                    at = _agreement.measured_at(self._carries_range())
+                    mark_overflow(mine, at, torch.ones((), device=mine.device))
+            self._agreed(state)
+        raise RuntimeError(
+            "attach(): a backward pass ran through the attached model (or, outside its "
+            "reduction, through its parameters) after scaler.unscale_(optimizer) and before "
+            "scaler.step(optimizer); the flag that "
+            "unscale_() agreed on does not cover the grads it added, so the step is refused. "
+            "Call scaler.unscale_(optimizer) after the last backward before the step"
+        )
 
     def _stepped(
         self, optimizer: torch.optim.Optimizer, state: _OptimizerState, retval: Any
@@ -791,11 +817,15 @@ class GradScaler(TorchGradScalerSurface):
             assert unscaled  # noqa: S101 - the hooks reduced: the check unscales what they did not
             state.prechecked = True  # an unscale_() from the optimizer has nothing left to do
             self._scale_for_step = self._unit(scale)
+        if state.stage is _Stage.UNSCALED and state.agreed is not None:
+            self._refuse_a_backward_since_unscale(optimizer, state)  # as step() does
         step: Any = optimizer.step  # takes grad_scaler= (checked by _takes_grad_scaler)
+        self._stepping = id(optimizer)
         try:
             retval = step(*args, grad_scaler=self, **kwargs)
         finally:
             self._scale_for_step = None
+            self._stepping = None
         if state.agreed is None:
             raise RuntimeError(
                 f"{type(optimizer).__name__}.step(grad_scaler=...) never checked its grads: it "
@@ -811,7 +841,16 @@ class GradScaler(TorchGradScalerSurface):
         return retval
 
     def _agree_now(self, optimizer: torch.optim.Optimizer) -> None:
-        """Start the agreement that unscale_() left for the first read of ``optimizer``'s flag."""
+        """Start the agreement that unscale_() left for later, where every rank reads the flag.
+
+        That is inside ``optimizer``'s step(grad_scaler=...) (it reads the flag it skips on).
+        Elsewhere a read may come from one rank only (a log line on rank 0): started there
+        alone, the all-reduce would pair with the peers' next collective (a user's
+        clip_grad_norm_ before step()) and the ranks would hang. It gets this rank's flag then,
+        as from torch's scaler, and the ranks agree in step() or update().
+        """
+        if self._stepping != id(optimizer):
+            return
         state = self._per_optimizer_states.get(id(optimizer))
         if state is not None and state.deferred:
             self._start_deferred(state)
@@ -819,8 +858,17 @@ class GradScaler(TorchGradScalerSurface):
     @_eager
     def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[Any, Any]:
         """torch's check without unscaling, for optimizers that unscale themselves: ``{device:
-        flag}``, the flag agreed by every rank (the agreement runs here; no host sync)."""
+        flag}``, the flag agreed by every rank (the agreement runs here; no host sync).
+
+        Agreed inside ``optimizer``'s step(grad_scaler=...), where every rank asks. Called
+        elsewhere (it may be on one rank only), it checks this rank's grads, as torch's does, and
+        changes nothing the step will do: a collective started there alone would leave the
+        ranks' collectives out of step.
+        """
         self._require_scale("_check_inf_per_device")
+        state = self._per_optimizer_states.get(id(optimizer))
+        if self._stepping != id(optimizer) and (state is None or state.agreed is None):
+            return _local_flags(optimizer)
         state = self._per_optimizer_states.setdefault(id(optimizer), _OptimizerState())
         if state.agreed is None:
             self._check(optimizer, state, unscale=False)
@@ -857,9 +905,28 @@ class GradScaler(TorchGradScalerSurface):
                 "update() found no inf checks since the last update(): call "
                 "scaler.step(optimizer) (or scaler.unscale_(optimizer)) before scaler.update()"
             )
+        if any(
+            s.agreed is None and s.user_found is None and s.stage is _Stage.READY for s in states
+        ):
+            # A check that raised before it made a flag, with no agreement to join (attach()'s
+            # refusal where DDP's reduction made the flag global): the peers went on.
+            self._forget_optimizer_states()
+            self._hooks.reset()
+            raise RuntimeError(
+                "update(): a step() or unscale_() of this iteration raised on this rank before "
+                "its inf/NaN check finished, and no agreement ran to tell the other ranks, so "
+                "they may have applied their step: the ranks' weights may differ now. Fix what "
+                "that error named, then reload the last checkpoint on every rank"
+            )
+        refused = None
         for state in states:
             if state.deferred:  # unscale_() without step(): agree on it now
-                self._start_deferred(state)
+                try:
+                    self._start_deferred(state)
+                except AttachRefusal as exc:
+                    # This rank joined its peers' agreement (a skip): update as they do, then
+                    # raise, so that the next iteration starts on every rank alike.
+                    refused = exc
         self._scale_range = self._range_over_group(states)
         known = all(s.applied is not None for s in states)
         # Overflows only: a step the spike gate skipped is no reason to back off the scale.
@@ -893,6 +960,8 @@ class GradScaler(TorchGradScalerSurface):
             found = skip_flag  # observers hear "the step was skipped", for a spike too
         for observer in self._observers:
             observer.on_update(self, found)  # type: ignore[arg-type]
+        if refused is not None:
+            raise refused
 
     def _end_spike_iteration(self, states: list[_OptimizerState]) -> torch.Tensor | None:
         """The spike gate's end of an iteration: the window and counters; the skip flag."""
@@ -1210,6 +1279,7 @@ class GradScaler(TorchGradScalerSurface):
         state["_inv_scale"] = None  # device tensors, made again on demand
         state["_one"] = None
         state["_scale_for_step"] = None
+        state["_stepping"] = None
         # Hooks are registered on live models; a copy must attach() again.
         state["_hooks"] = ReductionHooks()
         if self._enabled and self._predictive is not None:  # the last update's (rings are kept)
@@ -1243,6 +1313,17 @@ class GradScaler(TorchGradScalerSurface):
 
 
 GradScaler._optimizer_state_type = _OptimizerState
+
+
+def _local_flags(optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:
+    """``{device: 1.0 if some grad of optimizer's on this rank is inf/NaN else 0.0}``, read only."""
+    flags: dict[torch.device, torch.Tensor] = {}
+    for device, per_dtype in group_by_device_and_dtype(optimizer_grads(optimizer)).items():
+        norms = [
+            n for tensors in per_dtype.values() for n in torch._foreach_norm(tensors, math.inf)
+        ]
+        flags[device] = (~torch.stack(norms).isfinite()).any().float()
+    return flags
 
 
 def _is_power_of_two(host: _policy.HostState | None) -> bool:

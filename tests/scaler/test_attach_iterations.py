@@ -225,6 +225,259 @@ def _refused_after_unscale(rank: int) -> dict[str, Any]:
     return {"error": error, "moved": moved, "norm": float(norm), "applied": applied}
 
 
+def _outside_reduction_after_unscale(rank: int, kind: str, how: str) -> dict[str, Any]:
+    """unscale_(), then a backward that adds to the grads outside DDP's reduction (under
+    ``no_sync()``, or through the bare module), then step(). torch's scaler (and dscale's without
+    attach()) apply what the grads then hold; under attach() the hooks' rescale turned the
+    unscaled grads back into scaled ones, which the flag unscale_() agreed on never saw."""
+    model = DDP(tiny_model())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = _scaler(kind)
+    if kind == "attach":
+        scaler.attach(model)
+    scaler.scale(_loss(model, batch(rank, 0), False)).backward()
+    scaler.unscale_(opt)
+    if how == "no_sync":
+        with model.no_sync():
+            scaler.scale(_loss(model, batch(rank, 1), False)).backward()
+    else:
+        scaler.scale(_loss(model.module, batch(rank, 1), False)).backward()
+    before = full_params(model, "ddp")
+    error = None
+    try:
+        scaler.step(opt)
+    except RuntimeError as exc:
+        error = str(exc)
+    scaler.update()
+    return {"error": error, "moved": not torch.equal(before, full_params(model, "ddp"))}
+
+
+def _outside_reduction_on_one_rank(rank: int) -> dict[str, Any]:
+    """As above on rank 1 only, where the step keeps its agreement collective (a flag written on
+    every rank): rank 1 refuses, and rank 0 must skip rather than wait for it."""
+    import dscale
+
+    model = DDP(tiny_model())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = dscale.GradScaler("cpu", init_scale=2.0**10)
+    scaler.attach(model)
+    flag = torch.zeros(())
+    scaler._per_optimizer_states[id(opt)]["found_inf_per_device"] = {flag.device: flag}
+    scaler.scale(_loss(model, batch(rank, 0), False)).backward()
+    scaler.unscale_(opt)
+    if rank == 1:
+        scaler.scale(_loss(model.module, batch(rank, 1), False)).backward()
+    before = full_params(model, "ddp")
+    error = None
+    try:
+        scaler.step(opt)
+    except RuntimeError as exc:
+        error = str(exc)
+    scaler.update()
+    return {
+        "error": error,
+        "moved": not torch.equal(before, full_params(model, "ddp")),
+        "params": full_params(model, "ddp"),
+        "scale": scaler.get_scale(),
+    }
+
+
+def _recovery_after_refusal(rank: int, where: str) -> dict[str, Any]:
+    """Rank 1 writes a grad after the reduction in iteration 1 and is refused (in step(), or
+    after ``where="unscale"``'s unscale_() at the flag's first read; ``"unscale_update"``: an
+    iteration with unscale_() and no step(), so at update()) while rank 0 skips; both ranks
+    catch it, call update() and go on. They must go on as one: same scale, same weights."""
+    import dscale
+
+    model = DDP(tiny_model())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = dscale.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
+    scaler.attach(model)
+    flag = torch.zeros(())  # every rank writes one: the step keeps its agreement collective
+    errors: list[str | None] = []
+    scales = []
+    # "unscale_update" stops after iteration 1: that rank's stale state would hang the next.
+    for step in range(2 if where == "unscale_update" else 4):
+        opt.zero_grad()
+        scaler._per_optimizer_states[id(opt)]["found_inf_per_device"] = {flag.device: flag}
+        scaler.scale(_loss(model, batch(rank, step), False)).backward()
+        if rank == 1 and step == 1:
+            model.module[0].weight.grad.mul_(0.5)
+        error = None
+        try:
+            if where != "step":
+                scaler.unscale_(opt)
+            if where != "unscale_update" or step != 1:
+                scaler.step(opt)
+        except RuntimeError as exc:
+            error = str(exc)
+        try:
+            scaler.update()
+        except Exception as exc:  # recorded: the test names it
+            error = f"{error} / update(): {exc!r}" if error else f"update(): {exc}"
+        errors.append(error)
+        scales.append(scaler.get_scale())
+    return {
+        "errors": errors,
+        "scales": scales,
+        "params": full_params(model, "ddp"),
+        "states_left": len(scaler._per_optimizer_states),  # update() starts the next afresh
+    }
+
+
+def _read_on_one_rank(rank: int, kind: str, parallel: str, read: str) -> dict[str, Any]:
+    """unscale_(), ``_found_inf_per_device()`` read on rank 0 only (a log line), a collective of
+    the user's (FSDP2's clip_grad_norm_, or an all-reduce), step(): the read must start no
+    collective of its own, or it pairs with the peer's next one. Rank 1 overflows in iteration 1.
+    ``read="check"``: ``_check_inf_per_device()`` instead, with no unscale_() (no clipping).
+    """
+    base = tiny_model()
+    model = wrap(base, parallel)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    scaler = _scaler("torch" if kind == "torch" else "plain")
+    if kind == "attach":
+        scaler.attach(model)
+    norms, scales, reads = [], [], []
+    for step in range(3):
+        opt.zero_grad()
+        scaler.scale(_loss(model, batch(rank, step), step == 1 and rank == 1)).backward()
+        if read == "found":
+            scaler.unscale_(opt)
+        if rank == 0:
+            flags = getattr(scaler, f"_{read}_inf_per_device")(opt)
+            reads.append([float(f) for f in flags.values()])
+        if parallel == "fsdp2" and read == "found":
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).full_tensor()
+        else:
+            norm = torch.tensor([float(rank + 1)])
+            dist.all_reduce(norm)
+        norms.append(float(norm))
+        scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+    return {
+        "norms": norms,
+        "scales": scales,
+        "reads": reads,
+        "params": full_params(model, parallel),
+    }
+
+
+def _reads_on_one_rank(rank: int, world_size: int) -> dict[Any, Any]:
+    return {
+        (kind, parallel, read): _read_on_one_rank(rank, kind, parallel, read)
+        for parallel, read in READS
+        for kind in ("torch", "plain", "attach")
+    }
+
+
+# Not ("fsdp2", "check"): there torch's own _check_inf_per_device() on DTensor grads runs a
+# collective (DTensor's found_inf handler gathers the flag), so on one rank torch's scaler hangs.
+READS = (("ddp", "found"), ("fsdp2", "found"), ("ddp", "check"))
+
+
+@pytest.fixture(scope="module")
+def one_rank_reads() -> dict[int, Any]:
+    # Its own spawn with a short collective timeout: a read that started the agreement on rank
+    # 0 alone would pair it with rank 1's all-reduce and leave the ranks waiting.
+    return run_ranks(_reads_on_one_rank, timeout_s=120, pg_timeout_s=20)
+
+
+@pytest.mark.parametrize(("parallel", "read"), READS)
+def test_a_flag_read_on_one_rank_starts_no_collective(one_rank_reads, parallel, read) -> None:
+    # found: _found_inf_per_device() after unscale_(); check: _check_inf_per_device() before it.
+    for rank, runs in one_rank_reads.items():
+        oracle = runs[("torch", parallel, read)]
+        assert oracle["scales"][1] == oracle["scales"][0] / 2  # rank 1's overflow: skip, back off
+        for kind in ("plain", "attach"):
+            got = runs[(kind, parallel, read)]
+            assert got["scales"] == oracle["scales"], (rank, kind)
+            # nan where rank 1 overflowed
+            assert torch.tensor(got["norms"]).allclose(
+                torch.tensor(oracle["norms"]), rtol=0, atol=0, equal_nan=True
+            ), (rank, kind)
+            assert got["reads"] == oracle["reads"], (rank, kind)  # this rank's flag, as torch's
+            assert torch.equal(got["params"], oracle["params"]), (rank, kind)
+
+
+class _PassesItself(torch.optim.Optimizer):
+    """torch's older contract (apex/Transformer Engine style): ``step(grad_scaler=...)`` asks
+    the scaler for the flag and the scale, and unscales and skips in its own code."""
+
+    _step_supports_amp_scaling = True
+
+    def __init__(self, params: Any) -> None:
+        super().__init__(params, {"lr": 0.1})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None, *, grad_scaler: Any = None) -> None:
+        found = sum(f.float() for f in grad_scaler._check_inf_per_device(self).values())
+        inv = grad_scaler._get_scale_async().double().reciprocal().float()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.copy_(torch.where(found > 0, p, p - 0.1 * p.grad * inv))
+
+
+def _grad_scaler_step_after_unscale_and_backward(rank: int, kind: str) -> dict[str, Any]:
+    """unscale_(), a backward whose loss overflows on rank 1, then a step(grad_scaler=...)
+    optimizer: torch's scaler checks again in _check_inf_per_device() and skips; under attach()
+    the flag unscale_() agreed on never saw that backward, as for a plain step() (refused)."""
+    import warnings
+
+    model = DDP(tiny_model())
+    opt = _PassesItself(model.parameters())
+    scaler = _scaler(kind)
+    if kind == "attach":
+        scaler.attach(model)
+    scaler.scale(_loss(model, batch(rank, 0), False)).backward()
+    scaler.unscale_(opt)
+    scaler.scale(_loss(model, batch(rank, 1), rank == 1)).backward()
+    before = full_params(model, "ddp")
+    error = None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch's, for grad_scaler=
+        try:
+            scaler.step(opt)
+        except RuntimeError as exc:
+            error = str(exc)
+    after = full_params(model, "ddp")
+    return {
+        "error": error,
+        "moved": not torch.equal(before, after),
+        "finite": bool(after.isfinite().all()),
+    }
+
+
+def _refused_with_no_agreement(rank: int) -> dict[str, Any]:
+    """Every parameter attached (no scaler collective): rank 1 alone runs a second loss through
+    the bare module, step() refuses there while rank 0 applies. update() on rank 1 must say so
+    plainly (it raised a bare AssertionError) and leave the scaler ready for the next iteration."""
+    import dscale
+
+    model = DDP(tiny_model())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = dscale.GradScaler("cpu", init_scale=2.0**10)
+    scaler.attach(model)
+    errors: list[str | None] = []
+    for step in range(2):
+        opt.zero_grad()
+        scaler.scale(_loss(model, batch(rank, step), False)).backward()
+        if rank == 1 and step == 0:
+            scaler.scale(_loss(model.module, batch(rank, 9), False)).backward()
+        error = None
+        try:
+            scaler.step(opt)
+        except RuntimeError as exc:
+            error = f"step(): {exc}"
+        try:
+            scaler.update()
+        except Exception as exc:  # recorded: the test names it
+            error = f"{error} / update(): {type(exc).__name__}: {exc}"
+        errors.append(error)
+    return {"errors": errors, "applied": scaler.step_applied(opt)}
+
+
 def _group_is_collected(rank: int, attach: bool) -> bool:
     """``del model; dist.destroy_process_group(group)``: nothing of the scaler's holds the group."""
     import dscale
@@ -290,6 +543,20 @@ def _all(rank: int, world_size: int) -> dict[str, Any]:
     }
     out["backward_after_unscale"] = _backward_after_unscale(rank)
     out["refused_after_unscale"] = _refused_after_unscale(rank)
+    out["outside_reduction_after_unscale"] = {
+        (kind, how): _outside_reduction_after_unscale(rank, kind, how)
+        for kind in ("torch", "plain", "attach")
+        for how in ("no_sync", "bare")
+    }
+    out["outside_reduction_on_one_rank"] = _outside_reduction_on_one_rank(rank)
+    out["grad_scaler_step"] = {
+        kind: _grad_scaler_step_after_unscale_and_backward(rank, kind)
+        for kind in ("torch", "attach")
+    }
+    out["refused_with_no_agreement"] = _refused_with_no_agreement(rank)
+    out["recovery"] = {
+        w: _recovery_after_refusal(rank, w) for w in ("step", "unscale", "unscale_update")
+    }
     out["group_collected"] = {a: _group_is_collected(rank, a) for a in (False, True)}
     return out
 
@@ -343,3 +610,61 @@ def test_attach_does_not_keep_ddps_process_group_alive(results) -> None:
     for out in results.values():
         # Without attach() the group goes (the control); with it, it must go too.
         assert out["group_collected"] == {False: True, True: True}
+
+
+@pytest.mark.parametrize("how", ["no_sync", "bare"])
+def test_a_backward_outside_the_reduction_between_unscale_and_step_is_refused(results, how) -> None:
+    for out in results.values():
+        runs = out["outside_reduction_after_unscale"]
+        # The control: torch's scaler and dscale's without attach() apply a step here.
+        assert runs[("torch", how)]["moved"] and runs[("plain", how)]["moved"]
+        got = runs[("attach", how)]
+        assert got["error"] is not None and "unscale_(optimizer) after the last" in got["error"]
+        assert not got["moved"], "attach() applied grads the flag never saw"
+
+
+def test_a_backward_outside_the_reduction_on_one_rank_skips_the_peers(results) -> None:
+    r0, r1 = (
+        results[0]["outside_reduction_on_one_rank"],
+        results[1]["outside_reduction_on_one_rank"],
+    )
+    assert r1["error"] is not None and "attach()" in r1["error"] and not r1["moved"]
+    assert r0["error"] is None and not r0["moved"]  # skipped with rank 1, not applied alone
+    assert r0["scale"] == r1["scale"] == 2.0**9
+    assert torch.equal(r0["params"], r1["params"])
+
+
+@pytest.mark.parametrize("where", ["step", "unscale", "unscale_update"])
+def test_ranks_go_on_as_one_after_a_refusal_on_one_rank(results, where) -> None:
+    r0, r1 = results[0]["recovery"][where], results[1]["recovery"][where]
+    n = len(r0["errors"])
+    assert r0["errors"] == [None] * n, r0["errors"]
+    refusal = r1["errors"][1]
+    assert refusal is not None and "written after" in refusal
+    if where == "unscale_update":  # found at the flag's first read: update()
+        assert refusal.startswith("update(): attach()"), refusal
+    else:
+        assert "update()" not in refusal, refusal
+    assert r1["errors"][:1] + r1["errors"][2:] == [None] * (n - 1), r1["errors"]
+    assert r0["states_left"] == r1["states_left"] == 0
+    # Rank 0 (the oracle: it saw nothing wrong) skipped iteration 1 and backed off.
+    assert r0["scales"][1] == r0["scales"][0] / 2
+    assert r1["scales"] == r0["scales"]
+    assert torch.equal(r0["params"], r1["params"])
+
+
+def test_a_backward_between_unscale_and_a_grad_scaler_step_is_refused_as_for_step(results) -> None:
+    for out in results.values():
+        oracle, got = out["grad_scaler_step"]["torch"], out["grad_scaler_step"]["attach"]
+        assert oracle["error"] is None and not oracle["moved"]  # torch checked again: skipped
+        assert got["error"] is not None and "unscale_(optimizer) after the last" in got["error"]
+        assert not got["moved"] and got["finite"]
+
+
+def test_update_after_a_refusal_no_peer_heard_of_says_the_ranks_may_differ(results) -> None:
+    r0, r1 = results[0]["refused_with_no_agreement"], results[1]["refused_with_no_agreement"]
+    assert r0["errors"] == [None, None] and r0["applied"]  # rank 0 applied: no collective ran
+    first, second = r1["errors"]
+    assert first is not None and first.startswith("step(): attach()"), first
+    assert "update(): RuntimeError" in first and "weights may differ" in first, first
+    assert second is None and r1["applied"]  # the next iteration runs as usual
