@@ -220,15 +220,19 @@ def test_every_alert_fires_for_its_fault_and_resolves_with_job_and_rank_labels(t
             f"checkpoint.dir={tmp_path / 'ckpt'}",
         )
         targets = tmp_path / "targets"
-        run_id = _wait(
+        target_labels = _wait(
             "both ranks' targets",
             lambda: (
                 len(list(targets.glob("*.json"))) == 2
-                and json.loads(next(targets.glob("*.json")).read_text())[0]["labels"]["run_id"]
+                and json.loads(next(targets.glob("*.json")).read_text())[0]["labels"]
             ),
             procs,
             tmp_path,
         )
+        # Alerts name the run (hydra.job.name), stable across reruns, not this attempt's
+        # rendezvous id.
+        job_name = target_labels["job_name"]
+        assert job_name == "dscale" != target_labels["run_id"], target_labels
 
         def scraped_up() -> bool:
             url = f"http://127.0.0.1:{prom_port}/api/v1/query?query=up%7Bjob%3D%22dscale%22%7D"
@@ -277,7 +281,7 @@ def test_every_alert_fires_for_its_fault_and_resolves_with_job_and_rank_labels(t
         for alert in firing[name]:
             labels = alert["labels"]
             # What a human acts on: which job, which rank, which scrape job.
-            assert labels["job_name"] == run_id and labels["job"] == "dscale", (name, labels)
+            assert labels["job_name"] == job_name and labels["job"] == "dscale", (name, labels)
             assert labels["rank"] in {"0", "1"}, (name, labels)
     assert "1" in {a["labels"]["rank"] for a in firing["DScaleExporterDown"]}
     assert _keys(firing) <= _keys(webhook.seen("resolved"))
