@@ -15,7 +15,7 @@ import dataclasses
 import logging
 from typing import Any
 
-from dscale.fp8 import _torchao
+from dscale.fp8 import _attached, _torchao
 from dscale.fp8._numerics import Float8Numerics
 
 logger = logging.getLogger(__name__)
@@ -68,6 +68,8 @@ class Float8Fallback:
         self._seen = numerics.num_samples
         self._left_logged: set[str] = set()
         self._unregister = scaler.register_step_callback(self._after_step)
+        self._scaler = scaler
+        _attached.attach_fallback(scaler, self)  # the exporter serves its switched layers
 
     def _after_step(self, optimizer: Any, applied: bool) -> None:
         if self._numerics.num_samples == self._seen:
@@ -133,3 +135,4 @@ class Float8Fallback:
     def close(self) -> None:
         """Stop deciding (switched layers stay switched)."""
         self._unregister()
+        _attached.detach(self._scaler, self)

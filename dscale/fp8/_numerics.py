@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from dscale import _agreement
-from dscale.fp8 import _torchao
+from dscale.fp8 import _attached, _torchao
 
 TENSORS = (("input", torch.float8_e4m3fn), ("weight", torch.float8_e4m3fn))
 GRAD = ("grad_output", torch.float8_e5m2)
@@ -82,6 +82,7 @@ class Float8Numerics:
         self.keys = [f"{n}/{t}" for n, _ in self.layers for t in ("input", "weight", "grad_output")]
         self.num_steps = 0
         self.num_samples = 0
+        self.sample_step: int | None = None  # the step index of the last sample
         self._armed = True  # step 0 is sampled
         self._stats: dict[str, torch.Tensor] = {}
         self._sent: torch.Tensor | None = None
@@ -92,6 +93,8 @@ class Float8Numerics:
             self._handles.append(module.register_forward_hook(self._hook(name)))
         self._unregister = scaler.register_step_callback(self._after_step)
         self._unfield = scaler.add_agreement_field(self)
+        self._scaler = scaler
+        _attached.attach_numerics(scaler, self)  # the exporter and MetricsLog find it there
 
     def _hook(self, name: str) -> Any:
         def forward_hook(module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> None:
@@ -144,6 +147,7 @@ class Float8Numerics:
                 )
                 self._last[key] = row
             self.num_samples += 1
+            self.sample_step = self.num_steps
         self._sent = None
         self._stats = {}
         self.num_steps += 1
@@ -171,6 +175,7 @@ class Float8Numerics:
             handle.remove()
         self._unregister()
         self._unfield()
+        _attached.detach(self._scaler, self)
 
 
 def _dtype_of(key: str) -> torch.dtype:
