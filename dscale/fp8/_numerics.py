@@ -89,10 +89,13 @@ class Float8Numerics:
         self._offset = 0
         self._last: dict[str, dict[str, float]] = {}
         self._handles: list[Any] = []
+        # The weights as they are now: under FSDP2 float8 all-gather, the sharded DTensor
+        # parameter (in forward, ``module.weight`` is the gathered float8 tensor, already cast).
+        self._weights = {name: module.weight for name, module in self.layers}
         for name, module in self.layers:
             self._handles.append(module.register_forward_hook(self._hook(name)))
         self._unregister = scaler.register_step_callback(self._after_step)
-        self._unfield = scaler.add_agreement_field(self)
+        self._unfield = _attached.add_field(scaler, self)
         self._scaler = scaler
         _attached.attach_numerics(scaler, self)  # the exporter and MetricsLog find it there
 
@@ -102,7 +105,7 @@ class Float8Numerics:
                 return  # unsampled: no op dispatched
             with torch.no_grad():
                 self._stats[f"{name}/input"] = tensor_stats(args[0], torch.float8_e4m3fn)
-                self._stats[f"{name}/weight"] = self._weight_stats(module)
+                self._stats[f"{name}/weight"] = self._weight_stats(module, self._weights[name])
             if output.requires_grad:
 
                 def grad_hook(grad: torch.Tensor) -> None:
@@ -113,8 +116,10 @@ class Float8Numerics:
         return forward_hook
 
     @staticmethod
-    def _weight_stats(module: nn.Module) -> torch.Tensor:
+    def _weight_stats(module: nn.Module, sharded: Any) -> torch.Tensor:
         weight: Any = module.weight
+        if not hasattr(weight, "_local_tensor") and hasattr(sharded, "_local_tensor"):
+            weight = sharded  # FSDP2 gathered it (in float8): measure this rank's shard
         local = getattr(weight, "_local_tensor", None)
         precomputed = getattr(local, "_precomputed_scale", None)
         if local is not None and hasattr(local, "_tensor"):
@@ -133,6 +138,10 @@ class Float8Numerics:
         self._offset = vector.numel()
         self._sent = _agreement.append_field(vector, torch.cat(rows))  # NaN rides as +inf
         return self._sent
+
+    def agreed_vector(self, vector: torch.Tensor) -> None:
+        """The vector the scaler all-reduces (this field's values at its offset)."""
+        self._sent = vector
 
     def _after_step(self, optimizer: Any, applied: bool) -> None:
         if self._armed and self._sent is not None:

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from dscale import _agreement, _dist
-from dscale.fp8 import _bound, _torchao
+from dscale.fp8 import _attached, _bound, _torchao
 from dscale.fp8._convert import Float8Conversion
 
 logger = logging.getLogger(__name__)
@@ -108,8 +108,9 @@ class WeightScales:
         else:
             self._precompute()
         self._unregister = scaler.register_step_callback(self._after_step)
+        self._unfield: Any = None
         if self.bounded:
-            scaler.add_agreement_field(self)
+            self._unfield = _attached.add_field(scaler, self)
         else:
             logger.info(
                 "WeightScales: %s has no known update bound; torchao's precompute runs after "
@@ -126,6 +127,10 @@ class WeightScales:
         self._offset = vector.numel()
         self._sent = _agreement.append_field(vector, amax)  # NaN rides as +inf
         return self._sent
+
+    def agreed_vector(self, vector: torch.Tensor) -> None:
+        """The vector the scaler all-reduces (this field's amaxes at its offset)."""
+        self._sent = vector
 
     # ------------------------------------------------------------------------- after the step
     def _after_step(self, optimizer: torch.optim.Optimizer, applied: bool) -> None:
@@ -200,6 +205,8 @@ class WeightScales:
     def close(self) -> None:
         """Stop updating the scales (the weights keep the last ones)."""
         self._unregister()
+        if self._unfield is not None:
+            self._unfield()
 
 
 def _float8_gathered_weights(model: nn.Module) -> tuple[list[str], list[Any]]:

@@ -147,3 +147,18 @@ def test_the_dashboard_shows_every_training_figure_the_exporter_serves() -> None
         name for name in HELP if not any(f'{name}{{job_name=~"$job_name"}}' in e for e in exprs)
     ]
     assert not missing, f"no dashboard panel queries {missing}"
+
+
+def test_the_dashboard_shows_the_fp8_numerics_per_layer() -> None:
+    from dscale.fp8._collector import SHARES  # the dscale_fp8_*_ratio gauges the exporter serves
+
+    dash = json.loads((DEPLOY / "grafana" / "dscale.json").read_text())
+    by_expr = {t["expr"]: (p, t) for p in dash["panels"] for t in p["targets"]}
+    for share in SHARES:
+        expr = f'max by (layer, tensor) (dscale_fp8_{share}_ratio{{job_name=~"$job_name"}})'
+        panel, target = by_expr[expr]  # one series per layer and tensor, the worst rank's
+        assert "{{layer}}" in target["legendFormat"] and "{{tensor}}" in target["legendFormat"]
+        assert panel["fieldConfig"]["defaults"]["unit"] == "percentunit"
+    assert 'max by (layer) (dscale_fp8_fallback{job_name=~"$job_name"})' in by_expr
+    grid = [(p["gridPos"]["x"], p["gridPos"]["y"]) for p in dash["panels"]]
+    assert len(grid) == len(set(grid))  # no panel drawn over another

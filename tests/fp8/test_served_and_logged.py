@@ -90,3 +90,42 @@ def test_a_job_without_fp8_serves_and_logs_no_fp8_numerics(tmp_path):
         assert "dscale_fp8_" not in _scrape(exporter.url)
     log.close()
     assert not (tmp_path / "metrics" / "fp8-rank0.jsonl").exists()
+
+
+def test_the_report_draws_a_per_layer_heatmap_of_the_logged_samples(tmp_path):
+    import matplotlib.collections
+
+    from dscale.report import figure, read_fp8_log, render
+
+    model = _models.net()
+    fp8.convert_to_float8(model, emulate=True)
+    outlier = model.blocks[1].fc2.register_forward_pre_hook(_blow_up)  # flushes its input
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    guard = dscale.StepGuard("cpu")
+    numerics = fp8.Float8Numerics(model, guard, every=2)
+    log = MetricsLog(tmp_path, rank=0, every=1)
+    guard.add_observer(log)
+    samples = {}
+    for step in range(6):  # samples at 0, 2, 4
+        _step(model, guard, opt, step)
+        if numerics.sample_step == step:
+            samples[step] = numerics.snapshot()
+    outlier.remove()
+    log.close()
+    steps, keys, values = read_fp8_log(tmp_path)
+    assert steps == [0, 2, 4] and keys == sorted(samples[0])
+    want = [[samples[s][k]["flushed"] for s in steps] for k in keys]
+    assert values == want
+    assert max(values[keys.index("blocks.1.fc2/input")]) > 0.05  # the outlier's layer shows
+    fig = figure(tmp_path)
+    (heat_ax,) = [ax for ax in fig.axes if ax.get_ylabel().startswith("FP8")]
+    (mesh,) = [c for c in heat_ax.collections if isinstance(c, matplotlib.collections.QuadMesh)]
+    assert mesh.get_array().reshape(len(keys), len(steps)).tolist() == want  # what is drawn
+    assert [t.get_text() for t in heat_ax.get_yticklabels()] == keys
+    assert render(tmp_path).endswith("metrics.png")
+
+
+def _blow_up(module, args):
+    bump = torch.zeros_like(args[0])
+    bump.view(-1)[0] = args[0].detach().abs().max() * 1e4
+    return (args[0] + bump,)

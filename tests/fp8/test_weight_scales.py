@@ -35,6 +35,16 @@ def test_every_rank_casts_with_the_same_scales_fsdp2(runs):
         assert runs[0][arm]["scales"] == runs[1][arm]["scales"], arm
 
 
+def test_numerics_on_the_same_vector_change_no_scale_fsdp2(runs):
+    # The scaler all-reduces the vector the last field returned: WeightScales must read its
+    # amaxes there, not in the shorter tensor it returned before Float8Numerics appended
+    # (which holds this rank's own, un-agreed amaxes: ranks' scales then differ).
+    for rank in (0, 1):
+        assert runs[rank]["dscale_numerics"]["scales"] == runs[rank]["dscale"]["scales"]
+        assert runs[rank]["dscale_numerics"]["losses"] == runs[rank]["dscale"]["losses"]
+        assert runs[rank]["dscale_numerics"]["allreduces"] == 1  # a sampled step included
+
+
 def test_one_allreduce_per_step_where_torchao_takes_two_fsdp2(runs):
     assert runs[0]["dscale"]["allreduces"] == runs[1]["dscale"]["allreduces"] == 1
     assert runs[0]["ao"]["allreduces"] == runs[1]["ao"]["allreduces"] == 2
