@@ -49,6 +49,7 @@ def train(
     optimizer: str = "adamw",
     nan_steps: tuple[int, ...] = (),
     numerics: bool = False,
+    predict: str = "bound",
 ) -> dict[str, Any]:
     """One run of ``arm`` ("ao": torchao's precompute after each step; "dscale": WeightScales).
 
@@ -64,7 +65,7 @@ def train(
     guard = dscale.StepGuard("cpu")
     scales = None
     if arm == "dscale":
-        scales = fp8.WeightScales(model, opt, guard, conv)
+        scales = fp8.WeightScales(model, opt, guard, conv, predict=predict)
         if numerics:
             fp8.Float8Numerics(model, guard, every=1)
     else:
@@ -202,6 +203,8 @@ def scenarios(rank: int, world: int) -> dict[str, Any]:
         "ao": train(rank, "ao"),
         "dscale": train(rank, "dscale"),
         "dscale_numerics": train(rank, "dscale", numerics=True),
+        "dscale_exact": train(rank, "dscale", betas=(0.9, 0.999), predict="exact"),
+        "exact_nan": train(rank, "dscale", lr=1e-2, nan_steps=(3,), predict="exact"),
         "ao_nan": train(rank, "ao", lr=1e-2, nan_steps=(3,)),
         "dscale_nan": train(rank, "dscale", lr=1e-2, nan_steps=(3,)),
         "sgd": train(rank, "dscale", optimizer="sgd", lr=1e-2),
