@@ -62,7 +62,9 @@ def build_parts(
 
     parts: dict[str, Any] = {}
     if conversion.float8_all_gather:
-        parts["fp8_weight_scales"] = dscale.fp8.WeightScales(model, optimizer, scaler, conversion)
+        parts["fp8_weight_scales"] = dscale.fp8.WeightScales(
+            model, optimizer, scaler, conversion, predict=str(fp8.get("predict", "bound"))
+        )
     every = numerics_every(fp8)
     if every:
         numerics = dscale.fp8.Float8Numerics(model, scaler, every=every)
@@ -78,7 +80,7 @@ def build_parts(
         "fp8: %s",
         ", ".join(
             [
-                "weight scales agreed in the step's collective"
+                f"weight scales agreed in the step's collective ({fp8.get('predict', 'bound')})"
                 if "fp8_weight_scales" in parts
                 else "weight scales torchao's dynamic ones",
                 f"numerics every {every} steps" if every else "no numerics",

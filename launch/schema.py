@@ -189,6 +189,8 @@ class FP8Config:
     ``metrics/fp8-rank<R>.jsonl``); None: 100 with the tensorwise recipe, off with rowwise; 0 off.
     ``float8_all_gather``: FSDP2 all-gathers the float8 weights, with ``dscale.fp8.WeightScales``
     agreeing their scales in the scaler's one collective (``parallel=fsdp``, tensorwise).
+    ``predict``: how WeightScales sets the post-step scale: ``bound`` (Adam's update bound) or
+    ``exact`` (from the post-step weights, computed before the step).
     ``fallback``: ``dscale.fp8.Float8Fallback`` with ``fallback_threshold`` and
     ``fallback_samples`` (needs the numerics). Their state goes into the job's checkpoints.
     """
@@ -198,6 +200,7 @@ class FP8Config:
     emulate: str = "auto"
     numerics_every: int | None = None
     float8_all_gather: bool = False
+    predict: str = "bound"
     fallback: bool = False
     fallback_threshold: float = 0.01
     fallback_samples: int = 3

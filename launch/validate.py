@@ -351,6 +351,11 @@ def _fp8(job: JobConfig) -> None:
         f"fp8.float8_all_gather=true needs fp8.recipe=tensorwise (got {f.recipe}; rowwise "
         "recipes all-gather in high precision)",
     )
+    _need(
+        f.predict in ("bound", "exact"),
+        f"fp8.predict={f.predict} is not bound or exact (how WeightScales sets the scale "
+        "after a step)",
+    )
     if f.fallback:
         _need(
             every != 0 and f.recipe == "tensorwise",

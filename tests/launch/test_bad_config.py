@@ -62,6 +62,7 @@ def _no_worker_started(run_dir: Path) -> bool:
         ("trainer.precision=fp8 fp8.fallback=true fp8.numerics_every=0", "fp8.fallback"),
         ("trainer.precision=fp8 fp8.fallback=true fp8.fallback_threshold=2", "fallback_threshold"),
         ("trainer.precision=fp8 fp8.numerics_every=-1", "fp8.numerics_every"),
+        ("trainer.precision=fp8 fp8.predict=psychic", "fp8.predict"),
     ],
 )
 def test_impossible_value_names_its_key(override: str, named: str) -> None:
