@@ -3,7 +3,9 @@
 For people without Grafana: the loss (per step when the loop gave it to ``MetricsLog.note_loss``,
 else at its log lines), the scale sawtooth (log2 axis), the skipped steps and the grad norm, one
 line style per rank, skipped steps marked x and resumes marked by a dashed line, read from
-``RUN_DIR/metrics/rank*.jsonl`` and ``loss-rank*.jsonl`` (``MetricsLog``).
+``RUN_DIR/metrics/rank*.jsonl`` and ``loss-rank*.jsonl`` (``MetricsLog``); for an FP8 run that
+sampled ``dscale.fp8.Float8Numerics`` (``fp8-rank*.jsonl``), a per-layer heatmap of the share
+flushed to zero over the sampled steps.
 """
 
 from __future__ import annotations
@@ -64,6 +66,41 @@ def read_loss_log(run_dir: str | os.PathLike[str]) -> dict[int, list[dict[str, A
     return by_rank
 
 
+def read_fp8_log(
+    run_dir: str | os.PathLike[str], share: str = "flushed"
+) -> tuple[list[int], list[str], list[list[float]]] | None:
+    """The FP8 numerics samples (``metrics/fp8-rank*.jsonl``) as ``(steps, keys, values)``.
+
+    ``values[k][i]`` is ``share`` of ``keys[k]`` ("layer/tensor") at ``steps[i]``, the largest
+    over ranks (ranks log the same agreed sample); None when the run logged no FP8 numerics.
+    """
+    by_step: dict[int, dict[str, float]] = {}
+    for path in sorted(glob.glob(os.path.join(os.fspath(run_dir), "metrics", "fp8-rank*.jsonl"))):
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                if line.strip():
+                    row = json.loads(line)
+                    seen = by_step.setdefault(int(row["step"]), {})
+                    for key, stats in row["layers"].items():
+                        seen[key] = max(seen.get(key, 0.0), float(stats[share]))
+    if not by_step:
+        return None
+    steps = sorted(by_step)
+    keys = sorted({k for rows in by_step.values() for k in rows})
+    return steps, keys, [[by_step[s].get(k, 0.0) for s in steps] for k in keys]
+
+
+def _fp8_heatmap(ax: Any, fp8: tuple[list[int], list[str], list[list[float]]]) -> None:
+    """Per-layer flushed-to-zero share over the sampled steps (each column until the next)."""
+    steps, keys, values = fp8
+    width = steps[-1] - steps[-2] if len(steps) > 1 else 1
+    edges = [*steps, steps[-1] + width]
+    mesh = ax.pcolormesh(edges, range(len(keys) + 1), values, cmap="viridis", shading="flat")
+    ax.set_yticks([i + 0.5 for i in range(len(keys))], keys, fontsize="x-small")
+    ax.set_ylabel("FP8 flushed\nto zero (share)")
+    ax.figure.colorbar(mesh, ax=ax, pad=0.01)
+
+
 # Ranks usually agree on the scale, so their lines coincide: each rank gets its own colour and dash
 # pattern, and a thinner line drawn over the one before it, so every rank stays visible.
 _DASHES = ("-", "--", ":", "-.")
@@ -108,10 +145,15 @@ def figure(run_dir: str | os.PathLike[str]) -> Any:
         for rank, rows in by_rank.items()
     }
     losses = {r: rows for r, rows in per_step.items() if rows} or read_loss_log(run_dir)
-    rows_n = 4 if losses else 3
-    fig, axes = plt.subplots(rows_n, 1, figsize=(10, 2.4 * rows_n + 1), sharex=True)
+    fp8 = read_fp8_log(run_dir)
+    rows_n = (4 if losses else 3) + (1 if fp8 else 0)
+    fig, all_axes = plt.subplots(rows_n, 1, figsize=(10, 2.4 * rows_n + 1), sharex=True)
+    axes = all_axes[:-1] if fp8 else all_axes
     ax_loss = axes[0] if losses else None
     ax_scale, ax_skip, ax_norm = axes[-3:]
+    if fp8:
+        _fp8_heatmap(all_axes[-1], fp8)
+        all_axes[-1].set_xlabel("optimizer step (FP8 samples)")
     ranks = sorted(set(by_rank) | set(losses))
     for i, rank in enumerate(ranks):
         style = _style(i, len(ranks))
@@ -165,7 +207,8 @@ def figure(run_dir: str | os.PathLike[str]) -> Any:
         plain = FuncFormatter(lambda v, _: f"{v:g}")
         ax_norm.yaxis.set_major_formatter(plain)
         ax_norm.yaxis.set_minor_formatter(plain)
-    ax_norm.set_xlabel("optimizer step")
+    if not fp8:
+        ax_norm.set_xlabel("optimizer step")
     for ax in axes:
         ax.grid(True, alpha=0.3)
         if ax.get_lines():

@@ -93,6 +93,8 @@ class RunContext:
     progress: Progress
     record: SkipRecord
     _checkpoints: list[integrations.Checkpoints] = field(default_factory=list, repr=False)
+    _fp8_conversion: Any = field(default=None, repr=False)
+    _fp8_parts: dict[str, Any] | None = field(default=None, repr=False)
 
     @property
     def precision(self) -> str:
@@ -128,8 +130,26 @@ class RunContext:
         if self.precision == "fp8":  # float8 linears first: DDP and FSDP2 wrap the result
             from launch.fp8 import convert
 
-            convert(model, self.config.get("fp8", {}), self.device)
+            self._fp8_conversion = convert(model, self.config.get("fp8", {}), self.device)
         return wrap_model(model, self.config["parallel"]["strategy"], self.device)
+
+    def fp8_parts(self, model: nn.Module, optimizer: Any) -> dict[str, Any]:
+        """``trainer.precision=fp8``: what dscale.fp8 adds, made once from ``fp8.*``.
+
+        ``fp8_weight_scales`` (``fp8.float8_all_gather``), ``fp8_numerics``
+        (``fp8.numerics_every``) and ``fp8_fallback`` (``fp8.fallback``), by checkpoint key;
+        :meth:`checkpoints` calls it, so their state is saved and resumed. {} for other jobs.
+        Call it on every rank after :meth:`parallelize`, with the model it returned.
+        """
+        if self._fp8_parts is None:
+            self._fp8_parts = {}
+            if self._fp8_conversion is not None:
+                from launch.fp8 import build_parts
+
+                self._fp8_parts = build_parts(
+                    model, optimizer, self.scaler, self._fp8_conversion, self.config["fp8"]
+                )
+        return self._fp8_parts
 
     def checkpoints(
         self, model: nn.Module, optimizer: Any, *, extra: dict[str, Any] | None = None
@@ -139,13 +159,18 @@ class RunContext:
         ``resume()`` honours ``checkpoint.resume``; ``maybe_save(step)`` saves every
         ``checkpoint.every`` steps; ``save(step)`` at the end; ``close()`` waits for a pending
         save. ``extra`` adds Statefuls of your own (an LR scheduler, a data-loader position).
+        An fp8 job's :meth:`fp8_parts` are made here (if not yet) and ride along.
         """
         binding = integrations.Checkpoints(
             self.config["checkpoint"],
             model=model,
             optimizer=optimizer,
             scaler=self.scaler,
-            extra={**(extra or {}), "dscale_launch_record": self.record},
+            extra={
+                **(extra or {}),
+                **self.fp8_parts(model, optimizer),
+                "dscale_launch_record": self.record,
+            },
         )
         self._checkpoints.append(binding)
         return binding

@@ -185,11 +185,25 @@ class FP8Config:
     """``trainer.precision=fp8``: ``dscale.fp8.convert_to_float8`` arguments of the same name.
 
     ``emulate``: auto (torchao's emulation on the CPU, FP8 GEMMs on a GPU), true or false.
+    ``numerics_every``: sample ``dscale.fp8.Float8Numerics`` every N steps (served, logged to
+    ``metrics/fp8-rank<R>.jsonl``); None: 100 with the tensorwise recipe, off with rowwise; 0 off.
+    ``float8_all_gather``: FSDP2 all-gathers the float8 weights, with ``dscale.fp8.WeightScales``
+    agreeing their scales in the scaler's one collective (``parallel=fsdp``, tensorwise).
+    ``predict``: how WeightScales sets the post-step scale: ``bound`` (Adam's update bound) or
+    ``exact`` (from the post-step weights, computed before the step).
+    ``fallback``: ``dscale.fp8.Float8Fallback`` with ``fallback_threshold`` and
+    ``fallback_samples`` (needs the numerics). Their state goes into the job's checkpoints.
     """
 
     recipe: str = "tensorwise"
     keep_high_precision: list[str] = field(default_factory=lambda: ["head"])
     emulate: str = "auto"
+    numerics_every: int | None = None
+    float8_all_gather: bool = False
+    predict: str = "bound"
+    fallback: bool = False
+    fallback_threshold: float = 0.01
+    fallback_samples: int = 3
 
 
 @dataclass

@@ -323,7 +323,53 @@ def validate(job: JobConfig) -> int:
     _metrics(job, nproc)
     _checkpoint(job)
     _fault(job, nproc * max_nodes)
+    _fp8(job)
     return nproc
+
+
+def _fp8(job: JobConfig) -> None:
+    if job.trainer.precision != "fp8":
+        return
+    f = job.fp8
+    every = f.numerics_every
+    _need(
+        every is None or every >= 0,
+        f"fp8.numerics_every={every} must be >= 0 (sample every N steps; 0 turns it off)",
+    )
+    _need(
+        not (every and f.recipe != "tensorwise"),
+        f"fp8.numerics_every={every} measures under tensorwise scales, but fp8.recipe="
+        f"{f.recipe}: set fp8.numerics_every=0 or fp8.recipe=tensorwise",
+    )
+    _need(
+        not f.float8_all_gather or job.parallel.strategy == "fsdp",
+        "fp8.float8_all_gather=true all-gathers FSDP2's weight shards in float8: it needs "
+        f"parallel=fsdp (this job has parallel.strategy={job.parallel.strategy})",
+    )
+    _need(
+        not f.float8_all_gather or f.recipe == "tensorwise",
+        f"fp8.float8_all_gather=true needs fp8.recipe=tensorwise (got {f.recipe}; rowwise "
+        "recipes all-gather in high precision)",
+    )
+    _need(
+        f.predict in ("bound", "exact"),
+        f"fp8.predict={f.predict} is not bound or exact (how WeightScales sets the scale "
+        "after a step)",
+    )
+    if f.fallback:
+        _need(
+            every != 0 and f.recipe == "tensorwise",
+            "fp8.fallback=true decides from the sampled numerics: keep fp8.numerics_every "
+            "above 0 (or unset) with fp8.recipe=tensorwise",
+        )
+        _need(
+            0.0 < f.fallback_threshold < 1.0,
+            f"fp8.fallback_threshold={f.fallback_threshold} must be a share in (0, 1), e.g. 0.01",
+        )
+        _need(
+            f.fallback_samples >= 1,
+            f"fp8.fallback_samples={f.fallback_samples} must be >= 1 (samples in a row)",
+        )
 
 
 def scaler_parameters() -> list[str]:

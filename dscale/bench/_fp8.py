@@ -75,9 +75,9 @@ def run_arm(
     fully_shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, weight_decay=0.1)
     guard = StepGuard("cpu")
-    if arm == "dscale":
+    if arm in ("dscale", "dscale_exact"):  # dscale_exact: WeightScales(predict="exact")
         assert conv is not None  # noqa: S101
-        fp8.WeightScales(model, opt, guard, conv)
+        fp8.WeightScales(model, opt, guard, conv, predict="exact" if arm != "dscale" else "bound")
     elif arm == "torchao":
         from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 

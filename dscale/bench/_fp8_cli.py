@@ -32,10 +32,19 @@ def run_here(cfg: dict[str, Any]) -> dict[str, Any]:
     """Every arm and sweep point on this rank (all ranks run the same list)."""
     rank = dist.get_rank()
     steps = cfg["steps"]
+    # --predict exact: the dscale arm runs WeightScales(predict="exact") (still named dscale)
+    ours = "dscale_exact" if cfg.get("predict") == "exact" else "dscale"
     table: dict[str, dict[str, Any]] = {}
     for model in cfg["models"]:
         table[model] = {
-            arm: _fp8.run_arm(rank, model, arm, steps=steps, lr=3e-3, betas=(0.9, 0.95))
+            arm: _fp8.run_arm(
+                rank,
+                model,
+                ours if arm == "dscale" else arm,
+                steps=steps,
+                lr=3e-3,
+                betas=(0.9, 0.95),
+            )
             for arm in ARMS
         }
     for arms in table.values():  # the issue's "loss within 1e-3 of torchao's arm", per step
@@ -47,10 +56,10 @@ def run_here(cfg: dict[str, Any]) -> dict[str, Any]:
         for lr in LRS:
             for betas in BETAS:
                 row = _fp8.run_arm(
-                    rank, "mlp", "dscale", steps=steps, lr=lr, betas=betas, inf_steps=inf_steps
+                    rank, "mlp", ours, steps=steps, lr=lr, betas=betas, inf_steps=inf_steps
                 )
                 sweep.append({"lr": lr, "betas": list(betas), **row})
-    return {"steps": steps, "arms": table, "sweep": sweep}
+    return {"steps": steps, "predict": cfg.get("predict", "bound"), "arms": table, "sweep": sweep}
 
 
 def _spawned(rank: int, world: int, store_path: str, cfg: dict[str, Any], out: str) -> None:
@@ -71,7 +80,10 @@ def _spawned(rank: int, world: int, store_path: str, cfg: dict[str, Any], out: s
 
 def render(result: dict[str, Any]) -> str:
     """The tables as text."""
-    lines = [f"FP8 weight scales, 2 gloo ranks, FSDP2 float8 all-gather, {result['steps']} steps"]
+    lines = [
+        f"FP8 weight scales, 2 gloo ranks, FSDP2 float8 all-gather, {result['steps']} steps, "
+        f"dscale arm predict={result.get('predict', 'bound')}"
+    ]
     head = f"{'model':5} {'arm':8} {'allreduce/step':>14} {'saturated':>9} {'min ratio':>9} "
     lines.append(head + f"{'loss':>8} {'ranks equal':>11}")
     for model, arms in result["arms"].items():
@@ -111,12 +123,23 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=200, help="steps per arm (default 200)")
     parser.add_argument("--models", default="gpt,mlp", help="comma-separated: gpt, mlp")
     parser.add_argument("--no-sweep", action="store_true", help="skip the lr x betas sweep")
+    parser.add_argument(
+        "--predict",
+        choices=("bound", "exact"),
+        default="bound",
+        help="the dscale arm's WeightScales(predict=...) (default bound)",
+    )
     args = parser.parse_args(argv)
     models = [m for m in args.models.split(",") if m]
     bad = [m for m in models if m not in _fp8.MODELS]
     if bad or args.steps < 2:
         parser.error(f"--models takes {sorted(_fp8.MODELS)} (got {bad}); --steps must be >= 2")
-    cfg = {"steps": args.steps, "models": models, "sweep": not args.no_sweep}
+    cfg = {
+        "steps": args.steps,
+        "models": models,
+        "sweep": not args.no_sweep,
+        "predict": args.predict,
+    }
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
         start_processes(

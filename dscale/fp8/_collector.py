@@ -1,8 +1,8 @@
 """Float8NumericsCollector: the sampled FP8 numerics as Prometheus metrics, read at scrape time.
 
-Register it beside dscale's own collector::
+``dscale.metrics.start_exporter`` serves it by itself (:class:`AttachedFloat8Collector`: the
+numerics and fallback made on its scaler, with the exporter's labels). By hand::
 
-    exporter = dscale.metrics.start_exporter(scaler)
     exporter.registry.register(Float8NumericsCollector(numerics, fallback, rank=rank))
 
 Gauges per (layer, tensor), the last sample's worst rank: ``dscale_fp8_flushed_ratio``,
@@ -19,6 +19,8 @@ from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from dscale.fp8 import _attached
+
 SHARES = {
     "flushed": "non-zero elements cast to zero (underflow)",
     "subnormal": "elements cast to a subnormal FP8 value",
@@ -29,10 +31,18 @@ SHARES = {
 class Float8NumericsCollector:
     """Exposes a :class:`Float8Numerics` (and optionally a :class:`Float8Fallback`)."""
 
-    def __init__(self, numerics: Any, fallback: Any = None, *, rank: int = 0) -> None:
+    def __init__(
+        self,
+        numerics: Any,
+        fallback: Any = None,
+        *,
+        rank: int = 0,
+        labels: dict[str, str] | None = None,
+    ) -> None:
         self._numerics = numerics
         self._fallback = fallback
-        self._rank = str(rank)
+        # The exporter's labels (rank, job_name, ...) when given, else rank alone.
+        self._labels = dict(labels) if labels is not None else {"rank": str(rank)}
 
     def describe(self) -> list[Metric]:
         """Nothing to pre-register; metrics are produced per scrape."""
@@ -41,7 +51,8 @@ class Float8NumericsCollector:
     def collect(self) -> Iterator[Metric]:
         """The last sample, as gauges labelled ``rank``, ``layer``, ``tensor``."""
         snap = self._numerics.snapshot()
-        names = ["rank", "layer", "tensor"]
+        base, own = list(self._labels), list(self._labels.values())
+        names = [*base, "layer", "tensor"]
         gauges = {
             share: GaugeMetricFamily(
                 f"dscale_fp8_{share}_ratio",
@@ -54,7 +65,7 @@ class Float8NumericsCollector:
         scale = GaugeMetricFamily("dscale_fp8_scale", "FP8 cast scale, last sample", labels=names)
         for key, row in sorted(snap.items()):
             layer, tensor = key.rsplit("/", 1)
-            values = [self._rank, layer, tensor]
+            values = [*own, layer, tensor]
             for share, gauge in gauges.items():
                 gauge.add_metric(values, row[share])
             amax.add_metric(values, row["amax"])
@@ -63,20 +74,46 @@ class Float8NumericsCollector:
         yield amax
         yield scale
         samples = CounterMetricFamily(
-            "dscale_fp8_samples", "FP8 numerics samples taken", labels=["rank"]
+            "dscale_fp8_samples", "FP8 numerics samples taken", labels=base
         )
-        samples.add_metric([self._rank], self._numerics.num_samples)
+        samples.add_metric(own, self._numerics.num_samples)
         yield samples
         if self._fallback is not None:
             fallen = set(self._fallback.fallen)
             count = GaugeMetricFamily(
-                "dscale_fp8_fallback_layers", "Layers switched to high precision", labels=["rank"]
+                "dscale_fp8_fallback_layers", "Layers switched to high precision", labels=base
             )
-            count.add_metric([self._rank], len(fallen))
+            count.add_metric(own, len(fallen))
             yield count
             per = GaugeMetricFamily(
-                "dscale_fp8_fallback", "1 when the layer runs in high precision", labels=names[:2]
+                "dscale_fp8_fallback",
+                "1 when the layer runs in high precision",
+                labels=[*base, "layer"],
             )
             for layer in sorted(self._fallback.runs):
-                per.add_metric([self._rank, layer], 1.0 if layer in fallen else 0.0)
+                per.add_metric([*own, layer], 1.0 if layer in fallen else 0.0)
             yield per
+
+
+class AttachedFloat8Collector:
+    """The FP8 numerics (and fallback) made on ``scaler``, looked up at each scrape.
+
+    ``start_exporter`` registers one for every scaler: it serves nothing until a
+    ``Float8Numerics`` is made on that scaler (before or after the exporter started).
+    """
+
+    def __init__(self, scaler: Any, labels: dict[str, str]) -> None:
+        self._scaler = scaler
+        self._labels = dict(labels)
+
+    def describe(self) -> list[Metric]:
+        """Nothing to pre-register; metrics are produced per scrape."""
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        """The attached numerics' metrics, or none."""
+        numerics = _attached.numerics_of(self._scaler)
+        if numerics is None:
+            return
+        fallback = _attached.fallback_of(self._scaler)
+        yield from Float8NumericsCollector(numerics, fallback, labels=self._labels).collect()

@@ -4,23 +4,39 @@ Built on :class:`Float8Numerics`: after each sample, a layer whose worst share (
 subnormal or saturated, over its input, weight and grad_output) passes ``threshold`` on
 ``samples`` samples in a row runs in high precision from the next step on. The decision reads
 the agreed (worst-rank) sample, so every rank switches the same layer at the same step without
-another collective. The switch is torchao's config with every cast disabled, which computes
-exactly what ``nn.Linear`` does. Layers whose weights FSDP2 all-gathers in float8 are left
-(their weights arrive already cast): logged once.
+another collective. The switch is ``nn.Linear``'s forward (and torchao's config with every
+cast disabled), so the layer computes exactly what ``nn.Linear`` does, under autocast too.
+Layers whose weights FSDP2 all-gathers in float8 are left (their weights arrive already cast):
+logged once.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import types
 from typing import Any
 
-from dscale.fp8 import _torchao
+import torch
+from torch import nn
+
+from dscale.fp8 import _attached, _torchao
 from dscale.fp8._numerics import Float8Numerics
 
 logger = logging.getLogger(__name__)
 
 SHARES = ("flushed", "subnormal", "saturated")
+
+
+def to_high_precision(module: Any) -> None:
+    """Make ``module`` (a torchao Float8Linear) compute exactly as ``nn.Linear``.
+
+    Its config gets every cast disabled, and its forward becomes ``nn.Linear``'s: torchao's
+    disabled path alone mixes dtypes in backward under autocast (a bf16 grad with the fp32
+    weight: "expected m1 and m2 to have the same dtype").
+    """
+    module.config = disabled_config(module.config)
+    module.forward = types.MethodType(nn.Linear.forward, module)
 
 
 def disabled_config(config: Any) -> Any:
@@ -68,6 +84,8 @@ class Float8Fallback:
         self._seen = numerics.num_samples
         self._left_logged: set[str] = set()
         self._unregister = scaler.register_step_callback(self._after_step)
+        self._scaler = scaler
+        _attached.attach_fallback(scaler, self)  # the exporter serves its switched layers
 
     def _after_step(self, optimizer: Any, applied: bool) -> None:
         if self._numerics.num_samples == self._seen:
@@ -99,7 +117,7 @@ class Float8Fallback:
                     name,
                 )
             return
-        module.config = disabled_config(module.config)
+        to_high_precision(module)
         self.fallen.append(name)
         logger.warning(
             "Float8Fallback: %s runs in high precision from now on (share %.4f > %.4f on %d "
@@ -111,25 +129,50 @@ class Float8Fallback:
         )
 
     def state_dict(self) -> dict[str, Any]:
-        """``fallen`` (layer names, in order) and ``runs`` (samples in a row above threshold)."""
-        return {"fallen": list(self.fallen), "runs": dict(self.runs)}
+        """``fallen`` and ``runs`` as fixed-shape int64 tensors over the layers sorted by name.
+
+        ``fallen``: the switched layers' indices in the order they fell, padded with -1;
+        ``runs``: each layer's samples in a row above the threshold. Fixed shapes, so that
+        ``dscale.checkpoint`` (DCP, which loads into the shapes it is given) restores them.
+        """
+        names = sorted(self._modules)
+        fallen = torch.full((len(names),), -1, dtype=torch.int64)
+        fallen[: len(self.fallen)] = torch.tensor(
+            [names.index(n) for n in self.fallen], dtype=torch.int64
+        )
+        runs = torch.tensor([self.runs[n] for n in names], dtype=torch.int64)
+        return {"fallen": fallen, "runs": runs}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Switch the saved layers again; validated fully before anything changes."""
+        """Switch the saved layers again; validated fully before anything changes.
+
+        Takes :meth:`state_dict`'s tensors, or ``fallen`` as a list of names and ``runs`` as a
+        dict by name.
+        """
+        names = sorted(self._modules)
         fallen, runs = state.get("fallen"), state.get("runs")
+        if isinstance(fallen, torch.Tensor) and isinstance(runs, torch.Tensor):
+            if fallen.shape != (len(names),) or runs.shape != (len(names),):
+                raise ValueError(
+                    f"Float8Fallback state is for {fallen.shape[0] if fallen.dim() else 0} "
+                    f"float8 layers, this model converts {len(names)} ({names}); load a "
+                    "checkpoint of the same model"
+                )
+            fallen = [names[i] for i in fallen.tolist() if 0 <= i < len(names)]
+            runs = dict(zip(names, runs.tolist(), strict=True))
         unknown = [n for n in (fallen or []) if n not in self._modules]
         if not isinstance(fallen, list) or not isinstance(runs, dict) or unknown:
             raise ValueError(
                 f"Float8Fallback state names layers {unknown or fallen!r} this model does not "
-                f"convert (its float8 layers: {sorted(self._modules)}); load a checkpoint of "
-                "the same model"
+                f"convert (its float8 layers: {names}); load a checkpoint of the same model"
             )
         for name in fallen:
             if name not in self.fallen:
-                self._modules[name].config = disabled_config(self._modules[name].config)
+                to_high_precision(self._modules[name])
                 self.fallen.append(name)
         self.runs.update({k: int(v) for k, v in runs.items() if k in self.runs})
 
     def close(self) -> None:
         """Stop deciding (switched layers stay switched)."""
         self._unregister()
+        _attached.detach(self._scaler, self)

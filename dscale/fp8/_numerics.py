@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from dscale import _agreement
-from dscale.fp8 import _torchao
+from dscale.fp8 import _attached, _torchao
 
 TENSORS = (("input", torch.float8_e4m3fn), ("weight", torch.float8_e4m3fn))
 GRAD = ("grad_output", torch.float8_e5m2)
@@ -82,16 +82,22 @@ class Float8Numerics:
         self.keys = [f"{n}/{t}" for n, _ in self.layers for t in ("input", "weight", "grad_output")]
         self.num_steps = 0
         self.num_samples = 0
+        self.sample_step: int | None = None  # the step index of the last sample
         self._armed = True  # step 0 is sampled
         self._stats: dict[str, torch.Tensor] = {}
         self._sent: torch.Tensor | None = None
         self._offset = 0
         self._last: dict[str, dict[str, float]] = {}
         self._handles: list[Any] = []
+        # The weights as they are now: under FSDP2 float8 all-gather, the sharded DTensor
+        # parameter (in forward, ``module.weight`` is the gathered float8 tensor, already cast).
+        self._weights = {name: module.weight for name, module in self.layers}
         for name, module in self.layers:
             self._handles.append(module.register_forward_hook(self._hook(name)))
         self._unregister = scaler.register_step_callback(self._after_step)
-        self._unfield = scaler.add_agreement_field(self)
+        self._unfield = _attached.add_field(scaler, self)
+        self._scaler = scaler
+        _attached.attach_numerics(scaler, self)  # the exporter and MetricsLog find it there
 
     def _hook(self, name: str) -> Any:
         def forward_hook(module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> None:
@@ -99,7 +105,7 @@ class Float8Numerics:
                 return  # unsampled: no op dispatched
             with torch.no_grad():
                 self._stats[f"{name}/input"] = tensor_stats(args[0], torch.float8_e4m3fn)
-                self._stats[f"{name}/weight"] = self._weight_stats(module)
+                self._stats[f"{name}/weight"] = self._weight_stats(module, self._weights[name])
             if output.requires_grad:
 
                 def grad_hook(grad: torch.Tensor) -> None:
@@ -110,8 +116,10 @@ class Float8Numerics:
         return forward_hook
 
     @staticmethod
-    def _weight_stats(module: nn.Module) -> torch.Tensor:
+    def _weight_stats(module: nn.Module, sharded: Any) -> torch.Tensor:
         weight: Any = module.weight
+        if not hasattr(weight, "_local_tensor") and hasattr(sharded, "_local_tensor"):
+            weight = sharded  # FSDP2 gathered it (in float8): measure this rank's shard
         local = getattr(weight, "_local_tensor", None)
         precomputed = getattr(local, "_precomputed_scale", None)
         if local is not None and hasattr(local, "_tensor"):
@@ -131,6 +139,10 @@ class Float8Numerics:
         self._sent = _agreement.append_field(vector, torch.cat(rows))  # NaN rides as +inf
         return self._sent
 
+    def agreed_vector(self, vector: torch.Tensor) -> None:
+        """The vector the scaler all-reduces (this field's values at its offset)."""
+        self._sent = vector
+
     def _after_step(self, optimizer: Any, applied: bool) -> None:
         if self._armed and self._sent is not None:
             width = len(self.keys) * len(FIELDS)
@@ -144,6 +156,7 @@ class Float8Numerics:
                 )
                 self._last[key] = row
             self.num_samples += 1
+            self.sample_step = self.num_steps
         self._sent = None
         self._stats = {}
         self.num_steps += 1
@@ -171,6 +184,7 @@ class Float8Numerics:
             handle.remove()
         self._unregister()
         self._unfield()
+        _attached.detach(self._scaler, self)
 
 
 def _dtype_of(key: str) -> torch.dtype:

@@ -20,8 +20,9 @@ import torch
 from torch import nn
 
 from dscale import _agreement, _dist
-from dscale.fp8 import _bound, _torchao
+from dscale.fp8 import _attached, _bound, _predict, _torchao
 from dscale.fp8._convert import Float8Conversion
+from dscale.step_guard import StepGuard
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +63,15 @@ class WeightScales:
         optimizer: torch.optim.Optimizer,
         scaler: Any,
         conversion: Float8Conversion,
+        *,
+        predict: str = "bound",
     ) -> None:
+        if predict not in ("bound", "exact"):
+            raise ValueError(
+                f"predict must be 'bound' (the scale after a step from Adam's update bound) or "
+                f"'exact' (from the post-step weights, computed before the step), got {predict!r}"
+            )
+        self.predict = predict
         self._model = model
         self._optimizer = optimizer
         self._group = scaler._process_group()
@@ -74,11 +83,11 @@ class WeightScales:
                 f"layers convert_to_float8() converted {list(conversion.converted)}; call "
                 "fully_shard() after convert_to_float8(float8_all_gather=True), on every layer"
             )
-        layouts = _dist.all_gather_objects((names, conversion.layout()), self._group)
+        layouts = _dist.all_gather_objects((names, conversion.layout(), predict), self._group)
         if problem is None and any(lay != layouts[0] for lay in layouts):
             problem = LayoutMismatchError(
                 "ranks converted different layers to float8: "
-                + "; ".join(f"rank {r}: {lay[0]}" for r, lay in enumerate(layouts))
+                + "; ".join(f"rank {r}: {lay[0]} ({lay[2]})" for r, lay in enumerate(layouts))
                 + "; convert the same layers on every rank (the same keep_high_precision)"
             )
         _dist.gather_then_raise(problem, self._group, "WeightScales", (LayoutMismatchError,))
@@ -108,8 +117,20 @@ class WeightScales:
         else:
             self._precompute()
         self._unregister = scaler.register_step_callback(self._after_step)
+        self._predictor: _predict.PostStepAmax | None = None
+        if predict == "exact" and self.bounded and self._locals:
+            why = _predict.unsupported(optimizer, self._group_index)
+            if why is None and not isinstance(scaler, StepGuard):
+                why = "the scaler is not a StepGuard (its gradients may still be scaled)"
+            if why is None:
+                self._predictor = _predict.PostStepAmax(
+                    optimizer, weights, self._locals, int(self._group_index[0])
+                )
+            else:
+                logger.warning("WeightScales(predict='exact'): %s; the bound is used", why)
+        self._unfield: Any = None
         if self.bounded:
-            scaler.add_agreement_field(self)
+            self._unfield = _attached.add_field(scaler, self)
         else:
             logger.info(
                 "WeightScales: %s has no known update bound; torchao's precompute runs after "
@@ -123,9 +144,16 @@ class WeightScales:
         if optimizer is not self._optimizer or not self._locals:
             return vector
         amax = torch.stack(torch._foreach_norm(self._locals, math.inf))
+        if self.predict == "exact":  # then the post-step amaxes (+inf where not computed)
+            post = self._predictor() if self._predictor is not None else None
+            amax = torch.cat([amax, torch.full_like(amax, math.inf) if post is None else post])
         self._offset = vector.numel()
         self._sent = _agreement.append_field(vector, amax)  # NaN rides as +inf
         return self._sent
+
+    def agreed_vector(self, vector: torch.Tensor) -> None:
+        """The vector the scaler all-reduces (this field's amaxes at its offset)."""
+        self._sent = vector
 
     # ------------------------------------------------------------------------- after the step
     def _after_step(self, optimizer: torch.optim.Optimizer, applied: bool) -> None:
@@ -135,11 +163,15 @@ class WeightScales:
             self._precompute()
             return
         assert self._sent is not None  # noqa: S101 - append_to ran in this step's check
-        amax = self._sent[self._offset : self._offset + len(self._locals)].double()
+        n = len(self._locals)
+        amax = self._sent[self._offset : self._offset + n].double()
+        post = self._sent[self._offset + n : self._offset + 2 * n].double()
         self._sent = None
         if applied:
             bounds = torch.tensor(_bound.group_step_bounds(optimizer), dtype=torch.float64)
             amax = amax + bounds.to(amax.device)[self._group_index.to(amax.device)]
+            if self.predict == "exact":  # the computed post-step amax where every rank had one
+                amax = torch.where(torch.isfinite(post), post, amax)
         new = self.fp8_max / (amax.clamp(min=AMAX_FLOOR) * (1.0 + ROUNDING_MARGIN))
         good = torch.isfinite(new) & (new > 0)
         if not bool(good.all()):
@@ -193,6 +225,10 @@ class WeightScales:
             )
         _, weights = _float8_gathered_weights(self._model)
         self._locals, self._wrappers = _shards(weights)
+        if self._predictor is not None:  # new shards, and the optimizer's moments reloaded
+            self._predictor = _predict.PostStepAmax(
+                self._optimizer, weights, self._locals, int(self._group_index[0])
+            )
         self.scales.copy_(scales.to(self.scales.device, torch.float32))
         for wrapper, view in zip(self._wrappers, self.scales.unbind()):
             wrapper._precomputed_scale = view
@@ -200,6 +236,8 @@ class WeightScales:
     def close(self) -> None:
         """Stop updating the scales (the weights keep the last ones)."""
         self._unregister()
+        if self._unfield is not None:
+            self._unfield()
 
 
 def _float8_gathered_weights(model: nn.Module) -> tuple[list[str], list[Any]]:

@@ -13,6 +13,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 import dscale
+from dscale.fp8._collector import AttachedFloat8Collector
 from dscale.metrics import _server
 from dscale.metrics._collector import ScalerCollector
 from dscale.metrics._rank_check import RankScaleCheck
@@ -158,6 +159,9 @@ def start_exporter(
         certfile, keyfile: serve HTTPS with this certificate.
         registry: register into this registry (default: a new one holding only dscale's metrics).
 
+    A ``dscale.fp8.Float8Numerics`` (and ``Float8Fallback``) made on ``scaler`` is served too
+    (``dscale_fp8_*``, with these labels), whether made before or after this call.
+
     Example::
 
         stats = track_numerics(scaler, model)
@@ -202,6 +206,8 @@ def start_exporter(
     )
     registry = CollectorRegistry(auto_describe=False) if registry is None else registry
     registry.register(collector)
+    # FP8 numerics (dscale_fp8_*) of a Float8Numerics made on this scaler, whenever it is made.
+    registry.register(AttachedFloat8Collector(scaler, labels))
     bind_port = port + local_rank if port else 0
     server = _server.serve(addr, bind_port, registry, certfile=certfile, keyfile=keyfile)
     bound = None if server is None else int(server[0].server_address[1])

@@ -9,7 +9,9 @@ of a log that starts past step 0 (a resumed run) also has ``"resumed": true``.
 Each update() writes one row into a device buffer (no host sync); every ``every`` steps the buffer
 is copied to the host once and appended to ``RUN_DIR/metrics/rank<R>.jsonl``. So the log has the
 full per-step sawtooth while the GPU waits only once per ``every`` steps. ``log_loss`` appends the
-loss (host numbers the loop already read) to ``RUN_DIR/metrics/loss-rank<R>.jsonl``.
+loss (host numbers the loop already read) to ``RUN_DIR/metrics/loss-rank<R>.jsonl``. When a
+``dscale.fp8.Float8Numerics`` watches the scaler, each of its samples (already on the host) is
+appended to ``RUN_DIR/metrics/fp8-rank<R>.jsonl``: ``{"rank", "step", "layers": snapshot()}``.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from dscale.fp8 import _attached
 from dscale.stats import NumericsStats
 
 logger = logging.getLogger(__name__)
@@ -69,6 +72,8 @@ class MetricsLog:
             )
         self.path = os.path.join(os.fspath(run_dir), "metrics", f"rank{rank}.jsonl")
         self.loss_path = os.path.join(os.path.dirname(self.path), f"loss-rank{rank}.jsonl")
+        self.fp8_path = os.path.join(os.path.dirname(self.path), f"fp8-rank{rank}.jsonl")
+        self._fp8_step: int | None = None  # the FP8 sample last written
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         self.rank = rank
         self.every = every
@@ -114,6 +119,18 @@ class MetricsLog:
         self._filled += 1
         if self._filled == self.every:
             self.flush()
+        self._log_fp8(scaler)
+
+    def _log_fp8(self, scaler: Any) -> None:
+        """Append a new FP8 numerics sample (host numbers already read after the step)."""
+        numerics = _attached.numerics_of(scaler)
+        step = None if numerics is None else numerics.sample_step
+        if step is None or step == self._fp8_step:
+            return
+        self._fp8_step = step
+        rec = {"rank": self.rank, "step": step, "layers": numerics.snapshot()}
+        with open(self.fp8_path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(rec) + "\n")
 
     def flush(self) -> None:
         """Write the buffered rows. This waits for the GPU."""

@@ -19,12 +19,15 @@ from tests.tools import require_tool, run_tool
 pytestmark = pytest.mark.filterwarnings("ignore:dscale.GradScaler. the loss.s autograd graph")
 
 RULES = PROMETHEUS_DIR / "rules" / "dscale.rules.yml"
+FP8_RULES = PROMETHEUS_DIR / "rules" / "dscale-fp8.rules.yml"
+SHIPPED_RULE_FILES = ["rules/dscale.rules.yml", "rules/dscale-fp8.rules.yml"]
 
 
 @pytest.mark.parametrize("config", ["prometheus.yml", "prometheus-file-sd.yml"])
 def test_promtool_accepts_the_scrape_config(config: str) -> None:
     out = run_tool(require_tool("promtool"), "check", "config", config, cwd=PROMETHEUS_DIR)
-    assert "SUCCESS: 1 rule files found" in out
+    assert "SUCCESS: 2 rule files found" in out  # dscale's and the FP8 alerts
+    assert yaml.safe_load((PROMETHEUS_DIR / config).read_text())["rule_files"] == SHIPPED_RULE_FILES
 
 
 def test_promtool_accepts_the_rules() -> None:
@@ -93,7 +96,7 @@ def test_the_kubernetes_scrape_config_keeps_only_dscale_metrics_ports() -> None:
     port_re = re.compile(f"^(?:{keeps['__meta_kubernetes_pod_container_port_name']})$")
     assert port_re.match("metrics-0") and port_re.match("metrics")
     assert not port_re.match("http")
-    assert config["rule_files"] == ["rules/dscale.rules.yml"]
+    assert config["rule_files"] == SHIPPED_RULE_FILES
     # Everything but the discovery must be what promtool checked in prometheus.yml.
     static = yaml.safe_load((PROMETHEUS_DIR / "prometheus.yml").read_text())
     assert config["global"] == static["global"]
@@ -112,7 +115,8 @@ def test_the_prometheusrule_carries_exactly_the_tested_rules() -> None:
     wrapper = yaml.safe_load((DEPLOY / "kubernetes" / "prometheusrule.yaml").read_text())
     assert wrapper["apiVersion"] == "monitoring.coreos.com/v1"
     assert wrapper["kind"] == "PrometheusRule"
-    assert wrapper["spec"]["groups"] == yaml.safe_load(RULES.read_text())["groups"]
+    groups = [g for f in (RULES, FP8_RULES) for g in yaml.safe_load(f.read_text())["groups"]]
+    assert wrapper["spec"]["groups"] == groups
 
 
 def test_the_file_sd_example_is_valid_target_groups() -> None:
@@ -143,3 +147,18 @@ def test_the_dashboard_shows_every_training_figure_the_exporter_serves() -> None
         name for name in HELP if not any(f'{name}{{job_name=~"$job_name"}}' in e for e in exprs)
     ]
     assert not missing, f"no dashboard panel queries {missing}"
+
+
+def test_the_dashboard_shows_the_fp8_numerics_per_layer() -> None:
+    from dscale.fp8._collector import SHARES  # the dscale_fp8_*_ratio gauges the exporter serves
+
+    dash = json.loads((DEPLOY / "grafana" / "dscale.json").read_text())
+    by_expr = {t["expr"]: (p, t) for p in dash["panels"] for t in p["targets"]}
+    for share in SHARES:
+        expr = f'max by (layer, tensor) (dscale_fp8_{share}_ratio{{job_name=~"$job_name"}})'
+        panel, target = by_expr[expr]  # one series per layer and tensor, the worst rank's
+        assert "{{layer}}" in target["legendFormat"] and "{{tensor}}" in target["legendFormat"]
+        assert panel["fieldConfig"]["defaults"]["unit"] == "percentunit"
+    assert 'max by (layer) (dscale_fp8_fallback{job_name=~"$job_name"})' in by_expr
+    grid = [(p["gridPos"]["x"], p["gridPos"]["y"]) for p in dash["panels"]]
+    assert len(grid) == len(set(grid))  # no panel drawn over another

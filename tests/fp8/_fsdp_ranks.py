@@ -48,8 +48,13 @@ def train(
     betas: tuple[float, float] = (0.9, 0.95),
     optimizer: str = "adamw",
     nan_steps: tuple[int, ...] = (),
+    numerics: bool = False,
+    predict: str = "bound",
 ) -> dict[str, Any]:
-    """One run of ``arm`` ("ao": torchao's precompute after each step; "dscale": WeightScales)."""
+    """One run of ``arm`` ("ao": torchao's precompute after each step; "dscale": WeightScales).
+
+    ``numerics``: a Float8Numerics sampling every step rides the same vector after the scales.
+    """
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
     model, conv = sharded()
@@ -60,7 +65,9 @@ def train(
     guard = dscale.StepGuard("cpu")
     scales = None
     if arm == "dscale":
-        scales = fp8.WeightScales(model, opt, guard, conv)
+        scales = fp8.WeightScales(model, opt, guard, conv, predict=predict)
+        if numerics:
+            fp8.Float8Numerics(model, guard, every=1)
     else:
         precompute_float8_dynamic_scale_for_fsdp(model)
     weights = _float8_weights(model)
@@ -195,6 +202,9 @@ def scenarios(rank: int, world: int) -> dict[str, Any]:
         "ddp_guard": ddp(rank, guarded=True),
         "ao": train(rank, "ao"),
         "dscale": train(rank, "dscale"),
+        "dscale_numerics": train(rank, "dscale", numerics=True),
+        "dscale_exact": train(rank, "dscale", betas=(0.9, 0.999), predict="exact"),
+        "exact_nan": train(rank, "dscale", lr=1e-2, nan_steps=(3,), predict="exact"),
         "ao_nan": train(rank, "ao", lr=1e-2, nan_steps=(3,)),
         "dscale_nan": train(rank, "dscale", lr=1e-2, nan_steps=(3,)),
         "sgd": train(rank, "dscale", optimizer="sgd", lr=1e-2),

@@ -10,15 +10,20 @@ import json
 import subprocess
 import sys
 
+import pytest
 
-def test_short_fp8_benchmark_reports_every_arm(tmp_path):
+
+@pytest.mark.parametrize("predict", ["bound", "exact"])
+def test_short_fp8_benchmark_reports_every_arm(tmp_path, predict):
     out = tmp_path / "fp8.json"
     cmd = [sys.executable, "-m", "dscale.bench", "fp8", "--steps", "4", "--models", "mlp"]
+    cmd += ["--predict", predict]
     proc = subprocess.run(
         [*cmd, "--no-sweep", "--json", str(out)], capture_output=True, text=True, timeout=600
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
+    assert result["predict"] == predict
     arms = result["arms"]["mlp"]
     assert set(arms) == {"hp", "torchao", "dscale"}
     for arm in arms.values():

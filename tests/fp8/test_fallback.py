@@ -111,3 +111,29 @@ def test_the_collector_exports_the_sample_and_the_switched_layer():
     assert 'dscale_fp8_fallback{layer="blocks.1.fc2",rank="3"} 1.0' in text
     assert 'dscale_fp8_fallback_layers{rank="3"} 1.0' in text
     assert 'dscale_fp8_samples_total{rank="3"} 1.0' in text
+
+
+def test_a_fallen_layer_trains_under_bf16_autocast_as_linear():
+    # torchao's disabled-cast config alone mixes a bf16 grad with the fp32 weight in backward
+    # under autocast ("expected m1 and m2 to have the same dtype"); the launcher's fp8 jobs
+    # run under bf16 autocast.
+    model = _models.net()
+    fp8.convert_to_float8(model, emulate=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    guard = dscale.StepGuard("cpu")
+    numerics = fp8.Float8Numerics(model, guard, every=1)
+    fallback = fp8.Float8Fallback(numerics, guard, threshold=1e-6, samples=1)
+    for step in range(2):  # layers fall after step 0; step 1 trains them in high precision
+        tokens, target = _models.batch(step)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = _models.loss_of(model, tokens, target)
+        guard.scale(loss).backward()
+        guard.step(opt)
+        guard.update()
+        opt.zero_grad()
+    assert fallback.fallen
+    layer = dict(model.named_modules())[fallback.fallen[0]]
+    x = torch.randn(4, layer.in_features)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, ref = layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias)
+    assert out.dtype == ref.dtype == torch.bfloat16 and torch.equal(out, ref)

@@ -35,6 +35,32 @@ def test_every_rank_casts_with_the_same_scales_fsdp2(runs):
         assert runs[0][arm]["scales"] == runs[1][arm]["scales"], arm
 
 
+def test_numerics_on_the_same_vector_change_no_scale_fsdp2(runs):
+    # The scaler all-reduces the vector the last field returned: WeightScales must read its
+    # amaxes there, not in the shorter tensor it returned before Float8Numerics appended
+    # (which holds this rank's own, un-agreed amaxes: ranks' scales then differ).
+    for rank in (0, 1):
+        assert runs[rank]["dscale_numerics"]["scales"] == runs[rank]["dscale"]["scales"]
+        assert runs[rank]["dscale_numerics"]["losses"] == runs[rank]["dscale"]["losses"]
+        assert runs[rank]["dscale_numerics"]["allreduces"] == 1  # a sampled step included
+
+
+def test_predict_exact_scales_from_the_post_step_weights_fsdp2(runs):
+    # predict="exact": each rank computes its shards' post-step AdamW weights before the
+    # collective; from step 2 (moments exist) the scale is the exact one less the 2^-16 margin
+    # (the bound's is up to 5% lower at betas (0.9, 0.999)), never above it, skips included.
+    # Losses are not compared: on this toy a 2^-16 scale change alone moves the loss by 4e-4.
+    for arm in ("dscale_exact", "exact_nan"):
+        assert runs[0][arm]["scales"] == runs[1][arm]["scales"], arm
+        assert runs[0][arm]["saturated"] + runs[1][arm]["saturated"] == 0, arm
+        assert runs[0][arm]["allreduces"] == runs[1][arm]["allreduces"] == 1, arm
+        exact = _exact(runs[0][arm], runs[1][arm])
+        ratios = [[u / e for u, e in zip(us, es)] for us, es in zip(runs[0][arm]["scales"], exact)]
+        assert max(max(r) for r in ratios) <= 1.0, arm
+        assert min(min(r) for r in ratios[2:]) >= 1 - 2**-14, (arm, ratios)
+    assert runs[0]["exact_nan"]["skipped"][3] and runs[1]["exact_nan"]["skipped"][3]
+
+
 def test_one_allreduce_per_step_where_torchao_takes_two_fsdp2(runs):
     assert runs[0]["dscale"]["allreduces"] == runs[1]["dscale"]["allreduces"] == 1
     assert runs[0]["ao"]["allreduces"] == runs[1]["ao"]["allreduces"] == 2

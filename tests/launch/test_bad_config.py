@@ -57,6 +57,12 @@ def _no_worker_started(run_dir: Path) -> bool:
         (f"script={__file__} entrypoint=a:b", "both given"),
         ("data=text data.path=/no/such/file.txt", "data.path"),
         ("parallel=single launcher.nproc_per_node=2", "parallel=single"),
+        ("trainer.precision=fp8 fp8.float8_all_gather=true", "fp8.float8_all_gather"),
+        ("trainer.precision=fp8 fp8.recipe=rowwise fp8.numerics_every=5", "fp8.numerics_every"),
+        ("trainer.precision=fp8 fp8.fallback=true fp8.numerics_every=0", "fp8.fallback"),
+        ("trainer.precision=fp8 fp8.fallback=true fp8.fallback_threshold=2", "fallback_threshold"),
+        ("trainer.precision=fp8 fp8.numerics_every=-1", "fp8.numerics_every"),
+        ("trainer.precision=fp8 fp8.predict=psychic", "fp8.predict"),
     ],
 )
 def test_impossible_value_names_its_key(override: str, named: str) -> None:

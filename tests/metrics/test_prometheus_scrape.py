@@ -167,10 +167,13 @@ def test_prometheus_scrapes_both_ranks_final_scale_and_grafana_queries_parse(
             assert res["status"] == "success", (expr, res)
         res = _api(prom_port, "/api/v1/query", query=_grafana_exprs()[0])
         assert len(res["data"]["result"]) == 2
-        rules = _api(prom_port, "/api/v1/rules")["data"]["groups"][0]["rules"]
-        rules_file = yaml.safe_load((PROMETHEUS_DIR / "rules" / "dscale.rules.yml").read_text())
-        assert len(rules) == len(rules_file["groups"][0]["rules"])  # every rule loaded
-        assert all(r["health"] != "err" for r in rules), rules
+        loaded = {g["name"]: g["rules"] for g in _api(prom_port, "/api/v1/rules")["data"]["groups"]}
+        for name in ("dscale", "dscale-fp8"):  # both shipped rule files
+            rules_file = yaml.safe_load(
+                (PROMETHEUS_DIR / "rules" / f"{name}.rules.yml").read_text()
+            )
+            assert len(loaded[name]) == len(rules_file["groups"][0]["rules"])  # every rule loaded
+            assert all(r["health"] != "err" for r in loaded[name]), loaded[name]
     finally:
         for proc in procs.values():
             _stop(proc)
