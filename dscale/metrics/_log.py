@@ -1,7 +1,7 @@
 """MetricsLog: a per-step JSONL log of the scale, for ``python -m dscale.report`` and for grep.
 
-Columns: rank, step (the 0-based index of the optimizer iteration, as in the launcher's logs and
-summary.json), scale (after that iteration's update), skipped, growths, backoffs (totals),
+Columns: rank, step (the 0-based index of the optimizer iteration; the launcher numbers steps
+from 1, so its step 10 is row 9 here), scale (after that iteration's update), skipped, growths, backoffs (totals),
 clean_steps (the growth tracker), grad_norm and grad_norm_scaled (null without stats or before the
 first applied step), loss (what ``note_loss`` was given that iteration, else null). The first row
 of a log that starts past step 0 (a resumed run) also has ``"resumed": true``.
