@@ -2,6 +2,10 @@
 
 An inf on one rank is the case dscale exists for: every rank must skip that step together. A
 SIGKILL exercises elastic restarts and resume from the last checkpoint.
+
+Steps are numbered from 1, as everywhere the launcher prints or takes one (docs/launcher.md):
+``fault.inf_steps=[10]`` is the 10th step, logged as ``step 10``. The methods take the loop's
+0-based index (``for step in range(start, ctx.max_steps)``) and add the 1 themselves.
 """
 
 from __future__ import annotations
@@ -32,7 +36,10 @@ def poison_grads(model: nn.Module) -> None:
 
 
 class Faults:
-    """Decides, per step, whether this rank injects an inf or kills itself."""
+    """Decides, per step, whether this rank injects an inf or kills itself.
+
+    ``fault.*`` holds step numbers (1-based); each method takes the loop's 0-based ``step``.
+    """
 
     def __init__(self, fault: dict[str, Any], rank: int, attempt: int) -> None:
         self.inf_steps = frozenset(fault["inf_steps"])
@@ -46,25 +53,25 @@ class Faults:
 
     def after_forward(self, step: int, loss: torch.Tensor) -> torch.Tensor:
         """The loss, multiplied by ``fault.spike_factor`` on the spiking rank at its steps."""
-        if self.spike_here and step in self.spike_steps:
+        if self.spike_here and step + 1 in self.spike_steps:
             logger.info(
-                "fault: loss multiplied by %g on this rank at step %d", self.spike_factor, step
+                "fault: loss multiplied by %g on this rank at step %d", self.spike_factor, step + 1
             )
             return loss * self.spike_factor
         return loss
 
     def after_backward(self, step: int, model: nn.Module) -> None:
-        if self.inf_here and step in self.inf_steps:
-            logger.info("fault: inf injected into this rank's gradients at step %d", step)
+        if self.inf_here and step + 1 in self.inf_steps:
+            logger.info("fault: inf injected into this rank's gradients at step %d", step + 1)
             poison_grads(model)
 
     def before_step(self, step: int) -> None:
-        if step == self.preempt_step:
+        if step + 1 == self.preempt_step:
             # The launcher (the elastic agent, our parent) forwards SIGTERM to every worker.
-            logger.warning("fault: SIGTERM to the launcher at step %d (preemption)", step)
+            logger.warning("fault: SIGTERM to the launcher at step %d (preemption)", step + 1)
             os.kill(os.getppid(), signal.SIGTERM)
-        if self.kill_here and step == self.kill_step:
-            logger.warning("fault: SIGKILL of this rank at step %d", step)
+        if self.kill_here and step + 1 == self.kill_step:
+            logger.warning("fault: SIGKILL of this rank at step %d", step + 1)
             for handler in logging.getLogger().handlers:
                 handler.flush()
             os.kill(os.getpid(), signal.SIGKILL)

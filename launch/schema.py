@@ -249,6 +249,8 @@ class FaultConfig:
     first ``kill_attempts`` attempts (restarts count as attempts), to exercise elastic restarts.
     ``preempt_step``: rank 0 sends SIGTERM to the launcher when it reaches this step (first
     attempt only), as a scheduler preempting the job would.
+    Steps are numbered from 1 to ``trainer.max_steps``, as the progress line and the skip lines
+    print them: ``inf_steps=[10]`` is the 10th step.
     """
 
     inf_steps: list[int] = field(default_factory=list)

@@ -275,20 +275,31 @@ def _fault(job: JobConfig, world_size: int) -> None:
             "fault.inf_steps needs the step guard: scaler.enabled=true (every precision has "
             "one: a GradScaler for fp16, a StepGuard for bf16 and fp32)",
         )
-        bad = [s for s in f.inf_steps if not 0 <= s < job.trainer.max_steps]
-        _need(not bad, f"fault.inf_steps has {bad}, outside 0..trainer.max_steps-1")
+        _steps_in_run("fault.inf_steps", f.inf_steps, job.trainer.max_steps)
     if f.spike_steps:
         _need(
             0 <= f.spike_rank < world_size,
             f"fault.spike_rank={f.spike_rank} is not a rank of this {world_size}-rank job",
         )
-        bad = [s for s in f.spike_steps if not 0 <= s < job.trainer.max_steps]
-        _need(not bad, f"fault.spike_steps has {bad}, outside 0..trainer.max_steps-1")
+        _steps_in_run("fault.spike_steps", f.spike_steps, job.trainer.max_steps)
     if f.kill_step is not None:
         _need(
             0 <= f.kill_rank < world_size,
             f"fault.kill_rank={f.kill_rank} is not a rank of this {world_size}-rank job",
         )
+        _steps_in_run("fault.kill_step", [f.kill_step], job.trainer.max_steps)
+    if f.preempt_step is not None:
+        _steps_in_run("fault.preempt_step", [f.preempt_step], job.trainer.max_steps)
+
+
+def _steps_in_run(key: str, steps: list[int], max_steps: int) -> None:
+    # Step numbers start at 1, as the progress line's (docs/launcher.md, "Step numbers").
+    bad = [s for s in steps if not 1 <= s <= max_steps]
+    _need(
+        not bad,
+        f"{key} has {bad}, outside 1..trainer.max_steps={max_steps} (steps are numbered from 1, "
+        "as the progress line counts them)",
+    )
 
 
 def check_known_keys(cfg: DictConfig, prefix: str = "") -> None:

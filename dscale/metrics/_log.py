@@ -1,10 +1,10 @@
 """MetricsLog: a per-step JSONL log of the scale, for ``python -m dscale.report`` and for grep.
 
-Columns: rank, step (the 0-based index of the optimizer iteration, as in the launcher's logs and
-summary.json), scale (after that iteration's update), skipped, growths, backoffs (totals),
-clean_steps (the growth tracker), grad_norm and grad_norm_scaled (null without stats or before the
-first applied step), loss (what ``note_loss`` was given that iteration, else null). The first row
-of a log that starts past step 0 (a resumed run) also has ``"resumed": true``.
+Columns: rank, step (the 0-based index of the optimizer iteration; the launcher numbers steps
+from 1, so its step 10 is row 9 here), scale (after that iteration's update), skipped, growths,
+backoffs (totals), clean_steps (the growth tracker), grad_norm and grad_norm_scaled (null without
+stats or before the first applied step), loss (what ``note_loss`` was given that iteration, else
+null). The first row of a log that starts past step 0 (a resumed run) also has ``"resumed": true``.
 
 Each update() writes one row into a device buffer (no host sync); every ``every`` steps the buffer
 is copied to the host once and appended to ``RUN_DIR/metrics/rank<R>.jsonl``. So the log has the

@@ -46,6 +46,9 @@ def _no_worker_started(run_dir: Path) -> bool:
         ("fault.inf_steps=[5] fault.inf_rank=7", "fault.inf_rank"),
         ("fault.inf_steps=[5] scaler.enabled=false", "fault.inf_steps needs the step guard"),
         ("fault.spike_steps=[500]", "fault.spike_steps"),
+        ("fault.inf_steps=[0]", "outside 1..trainer.max_steps=300"),  # steps count from 1
+        ("fault.kill_step=0", "fault.kill_step has"),
+        ("fault.preempt_step=301", "fault.preempt_step has"),
         ("fault.spike_steps=[5] fault.spike_rank=7", "fault.spike_rank"),
         ("scaler.spike_signals=[lr]", "spike_signals"),
         ("checkpoint.resume=/no/such/step-5", "checkpoint.resume"),

@@ -47,11 +47,28 @@ def test_skip_record_notes_each_skipped_iteration_once_under_the_scalers_index()
     record.attach(scaler)
     for poison in ([False, False], [True, True], [False, False], [False, True]):
         _iteration(scaler, optimizers, poison)
-    # Iteration 1 skipped both optimizers (one entry); iteration 3 skipped through b only.
-    assert (record.skipped_steps, record.num_skipped) == ([1, 3], 2)
+    # Step 2 skipped both optimizers (one entry); step 4 skipped through b only. Steps are
+    # numbered from 1, as the progress line counts them; the checkpoint keeps 0-based indices.
+    assert (record.skipped_steps, record.num_skipped) == ([2, 4], 2)
+    assert record.state_dict()["skipped_steps"][:3].tolist() == [1, 3, -1]
     restored = SkipRecord()
     restored.load_state_dict(record.state_dict())
-    assert (restored.skipped_steps, restored.num_skipped) == ([1, 3], 2)
+    assert (restored.skipped_steps, restored.num_skipped) == ([2, 4], 2)
+
+
+def test_a_skip_record_saved_by_older_code_resumes_as_the_same_steps(caplog) -> None:
+    # A checkpoint written before steps were numbered from 1 holds the same 0-based indices
+    # (its log said "step 3 skipped" for the 4th step): it loads as step 4, and later skips
+    # follow in the same numbering and are saved in the same format.
+    old = {"skipped_steps": torch.full((4096,), -1, dtype=torch.int64), "num_skipped": 1}
+    old["skipped_steps"][0] = 3
+    record = SkipRecord()
+    record.load_state_dict(old)
+    with caplog.at_level("INFO", logger="launch.record"):
+        record.record_skip(9)  # the scaler's 0-based index of the 10th step
+    assert (record.skipped_steps, record.num_skipped) == ([4, 10], 2)
+    assert "step 10 skipped" in caplog.text
+    assert record.state_dict()["skipped_steps"][:3].tolist() == [3, 9, -1]
 
 
 def test_skip_record_of_a_disabled_scaler_stays_empty() -> None:

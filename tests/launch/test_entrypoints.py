@@ -104,7 +104,7 @@ def test_a_failure_opens_with_the_cause_rank_type_message_and_users_line(tmp_pat
     )  # rank 1's second step()
     # The first lines the launcher prints say the cause (old code: rank 0's "Connection closed by
     # peer" traceback first, ~75 lines of torchelastic's tracebacks, the cause at line 92).
-    # Hydra's log line ("[2026-..."), and rank 0's own log lines ("[rank0] step 0 skipped").
+    # Hydra's log line ("[2026-..."), and rank 0's own log lines ("[rank0] step 1 skipped").
     said = [t for t in proc.stderr.splitlines() if not t.startswith(("[20", "[rank"))]
     assert said[0] == (
         "dscale-launch: rank 1 failed: RuntimeError: step() has already been called since the "
@@ -140,7 +140,7 @@ def test_an_entrypoint_with_its_own_scaler_is_warned_and_reported_by_that_scaler
     # Old code reported ctx.scaler, which never stepped: scale 65536, no skips.
     for r in s["ranks"]:
         assert r["final_scale"] == r["result"]["own_scale"] == 4096.0, r
-        assert (r["skipped_steps"], r["steps"]) == ([2], 5), r
+        assert (r["skipped_steps"], r["steps"]) == ([3], 5), r  # its 3rd step (index 2)
 
 
 def test_a_script_without_the_context_is_told_that_fault_keys_did_nothing(tmp_path: Path) -> None:

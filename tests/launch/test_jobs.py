@@ -52,7 +52,8 @@ def test_job_runs_and_every_rank_skips_the_step_where_only_rank_1_overflowed(
     assert s["result"]["tokens_per_s"] > 0
     # The same skipped steps in each rank's own log and in dscale's metrics log.
     assert _skips_in_rank_log(tmp_path, 0) == _skips_in_rank_log(tmp_path, 1) == [4, 11]
-    assert skipped_in_metrics_log(tmp_path, 0) == skipped_in_metrics_log(tmp_path, 1) == [4, 11]
+    # dscale's MetricsLog keeps the scaler's 0-based iteration index: steps 4 and 11 are 3 and 10.
+    assert skipped_in_metrics_log(tmp_path, 0) == skipped_in_metrics_log(tmp_path, 1) == [3, 10]
     for rank in (0, 1):
         seen = worker_config(tmp_path, rank)
         assert seen["scaler"]["growth_interval"] == 7
@@ -108,3 +109,36 @@ def test_multirun_runs_one_job_after_another(tmp_path: Path) -> None:
         assert summary(tmp_path / job)["steps"] == 6
         seen[job] = worker_config(tmp_path / job, 1)["scaler"]["growth_interval"]
     assert seen == {"0": 100, "1": 1000}
+
+
+def test_one_runs_log_numbers_steps_from_1_in_progress_faults_skips_summary_and_checkpoints(
+    tmp_path: Path,
+) -> None:
+    # fault.inf_steps=[4,10] is the 4th and the 10th step. Old code injected at 0-based indices
+    # (the 5th and 11th steps), logged them as "step 4 skipped", while the progress line of the
+    # same step said "step 5/12 ... skipped 1" and step-4 held 4 steps.
+    proc = launch(
+        tmp_path,
+        *FAST,
+        "model=mlp",
+        "trainer.max_steps=12",
+        "trainer.log_every=1",
+        "checkpoint.every=4",
+        "checkpoint.keep=3",
+        "fault.inf_steps=[4,10]",
+        "metrics.enabled=false",
+    )
+    assert proc.returncode == 0, output(proc)
+    rank0 = (tmp_path / "logs" / "rank0.log").read_text()
+    progress = [(int(n), int(k)) for n, k in re.findall(r"step (\d+)/12 .* skipped (\d+)", rank0)]
+    assert [n for n, _ in progress] == list(range(1, 13)), rank0
+    # The progress line of step N counts the skips of steps 1..N, so the numbers are the same.
+    assert progress == [(n, (n >= 4) + (n >= 10)) for n in range(1, 13)], progress
+    rank1 = (tmp_path / "logs" / "rank1.log").read_text()
+    injected = re.findall(r"inf injected into this rank's gradients at step (\d+)", rank1)
+    assert injected == ["4", "10"], rank1
+    assert _skips_in_rank_log(tmp_path, 0) == _skips_in_rank_log(tmp_path, 1) == [4, 10]
+    assert [r["skipped_steps"] for r in summary(tmp_path)["ranks"]] == [[4, 10], [4, 10]]
+    # step-N holds the state after step N (N steps done).
+    saved = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert saved == ["step-12", "step-4", "step-8"], saved

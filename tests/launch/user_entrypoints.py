@@ -15,7 +15,7 @@ def raise_on_rank_1(ctx) -> None:
 
 
 def own_scaler(ctx) -> dict:
-    """Trains through a GradScaler of its own, not ctx.scaler; rank 1's grads overflow at step 2."""
+    """Trains through a GradScaler of its own, not ctx.scaler; rank 1's grads overflow at step 3."""
     import torch
 
     import dscale
