@@ -28,6 +28,7 @@ neither for the next one.
 # No `from __future__ import annotations`: DDP compares the hook's annotations as objects.
 import dataclasses
 import functools
+import itertools
 import operator
 import weakref
 from collections.abc import Callable, Iterable
@@ -38,7 +39,7 @@ import torch.distributed as dist
 
 from dscale import _dist
 from dscale._grad_measure import GradMeasure, measure_reduced
-from dscale._unscale import copy_to, local_tensor
+from dscale._unscale import DTensor, copy_to, local_tensor
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,8 +111,8 @@ class HookState:
         # `params` order (None: a param without grad; see end_backward), and id(param) -> (the
         # grad, its version), built from them only when a step needs it (`records()`).
         self._seen: list[weakref.ref[torch.Tensor]] | None = None
-        self._versions: list[int] = []
-        self._records: dict[int, tuple[weakref.ref[torch.Tensor], int]] | None = {}
+        self._versions: list[Any] = []
+        self._records: dict[int, tuple[weakref.ref[torch.Tensor], Any]] | None = {}
         # DDP: ids of params whose grads hold this hook's unscaled output; rescaled before a
         # backward adds to them.
         self.unscaled: set[int] = set()
@@ -173,22 +174,29 @@ class HookState:
         # After DDP's finalize: the grad objects it left (a bucket view may replace the grad).
         # map() with C callables: no Python bytecode per parameter (about 0.1 us a grad).
         grads = list(map(_GRAD, self.params))
-        if self.ddp and not any(map(_IS_NONE, grads)):
-            # Every param has a plain grad: kept as lists, which step() compares at C speed.
+        if not any(map(_IS_NONE, grads)) and (self.ddp or _all_dtensors(grads)):
+            # Every param has a grad: kept as lists, which step() compares at C speed.
             self._seen = list(map(weakref.ref, grads))
-            self._versions = list(map(_VERSION, grads))
+            self._versions = self._versions_of(grads)
             self._records = None
-            self.unscaled = set(self.ids)
+            if self.ddp:
+                self.unscaled = set(self.ids)
             return
         self._seen = None
         self._records = {}
         for p, grad in zip(self.params, grads, strict=True):
             if grad is not None:
-                self._records[id(p)] = (weakref.ref(grad), local_tensor(grad)._version)
+                self._records[id(p)] = (weakref.ref(grad), version_of(grad))
         if self.ddp:
             self.unscaled = set(self._records)
 
-    def records(self) -> dict[int, tuple[weakref.ref[torch.Tensor], int]]:
+    def _versions_of(self, grads: list[torch.Tensor]) -> list[Any]:
+        """:func:`version_of` each grad, at C speed (DDP: plain grads; FSDP2: DTensors)."""
+        if self.ddp:
+            return list(map(_VERSION, grads))
+        return list(zip(map(_VERSION, grads), map(_LOCAL_VERSION, grads)))
+
+    def records(self) -> dict[int, tuple[weakref.ref[torch.Tensor], Any]]:
         """id(param) -> (the grad, its version) as the hooks left them after the last backward."""
         if self._records is None:
             assert self._seen is not None  # noqa: S101 - one of the two is always kept
@@ -209,7 +217,7 @@ class HookState:
             return False
         grads = list(map(_GRAD, self.params))
         return all(map(operator.is_, map(_DEREF, seen), grads)) and (
-            list(map(_VERSION, grads)) == self._versions
+            self._versions_of(grads) == self._versions
         )
 
     def rescale_before_accumulation(self, param: torch.nn.Parameter) -> None:
@@ -257,7 +265,7 @@ class HookState:
                 continue
             if record is None or record[0]() is not grad:
                 back.add(key)  # a grad a backward without hooks created: still scaled
-            elif record[1] == local_tensor(grad)._version:
+            elif record[1] == version_of(grad):
                 covered.add(key)
             elif key in self.rescaled:
                 back.add(key)  # rescaled, then added to by a backward without hooks: scaled
@@ -322,6 +330,23 @@ def _used_on_current_stream(*tensors: torch.Tensor) -> None:
 
 _GRAD = operator.attrgetter("grad")
 _VERSION = operator.attrgetter("_version")
+_LOCAL_VERSION = operator.attrgetter("_local_tensor._version")  # a DTensor's local shard's
+
+
+def version_of(grad: torch.Tensor) -> Any:
+    """What moves when ``grad`` is written: its version, and a DTensor's local shard's too.
+
+    An in-place op on a DTensor moves the wrapper's version and leaves its shard's as it was; a
+    write to the shard itself moves only the shard's.
+    """
+    local = local_tensor(grad)
+    return grad._version if local is grad else (grad._version, local._version)
+
+
+def _all_dtensors(grads: list[torch.Tensor]) -> bool:
+    return DTensor is not None and all(map(isinstance, grads, itertools.repeat(DTensor)))
+
+
 _IS_NONE = functools.partial(operator.is_, None)
 _DEREF = weakref.ref.__call__
 
@@ -332,15 +357,13 @@ class _ParamSet:
 
     ``groups``: the optimizer's ``params`` lists as seen (kept, so their ids cannot be reused),
     with their lengths; ``epoch``: the models attached then; ``relevant``: the models holding
-    some of the parameters; ``held``: per such model, the optimizer's parameters it holds (None:
-    all of the model's); ``all_attached``: every parameter is held by one; ``covered``: the ids
-    held, returned as they are when every grad is untouched.
+    some of the parameters; ``all_attached``: every parameter is held by one; ``covered``: the
+    ids held, returned as they are when every grad of those models is untouched.
     """
 
     groups: list[tuple[list[torch.nn.Parameter], int]]
     epoch: int
     relevant: list[HookState]
-    held: list[list[torch.nn.Parameter] | None]
     all_attached: bool
     covered: frozenset[int]
 
@@ -365,16 +388,11 @@ def _param_set(states: list[HookState], optimizer: torch.optim.Optimizer, epoch:
     params = [p for ps in lists for p in ps]
     ids = {id(p) for p in params}
     relevant = [s for s in states if not s.ids.isdisjoint(ids)]
-    held: list[list[torch.nn.Parameter] | None] = []
-    for state in relevant:
-        mine = [p for p in params if id(p) in state.ids]
-        held.append(None if len(mine) == len(state.params) else mine)
     attached = frozenset().union(*(s.ids for s in relevant)) & ids
     return _ParamSet(
         groups=[(ps, len(ps)) for ps in lists],
         epoch=epoch,
         relevant=relevant,
-        held=held,
         all_attached=len(attached) == len(ids),
         covered=frozenset(attached),
     )
@@ -520,7 +538,8 @@ class ReductionHooks:
         # collectives and hang.
         is_global = pset.all_attached and all(s.ddp and s.covers(scaler_group) for s in relevant)
         backwards = tuple(n for s in relevant for n in (s.generation, s.accumulations))
-        if all(h is None and s.untouched() for s, h in zip(relevant, pset.held, strict=True)):
+        # Every grad of the models holding the optimizer's parameters untouched: so are its own.
+        if all(s.untouched() for s in relevant):
             return HookReport(
                 flag,
                 pset.covered,
