@@ -111,6 +111,8 @@ class HookState:
         # `params` order (None: a param without grad; see end_backward), and id(param) -> (the
         # grad, its version), built from them only when a step needs it (`records()`).
         self._seen: list[weakref.ref[torch.Tensor]] | None = None
+        self._ids: list[int] = []  # ids of those grads: unique while none of them is freed
+        self._freed = False  # one of them was freed since (its id may be another grad's now)
         self._versions: list[Any] = []
         self._records: dict[int, tuple[weakref.ref[torch.Tensor], Any]] | None = {}
         # DDP: ids of params whose grads hold this hook's unscaled output; rescaled before a
@@ -176,7 +178,9 @@ class HookState:
         grads = list(map(_GRAD, self.params))
         if not any(map(_IS_NONE, grads)) and (self.ddp or _all_dtensors(grads)):
             # Every param has a grad: kept as lists, which step() compares at C speed.
-            self._seen = list(map(weakref.ref, grads))
+            self._seen = list(map(weakref.ref, grads, itertools.repeat(self._grad_freed)))
+            self._ids = list(map(id, grads))
+            self._freed = False
             self._versions = self._versions_of(grads)
             self._records = None
             if self.ddp:
@@ -189,6 +193,9 @@ class HookState:
                 self._records[id(p)] = (weakref.ref(grad), version_of(grad))
         if self.ddp:
             self.unscaled = set(self._records)
+
+    def _grad_freed(self, _: weakref.ref[torch.Tensor]) -> None:
+        self._freed = True
 
     def _versions_of(self, grads: list[torch.Tensor]) -> list[Any]:
         """:func:`version_of` each grad, at C speed (DDP: plain grads; FSDP2: DTensors)."""
@@ -212,13 +219,11 @@ class HookState:
         One C-level pass per check (grad identity, then versions): no Python code per grad. A
         False sends the step to :meth:`classify`, which tells the cases apart.
         """
-        seen = self._seen
-        if seen is None:
+        if self._seen is None or self._freed:
             return False
         grads = list(map(_GRAD, self.params))
-        return all(map(operator.is_, map(_DEREF, seen), grads)) and (
-            self._versions_of(grads) == self._versions
-        )
+        # The same ids are the same grads: none of those seen was freed, so no id was reused.
+        return list(map(id, grads)) == self._ids and self._versions_of(grads) == self._versions
 
     def rescale_before_accumulation(self, param: torch.nn.Parameter) -> None:
         """DDP: turn this hook's unscaled output back into scaled grads before a backward adds.
@@ -348,7 +353,6 @@ def _all_dtensors(grads: list[torch.Tensor]) -> bool:
 
 
 _IS_NONE = functools.partial(operator.is_, None)
-_DEREF = weakref.ref.__call__
 
 
 @dataclasses.dataclass

@@ -206,9 +206,12 @@ def _refused(rank: int, case: str) -> str:
             model.module[0].weight.grad.mul_(0.5)  # e.g. a framework's after-backward hook
         elif case == "fsdp2_grad_written_after_backward":  # the local shard's version moves
             model[0].weight.grad.mul_(0.5)
-        elif case == "grad_replaced_after_backward":  # a new grad object, of the same values
+        elif case == "grad_replaced_after_backward":  # a new grad: same values, same version
             weight = model.module[0].weight
-            weight.grad = weight.grad.clone()
+            grad = weight.grad.clone()
+            while grad._version < weight.grad._version:
+                grad.add_(0.0)
+            weight.grad = grad
         elif case == "second_loss_outside_fully_attached":
             scaler.scale(model.module(batch(rank, 1)).sum()).backward()
         elif case == "unscaled_by_torch_shaped_code":  # would divide the hooks' grads again
