@@ -443,6 +443,16 @@ class ReductionHooks:
         )
         self.epoch = 0
 
+    def __getstate__(self) -> dict[str, Any]:
+        # A pickled scaler carries fresh hooks; the kept parameter sets are rebuilt on use.
+        state = self.__dict__.copy()
+        del state["_sets"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._sets = weakref.WeakKeyDictionary()
+
     def attach(
         self,
         model: torch.nn.Module,
