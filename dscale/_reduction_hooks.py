@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from dscale import _dist
 from dscale._grad_measure import GradMeasure, measure_reduced
+from dscale._param_sets import ParamSet, param_set
 from dscale._unscale import DTensor, copy_to, local_tensor
 
 
@@ -355,53 +356,6 @@ def _all_dtensors(grads: list[torch.Tensor]) -> bool:
 _IS_NONE = functools.partial(operator.is_, None)
 
 
-@dataclasses.dataclass
-class _ParamSet:
-    """What an optimizer's parameters are to the attached models, kept until they change.
-
-    ``groups``: the optimizer's ``params`` lists as seen (kept, so their ids cannot be reused),
-    with their lengths; ``epoch``: the models attached then; ``relevant``: the models holding
-    some of the parameters; ``all_attached``: every parameter is held by one; ``covered``: the
-    ids held, returned as they are when every grad of those models is untouched.
-    """
-
-    groups: list[tuple[list[torch.nn.Parameter], int]]
-    epoch: int
-    relevant: list[HookState]
-    all_attached: bool
-    covered: frozenset[int]
-
-    def matches(self, optimizer: torch.optim.Optimizer, epoch: int) -> bool:
-        """Whether ``optimizer``'s param_groups are still these (O(groups), not O(params)).
-
-        A list gained or lost a parameter, or a group was added: rebuilt. A parameter replaced in
-        place in a list, at the same length, is not seen (that would take a pass over them all).
-        """
-        groups = optimizer.param_groups
-        if epoch != self.epoch or len(groups) != len(self.groups):
-            return False
-        return all(
-            g["params"] is seen and len(seen) == n
-            for g, (seen, n) in zip(groups, self.groups, strict=True)
-        )
-
-
-def _param_set(states: list[HookState], optimizer: torch.optim.Optimizer, epoch: int) -> _ParamSet:
-    """Build ``optimizer``'s :class:`_ParamSet` (one pass over its parameters)."""
-    lists = [g["params"] for g in optimizer.param_groups]
-    params = [p for ps in lists for p in ps]
-    ids = {id(p) for p in params}
-    relevant = [s for s in states if not s.ids.isdisjoint(ids)]
-    attached = frozenset().union(*(s.ids for s in relevant)) & ids
-    return _ParamSet(
-        groups=[(ps, len(ps)) for ps in lists],
-        epoch=epoch,
-        relevant=relevant,
-        all_attached=len(attached) == len(ids),
-        covered=frozenset(attached),
-    )
-
-
 def _ddp_params(model: Any) -> list[torch.nn.Parameter]:
     ignored = model.parameters_to_ignore
     return [p for n, p in model.module.named_parameters() if n not in ignored and p.requires_grad]
@@ -438,7 +392,7 @@ class ReductionHooks:
         self._combined: tuple[Any, torch.Tensor, torch.Tensor | None] | None = None
         # Per optimizer: its parameters' place among the attached models, rebuilt when its
         # param_groups or the attached models change (`epoch` counts those).
-        self._sets: weakref.WeakKeyDictionary[torch.optim.Optimizer, _ParamSet] = (
+        self._sets: weakref.WeakKeyDictionary[torch.optim.Optimizer, ParamSet[HookState]] = (
             weakref.WeakKeyDictionary()
         )
         self.epoch = 0
@@ -488,11 +442,11 @@ class ReductionHooks:
         # The model gone, its parameters are no longer the scaler's to vouch for (nor to keep).
         weakref.finalize(model, _forget, weakref.ref(self), weakref.ref(state)).atexit = False
 
-    def _set_of(self, optimizer: torch.optim.Optimizer) -> _ParamSet:
-        """``optimizer``'s :class:`_ParamSet`, rebuilt only when its param_groups changed."""
+    def _set_of(self, optimizer: torch.optim.Optimizer) -> ParamSet[HookState]:
+        """``optimizer``'s :class:`ParamSet`, rebuilt only when its param_groups changed."""
         cached = self._sets.get(optimizer)
         if cached is None or not cached.matches(optimizer, self.epoch):
-            cached = self._sets[optimizer] = _param_set(self.states, optimizer, self.epoch)
+            cached = self._sets[optimizer] = param_set(self.states, optimizer, self.epoch)
         return cached
 
     def _relevant(self, optimizer: torch.optim.Optimizer) -> list[HookState]:
