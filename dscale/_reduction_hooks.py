@@ -28,6 +28,8 @@ neither for the next one.
 # No `from __future__ import annotations`: DDP compares the hook's annotations as objects.
 import dataclasses
 import functools
+import itertools
+import operator
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -37,7 +39,8 @@ import torch.distributed as dist
 
 from dscale import _dist
 from dscale._grad_measure import GradMeasure, measure_reduced
-from dscale._unscale import copy_to, local_tensor
+from dscale._param_sets import ParamSet, param_set
+from dscale._unscale import DTensor, copy_to, local_tensor
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +53,8 @@ class HookReport:
     ``measured``: policy="predictive"'s ``[scaled max, underflowing elements, elements]``;
     ``backwards``: the backward passes so far through the models holding the optimizer's
     parameters, and those that added to their unscaled grads outside the reduction
-    (:meth:`ReductionHooks.backwards`).
+    (:meth:`ReductionHooks.backwards`); ``complete``: ``covered`` holds every grad the
+    optimizer has, so the scaler's own pass has nothing to take.
     """
 
     flag: torch.Tensor | None
@@ -59,6 +63,7 @@ class HookReport:
     unscaled: bool
     measured: torch.Tensor | None = None
     backwards: tuple[int, ...] = ()
+    complete: bool = False
 
 
 class AttachRefusal(RuntimeError):
@@ -103,8 +108,14 @@ class HookState:
         # DDP: backward passes outside the reduction (no_sync(), the bare module) that added to
         # grads the hook had unscaled; they change the grads as a new generation would.
         self.accumulations = 0
-        # After each backward with hooks: id(param) -> (the grad, its version) as the hook left it.
-        self.records: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
+        # After each backward with hooks: the grads as the hook left them and their versions, in
+        # `params` order (None: a param without grad; see end_backward), and id(param) -> (the
+        # grad, its version), built from them only when a step needs it (`records()`).
+        self._seen: list[weakref.ref[torch.Tensor]] | None = None
+        self._ids: list[int] = []  # ids of those grads: unique while none of them is freed
+        self._freed = False  # one of them was freed since (its id may be another grad's now)
+        self._versions: list[Any] = []
+        self._records: dict[int, tuple[weakref.ref[torch.Tensor], Any]] | None = {}
         # DDP: ids of params whose grads hold this hook's unscaled output; rescaled before a
         # backward adds to them.
         self.unscaled: set[int] = set()
@@ -164,12 +175,56 @@ class HookState:
         self.in_backward = False
         self.rescaled = set()
         # After DDP's finalize: the grad objects it left (a bucket view may replace the grad).
-        self.records = {}
-        for p in self.params:
-            if p.grad is not None:
-                self.records[id(p)] = (weakref.ref(p.grad), local_tensor(p.grad)._version)
+        # map() with C callables: no Python bytecode per parameter (about 0.1 us a grad).
+        grads = list(map(_GRAD, self.params))
+        if not any(map(_IS_NONE, grads)) and (self.ddp or _all_dtensors(grads)):
+            # Every param has a grad: kept as lists, which step() compares at C speed.
+            self._seen = list(map(weakref.ref, grads, itertools.repeat(self._grad_freed)))
+            self._ids = list(map(id, grads))
+            self._freed = False
+            self._versions = self._versions_of(grads)
+            self._records = None
+            if self.ddp:
+                self.unscaled = set(self.ids)
+            return
+        self._seen = None
+        self._records = {}
+        for p, grad in zip(self.params, grads, strict=True):
+            if grad is not None:
+                self._records[id(p)] = (weakref.ref(grad), version_of(grad))
         if self.ddp:
-            self.unscaled = set(self.records)
+            self.unscaled = set(self._records)
+
+    def _grad_freed(self, _: weakref.ref[torch.Tensor]) -> None:
+        self._freed = True
+
+    def _versions_of(self, grads: list[torch.Tensor]) -> list[Any]:
+        """:func:`version_of` each grad, at C speed (DDP: plain grads; FSDP2: DTensors)."""
+        if self.ddp:
+            return list(map(_VERSION, grads))
+        return list(zip(map(_VERSION, grads), map(_LOCAL_VERSION, grads)))
+
+    def records(self) -> dict[int, tuple[weakref.ref[torch.Tensor], Any]]:
+        """id(param) -> (the grad, its version) as the hooks left them after the last backward."""
+        if self._records is None:
+            assert self._seen is not None  # noqa: S101 - one of the two is always kept
+            self._records = {
+                id(p): (ref, version)
+                for p, ref, version in zip(self.params, self._seen, self._versions, strict=True)
+            }
+        return self._records
+
+    def untouched(self) -> bool:
+        """Whether every param's grad is the one the hook left, unwritten (a DDP fast path).
+
+        One C-level pass per check (grad identity, then versions): no Python code per grad. A
+        False sends the step to :meth:`classify`, which tells the cases apart.
+        """
+        if self._seen is None or self._freed:
+            return False
+        grads = list(map(_GRAD, self.params))
+        # The same ids are the same grads: none of those seen was freed, so no id was reused.
+        return list(map(id, grads)) == self._ids and self._versions_of(grads) == self._versions
 
     def rescale_before_accumulation(self, param: torch.nn.Parameter) -> None:
         """DDP: turn this hook's unscaled output back into scaled grads before a backward adds.
@@ -205,17 +260,18 @@ class HookState:
         covered: set[int] = set()
         back: set[int] = set()
         written: list[torch.nn.Parameter] = []
+        records = self.records()
         for param in grads_of:
             key = id(param)
             if key not in self.ids:
                 continue
             grad = param.grad
-            record = self.records.get(key)
+            record = records.get(key)
             if grad is None:
                 continue
             if record is None or record[0]() is not grad:
                 back.add(key)  # a grad a backward without hooks created: still scaled
-            elif record[1] == local_tensor(grad)._version:
+            elif record[1] == version_of(grad):
                 covered.add(key)
             elif key in self.rescaled:
                 back.add(key)  # rescaled, then added to by a backward without hooks: scaled
@@ -278,6 +334,28 @@ def _used_on_current_stream(*tensors: torch.Tensor) -> None:
             tensor.record_stream(torch.cuda.current_stream(tensor.device))
 
 
+_GRAD = operator.attrgetter("grad")
+_VERSION = operator.attrgetter("_version")
+_LOCAL_VERSION = operator.attrgetter("_local_tensor._version")  # a DTensor's local shard's
+
+
+def version_of(grad: torch.Tensor) -> Any:
+    """What moves when ``grad`` is written: its version, and a DTensor's local shard's too.
+
+    An in-place op on a DTensor moves the wrapper's version and leaves its shard's as it was; a
+    write to the shard itself moves only the shard's.
+    """
+    local = local_tensor(grad)
+    return grad._version if local is grad else (grad._version, local._version)
+
+
+def _all_dtensors(grads: list[torch.Tensor]) -> bool:
+    return DTensor is not None and all(map(isinstance, grads, itertools.repeat(DTensor)))
+
+
+_IS_NONE = functools.partial(operator.is_, None)
+
+
 def _ddp_params(model: Any) -> list[torch.nn.Parameter]:
     ignored = model.parameters_to_ignore
     return [p for n, p in model.module.named_parameters() if n not in ignored and p.requires_grad]
@@ -312,6 +390,22 @@ class ReductionHooks:
         # The last combined flag and measurement, with the (state, backward pass) it covers: one
         # model's several optimizers combine its flags once.
         self._combined: tuple[Any, torch.Tensor, torch.Tensor | None] | None = None
+        # Per optimizer: its parameters' place among the attached models, rebuilt when its
+        # param_groups or the attached models change (`epoch` counts those).
+        self._sets: weakref.WeakKeyDictionary[torch.optim.Optimizer, ParamSet[HookState]] = (
+            weakref.WeakKeyDictionary()
+        )
+        self.epoch = 0
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A pickled scaler carries fresh hooks; the kept parameter sets are rebuilt on use.
+        state = self.__dict__.copy()
+        del state["_sets"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._sets = weakref.WeakKeyDictionary()
 
     def attach(
         self,
@@ -344,13 +438,20 @@ class ReductionHooks:
                 f"got {type(model).__name__}; other models need no attach()"
             )
         self.states.append(state)
+        self.epoch += 1
         # The model gone, its parameters are no longer the scaler's to vouch for (nor to keep).
         weakref.finalize(model, _forget, weakref.ref(self), weakref.ref(state)).atexit = False
 
+    def _set_of(self, optimizer: torch.optim.Optimizer) -> ParamSet[HookState]:
+        """``optimizer``'s :class:`ParamSet`, rebuilt only when its param_groups changed."""
+        cached = self._sets.get(optimizer)
+        if cached is None or not cached.matches(optimizer, self.epoch):
+            cached = self._sets[optimizer] = param_set(self.states, optimizer, self.epoch)
+        return cached
+
     def _relevant(self, optimizer: torch.optim.Optimizer) -> list[HookState]:
         """The attached models that hold some of ``optimizer``'s parameters."""
-        ids = [id(p) for g in optimizer.param_groups for p in g["params"]]
-        return [s for s in self.states if not s.ids.isdisjoint(ids)]
+        return self._set_of(optimizer).relevant
 
     def reduced(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether a model holding ``optimizer``'s parameters reduced grads since update()."""
@@ -386,12 +487,16 @@ class ReductionHooks:
     def report(
         self, optimizer: torch.optim.Optimizer, scaler_group: Any, device: torch.device
     ) -> HookReport:
-        """What the hooks checked of ``optimizer``'s grads, for the scaler's ``_check``."""
+        """What the hooks checked of ``optimizer``'s grads, for the scaler's ``_check``.
+
+        Per model, not per parameter: where every grad of a DDP model is the one its hook left,
+        unwritten (one C-level pass, :meth:`HookState.untouched`), no Python code runs per
+        parameter; anything else goes through :meth:`HookState.classify`, as before.
+        """
         if not self.states:  # nothing attached: the common case, answered at once
             return NO_HOOKS
-        params = [p for g in optimizer.param_groups for p in g["params"]]
-        ids = [id(p) for p in params]
-        relevant = [s for s in self.states if not s.ids.isdisjoint(ids)]
+        pset = self._set_of(optimizer)
+        relevant = pset.relevant
         ran = [s for s in relevant if s.found]
         if not ran:
             return NO_HOOKS
@@ -399,9 +504,20 @@ class ReductionHooks:
         # Decided from what every rank shares (parameter sets, groups, backward passes through
         # DDP), never from local grads: ranks that disagreed here would run different
         # collectives and hang.
-        is_global = all(any(i in s.ids for s in relevant) for i in ids) and all(
-            s.ddp and s.covers(scaler_group) for s in relevant
-        )
+        is_global = pset.all_attached and all(s.ddp and s.covers(scaler_group) for s in relevant)
+        backwards = tuple(n for s in relevant for n in (s.generation, s.accumulations))
+        # Every grad of the models holding the optimizer's parameters untouched: so are its own.
+        if all(s.untouched() for s in relevant):
+            return HookReport(
+                flag,
+                pset.covered,
+                is_global=is_global,
+                unscaled=True,
+                measured=measured,
+                backwards=backwards,
+                complete=pset.all_attached,
+            )
+        params = [p for g in optimizer.param_groups for p in g["params"]]
         with_grads = [p for p in params if p.grad is not None]
         covered: set[int] = set()
         back: set[int] = set()
@@ -429,7 +545,8 @@ class ReductionHooks:
             is_global=is_global,
             unscaled=True,
             measured=measured,
-            backwards=tuple(n for s in relevant for n in (s.generation, s.accumulations)),
+            backwards=backwards,
+            complete=len(covered) == len(with_grads) == len(params),
         )
 
     def reset(self) -> None:
@@ -445,6 +562,7 @@ def _forget(hooks: weakref.ref[ReductionHooks], state: weakref.ref[HookState]) -
     if owner is not None and gone is not None and gone in owner.states:
         owner.states.remove(gone)
         owner._combined = None
+        owner.epoch += 1
 
 
 def _combine(measured: list[torch.Tensor]) -> torch.Tensor:

@@ -454,7 +454,8 @@ class GradScaler(TorchGradScalerSurface):
                 state.agreed, state.over_group, state.stage = refusal, True, _Stage.STEPPED
             raise
         state.backwards = report.backwards
-        grads = optimizer_grads(optimizer, set(report.covered))
+        # attach(): nothing left for this rank's pass where the hooks checked every grad.
+        grads = [] if report.complete else optimizer_grads(optimizer, set(report.covered))
         groups = group_by_device_and_dtype(grads)
         if unscale is None:  # a fused optimizer, which can unscale in its own kernel
             # Where the host decides (the CPU), the check writes every grad anyway, so unscaling

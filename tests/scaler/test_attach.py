@@ -191,11 +191,12 @@ def _refused_on_one_rank(rank: int, policy: str, keeps: str = "ignored") -> dict
 def _refused(rank: int, case: str) -> str:
     import dscale
 
-    model = _ddp(tiny_model())
+    parallel = "fsdp2" if case.startswith("fsdp2") else "ddp"
+    model = _fsdp2(tiny_model()) if parallel == "fsdp2" else _ddp(tiny_model())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = dscale.GradScaler("cpu", init_scale=2.0**10)
     scaler.attach(model)
-    before = full_params(model, "ddp")
+    before = full_params(model, parallel)
     try:
         if case == "backward_without_scale":
             model(batch(rank, 0)).sum().backward()
@@ -203,6 +204,14 @@ def _refused(rank: int, case: str) -> str:
             scaler.scale(model(batch(rank, 0)).sum()).backward()
         if case == "grad_written_after_backward":
             model.module[0].weight.grad.mul_(0.5)  # e.g. a framework's after-backward hook
+        elif case == "fsdp2_grad_written_after_backward":  # the local shard's version moves
+            model[0].weight.grad.mul_(0.5)
+        elif case == "grad_replaced_after_backward":  # a new grad: same values, same version
+            weight = model.module[0].weight
+            grad = weight.grad.clone()
+            while grad._version < weight.grad._version:
+                grad.add_(0.0)
+            weight.grad = grad
         elif case == "second_loss_outside_fully_attached":
             scaler.scale(model.module(batch(rank, 1)).sum()).backward()
         elif case == "unscaled_by_torch_shaped_code":  # would divide the hooks' grads again
@@ -216,7 +225,7 @@ def _refused(rank: int, case: str) -> str:
         scaler.step(opt)
         scaler.update()
     except RuntimeError as exc:
-        assert torch.equal(before, full_params(model, "ddp")), "refused, yet the params moved"
+        assert torch.equal(before, full_params(model, parallel)), "refused, yet params moved"
         return str(exc)
     return "no error"
 
@@ -242,6 +251,8 @@ REPLICATED = (
 REFUSED = (
     "backward_without_scale",
     "grad_written_after_backward",
+    "fsdp2_grad_written_after_backward",
+    "grad_replaced_after_backward",
     "second_loss_outside_fully_attached",
     "unscaled_by_torch_shaped_code",
 )

@@ -515,6 +515,35 @@ RUNS: tuple[str, ...] = (
 )
 
 
+def _param_groups_change(rank: int, kind: str) -> dict[str, Any]:
+    """The optimizer gains parameters the model does not hold, after steps made with attach():
+    a group (iteration 2), then one appended to a group's list (iteration 3). Rank 1's grads of
+    the new parameters overflow; the model's do not."""
+    torch.manual_seed(0)
+    model, extra = DDP(tiny_model()), nn.Linear(8, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    scaler = _scaler(kind)
+    if kind == "attach":
+        scaler.attach(model)
+    params, scales = [], []
+    for step in range(4):
+        if step == 2:
+            optimizer.add_param_group({"params": [extra.weight]})
+        if step == 3:
+            optimizer.param_groups[0]["params"].append(extra.bias)
+        optimizer.zero_grad()
+        x = batch(rank, step)
+        loss = _loss(model, x, False)
+        if step >= 2:
+            loss = loss + _loss(extra, x, rank == 1)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        params.append(torch.cat([full_params(model, "ddp"), extra.weight.flatten(), extra.bias]))
+        scales.append(scaler.get_scale())
+    return {"params": params, "scales": scales}
+
+
 def _run(rank: int, case: str, kind: str) -> dict[str, Any]:
     if case == "gan":
         return _gan(rank, kind)
@@ -558,6 +587,9 @@ def _all(rank: int, world_size: int) -> dict[str, Any]:
         w: _recovery_after_refusal(rank, w) for w in ("step", "unscale", "unscale_update")
     }
     out["group_collected"] = {a: _group_is_collected(rank, a) for a in (False, True)}
+    out["param_groups_change"] = {
+        kind: _param_groups_change(rank, kind) for kind in ("torch", "plain", "attach")
+    }
     return out
 
 
@@ -668,3 +700,22 @@ def test_update_after_a_refusal_no_peer_heard_of_says_the_ranks_may_differ(resul
     assert first is not None and first.startswith("step(): attach()"), first
     assert "update(): RuntimeError" in first and "weights may differ" in first, first
     assert second is None and r1["applied"]  # the next iteration runs as usual
+
+
+def test_parameters_added_to_the_optimizer_after_attached_steps_are_checked(results) -> None:
+    # attach() keeps what it knows of an optimizer's parameters between steps: a group added, or
+    # a parameter appended to a group's list, must be seen. Rank 1's new grads overflow; dscale
+    # without attach() is the oracle (torch skips on rank 1 only, its ranks part ways).
+    for rank, out in results.items():
+        got = out["param_groups_change"]
+        if rank == 1:  # torch finds rank 1's overflow there only
+            assert got["torch"]["scales"][2] == got["torch"]["scales"][1] / 2
+        assert got["attach"]["scales"] == got["plain"]["scales"], (rank, got)
+        assert got["plain"]["scales"][2] == got["plain"]["scales"][1] / 2  # both ranks skip
+        assert got["plain"]["scales"][3] == got["plain"]["scales"][2] / 2
+        for a, b in zip(got["attach"]["params"], got["plain"]["params"], strict=True):
+            assert torch.equal(a, b), rank
+    assert torch.equal(
+        results[0]["param_groups_change"]["attach"]["params"][-1],
+        results[1]["param_groups_change"]["attach"]["params"][-1],
+    )
