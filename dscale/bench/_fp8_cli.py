@@ -2,8 +2,9 @@
 
 Main table: per model, arms hp / torchao / dscale at lr 3e-3, AdamW betas (0.9, 0.95). Sweep
 (``dscale`` arm, MLP): lr 1e-4, 3e-3, 1e-2 x betas (0.9, 0.95), (0.9, 0.999), an overflow
-injected on rank 1 every 50 steps (agreed skips). Counts and losses are deterministic; nothing
-here is timed.
+injected on rank 1 every 50 steps (agreed skips). ``--fallback`` adds the ``fallback`` arm
+(``dscale`` with ``Float8Fallback``) and each FP8 arm's final-loss gap to ``hp``. Counts and
+losses are deterministic; nothing here is timed.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ def run_here(cfg: dict[str, Any]) -> dict[str, Any]:
     steps = cfg["steps"]
     # --predict exact: the dscale arm runs WeightScales(predict="exact") (still named dscale)
     ours = "dscale_exact" if cfg.get("predict") == "exact" else "dscale"
+    arms_run = (*ARMS, "fallback") if cfg.get("fallback") else ARMS
     table: dict[str, dict[str, Any]] = {}
     for model in cfg["models"]:
         table[model] = {
@@ -45,11 +47,14 @@ def run_here(cfg: dict[str, Any]) -> dict[str, Any]:
                 lr=3e-3,
                 betas=(0.9, 0.95),
             )
-            for arm in ARMS
+            for arm in arms_run
         }
     for arms in table.values():  # the issue's "loss within 1e-3 of torchao's arm", per step
         pairs = zip(arms["dscale"]["losses"], arms["torchao"]["losses"])
         arms["dscale"]["max_abs_loss_diff_vs_torchao"] = max(abs(a - b) for a, b in pairs)
+        for arm, r in arms.items():  # final loss over hp's: the fallback's against dscale's
+            if arm != "hp":
+                r["loss_gap_to_hp"] = r["final_loss"] - arms["hp"]["final_loss"]
     sweep = []
     if cfg["sweep"]:
         inf_steps = tuple(range(25, steps, 50))
@@ -59,7 +64,13 @@ def run_here(cfg: dict[str, Any]) -> dict[str, Any]:
                     rank, "mlp", ours, steps=steps, lr=lr, betas=betas, inf_steps=inf_steps
                 )
                 sweep.append({"lr": lr, "betas": list(betas), **row})
-    return {"steps": steps, "predict": cfg.get("predict", "bound"), "arms": table, "sweep": sweep}
+    return {
+        "steps": steps,
+        "predict": cfg.get("predict", "bound"),
+        "fallback": bool(cfg.get("fallback")),
+        "arms": table,
+        "sweep": sweep,
+    }
 
 
 def _spawned(rank: int, world: int, store_path: str, cfg: dict[str, Any], out: str) -> None:
@@ -99,6 +110,20 @@ def render(result: dict[str, Any]) -> str:
         lines.append(
             f"{model}: largest |loss(dscale) - loss(torchao)| over the steps, rank 0: {diff:.2e}"
         )
+    for model, arms in result["arms"].items():
+        if "fallback" not in arms:
+            continue
+        fb = arms["fallback"]["fallback"]
+        lines.append(
+            f"{model} fallback (threshold {fb['threshold']}, {fb['samples']} samples, numerics "
+            f"every {fb['numerics_every']}; {fb['samples_taken']} samples): switched "
+            f"{_layers(fb['switched'])}; passed but left in FP8 (float8 all-gather) "
+            f"{_layers(fb['passed_but_left'])}; same on both ranks: {fb['agreed_on_ranks']}"
+        )
+        lines.append(
+            f"{model} final loss - hp's: fallback {arms['fallback']['loss_gap_to_hp']:.2e}, "
+            f"dscale {arms['dscale']['loss_gap_to_hp']:.2e}"
+        )
     if "telemetry" in result:
         t = result["telemetry"]
         lines.append(
@@ -116,6 +141,10 @@ def render(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _layers(rows: list[dict[str, Any]]) -> str:
+    return ", ".join(f"{r['layer']} after step {r['after_step']}" for r in rows) or "none"
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Parse arguments, spawn the ranks, print the tables and write ``--json``."""
     parser = argparse.ArgumentParser(prog="python -m dscale.bench fp8", description=__doc__)
@@ -129,6 +158,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         default="bound",
         help="the dscale arm's WeightScales(predict=...) (default bound)",
     )
+    parser.add_argument(
+        "--fallback",
+        action="store_true",
+        help="add the fallback arm: dscale's with Float8Numerics(every=10) and Float8Fallback",
+    )
     args = parser.parse_args(argv)
     models = [m for m in args.models.split(",") if m]
     bad = [m for m in models if m not in _fp8.MODELS]
@@ -139,6 +173,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "models": models,
         "sweep": not args.no_sweep,
         "predict": args.predict,
+        "fallback": args.fallback,
     }
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")

@@ -36,3 +36,31 @@ def test_short_fp8_benchmark_reports_every_arm(tmp_path, predict):
     assert result["telemetry"]["extra_ops_unsampled"] == 0
     assert result["telemetry"]["extra_ops_sampled"] > 0
     assert "dscale" in proc.stdout
+
+
+def test_fallback_arm_reports_switched_layers_and_loss_gaps(tmp_path):
+    out = tmp_path / "fp8.json"
+    cmd = [sys.executable, "-m", "dscale.bench", "fp8", "--steps", "3", "--models", "mlp"]
+    proc = subprocess.run(
+        [*cmd, "--no-sweep", "--fallback", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["fallback"] is True
+    arms = result["arms"]["mlp"]
+    assert set(arms) == {"hp", "torchao", "dscale", "fallback"}
+    fb = arms["fallback"]["fallback"]
+    assert {"switched", "passed_but_left", "agreed_on_ranks", "layers"} <= set(fb)
+    assert (fb["threshold"], fb["samples"]) == (0.01, 3)  # Float8Fallback's defaults
+    assert fb["samples_taken"] == 1  # step 0 of 3, every 10
+    assert fb["agreed_on_ranks"]
+    assert len(fb["layers"]) == arms["fallback"]["float8_layers"]
+    for arm in ("torchao", "dscale", "fallback"):
+        gap = arms[arm]["final_loss"] - arms["hp"]["final_loss"]
+        assert arms[arm]["loss_gap_to_hp"] == pytest.approx(gap)
+    # the fallback's numerics ride the one collective: still one all-reduce per step
+    assert arms["fallback"]["collectives_per_step"] == 1
+    assert "fallback" in proc.stdout
