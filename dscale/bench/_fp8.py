@@ -99,9 +99,11 @@ def run_arm(
     # precision, and after which step it first passed the threshold on `samples` samples
     switched: dict[str, int] = {}
     passed: dict[str, int] = {}
+    worst: dict[str, Any] = {}  # the largest agreed share any sample showed, with where
+    seen = 0
 
     def one_step(step: int) -> None:
-        nonlocal skipped
+        nonlocal skipped, seen
         tokens, target = batch(step, rank)
         logits = model(tokens)
         loss = nn.functional.cross_entropy(logits.float().flatten(0, 1), target.flatten())
@@ -117,6 +119,12 @@ def run_arm(
         skipped += not guard.step_applied(opt)
         losses.append(loss.item())
         if fallback is not None:
+            if numerics.num_samples != seen:
+                seen = numerics.num_samples
+                for key, row in numerics.snapshot().items():
+                    for share in ("flushed", "subnormal", "saturated"):
+                        if row[share] > worst.get("share", -1.0):
+                            worst.update(share=row[share], of=f"{key}/{share}", after_step=step + 1)
             for name in fallback.fallen:
                 switched.setdefault(name, step + 1)
             for name, run in fallback.runs.items():
@@ -168,6 +176,7 @@ def run_arm(
                 if k in passed and k not in switched
             ],
             "layers": names,
+            "largest_share_sampled": worst,
             "agreed_on_ranks": all(d == decided_all[0] for d in decided_all),
         }
     return result

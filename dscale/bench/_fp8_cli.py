@@ -120,6 +120,11 @@ def render(result: dict[str, Any]) -> str:
             f"{_layers(fb['switched'])}; passed but left in FP8 (float8 all-gather) "
             f"{_layers(fb['passed_but_left'])}; same on both ranks: {fb['agreed_on_ranks']}"
         )
+        w = fb["largest_share_sampled"]
+        lines.append(
+            f"{model} largest sampled share: {w['share']:.2e} ({w['of']}, after step "
+            f"{w['after_step']})"
+        )
         lines.append(
             f"{model} final loss - hp's: fallback {arms['fallback']['loss_gap_to_hp']:.2e}, "
             f"dscale {arms['dscale']['loss_gap_to_hp']:.2e}"

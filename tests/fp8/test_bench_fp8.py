@@ -57,6 +57,7 @@ def test_fallback_arm_reports_switched_layers_and_loss_gaps(tmp_path):
     assert (fb["threshold"], fb["samples"]) == (0.01, 3)  # Float8Fallback's defaults
     assert fb["samples_taken"] == 1  # step 0 of 3, every 10
     assert fb["agreed_on_ranks"]
+    assert 0.0 <= fb["largest_share_sampled"]["share"] <= 1.0
     assert len(fb["layers"]) == arms["fallback"]["float8_layers"]
     for arm in ("torchao", "dscale", "fallback"):
         gap = arms[arm]["final_loss"] - arms["hp"]["final_loss"]
