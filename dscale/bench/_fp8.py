@@ -59,6 +59,8 @@ def run_arm(
     lr: float,
     betas: tuple[float, float],
     inf_steps: tuple[int, ...] = (),
+    fallback_threshold: float = 0.01,
+    fallback_samples: int = 3,
 ) -> dict[str, Any]:
     """Train one arm on this rank for ``steps``; return what the benchmark reports of it."""
     from torch.distributed.fsdp import fully_shard
@@ -86,7 +88,9 @@ def run_arm(
         fp8.WeightScales(model, opt, guard, conv, predict=predict)
         if arm == "fallback":
             numerics = fp8.Float8Numerics(model, guard, every=FALLBACK_EVERY)
-            fallback = fp8.Float8Fallback(numerics, guard)  # default threshold and samples
+            fallback = fp8.Float8Fallback(
+                numerics, guard, threshold=fallback_threshold, samples=fallback_samples
+            )
     elif arm == "torchao":
         from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 

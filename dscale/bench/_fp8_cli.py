@@ -46,6 +46,8 @@ def run_here(cfg: dict[str, Any]) -> dict[str, Any]:
                 steps=steps,
                 lr=3e-3,
                 betas=(0.9, 0.95),
+                fallback_threshold=cfg.get("fallback_threshold", 0.01),
+                fallback_samples=cfg.get("fallback_samples", 3),
             )
             for arm in arms_run
         }
@@ -168,7 +170,24 @@ def main(argv: Sequence[str] | None = None) -> None:
         action="store_true",
         help="add the fallback arm: dscale's with Float8Numerics(every=10) and Float8Fallback",
     )
+    parser.add_argument(
+        "--fallback-threshold",
+        type=float,
+        default=0.01,
+        help="the fallback arm's share threshold, in (0, 1) (default 0.01, Float8Fallback's)",
+    )
+    parser.add_argument(
+        "--fallback-samples",
+        type=int,
+        default=3,
+        help="the fallback arm's samples in a row, >= 1 (default 3, Float8Fallback's)",
+    )
     args = parser.parse_args(argv)
+    if not 0.0 < args.fallback_threshold < 1.0 or args.fallback_samples < 1:
+        parser.error(
+            f"--fallback-threshold must be in (0, 1) (got {args.fallback_threshold}) and "
+            f"--fallback-samples >= 1 (got {args.fallback_samples})"
+        )
     models = [m for m in args.models.split(",") if m]
     bad = [m for m in models if m not in _fp8.MODELS]
     if bad or args.steps < 2:
@@ -179,6 +198,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         "sweep": not args.no_sweep,
         "predict": args.predict,
         "fallback": args.fallback,
+        "fallback_threshold": args.fallback_threshold,
+        "fallback_samples": args.fallback_samples,
     }
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
