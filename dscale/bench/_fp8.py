@@ -2,7 +2,9 @@
 
 Arms, on the launcher's GPT and MLP: ``hp`` (no FP8; fp32 compute on the CPU, where bf16 GEMMs
 are 10-63x slower than fp32), ``torchao`` (float8 all-gather, torchao's precompute after each
-step) and ``dscale`` (``dscale.fp8.WeightScales``: the amaxes ride the one collective). Counted,
+step) and ``dscale`` (``dscale.fp8.WeightScales``: the amaxes ride the one collective);
+``fallback`` is ``dscale`` with ``Float8Numerics(every=10)`` and ``Float8Fallback`` (its default
+threshold and samples), reporting which layers it switched or left, and when. Counted,
 not timed: all-reduces per step besides FSDP's gathers and reduce-scatters, weight elements
 whose cast saturates (``|w| * scale > fp8_max``), the used scale over the exact one, the loss.
 """
@@ -19,6 +21,7 @@ from dscale import StepGuard, _dist
 from dscale.bench._scaling_models import GPT, MLP
 
 FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
+FALLBACK_EVERY = 10  # the fallback arm's numerics interval: 3 samples (its default) by step 21
 VOCAB, SEQ, BATCH = 256, 16, 16
 MODELS = {
     "gpt": lambda: GPT(vocab_size=VOCAB, d_model=64, n_layers=2, n_heads=4, seq_len=SEQ),
@@ -56,6 +59,8 @@ def run_arm(
     lr: float,
     betas: tuple[float, float],
     inf_steps: tuple[int, ...] = (),
+    fallback_threshold: float = 0.01,
+    fallback_samples: int = 3,
 ) -> dict[str, Any]:
     """Train one arm on this rank for ``steps``; return what the benchmark reports of it."""
     from torch.distributed.fsdp import fully_shard
@@ -75,9 +80,17 @@ def run_arm(
     fully_shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, weight_decay=0.1)
     guard = StepGuard("cpu")
-    if arm in ("dscale", "dscale_exact"):  # dscale_exact: WeightScales(predict="exact")
+    numerics: Any = None
+    fallback: Any = None
+    if arm in ("dscale", "dscale_exact", "fallback"):  # dscale_exact: predict="exact"
         assert conv is not None  # noqa: S101
-        fp8.WeightScales(model, opt, guard, conv, predict="exact" if arm != "dscale" else "bound")
+        predict = "exact" if arm == "dscale_exact" else "bound"
+        fp8.WeightScales(model, opt, guard, conv, predict=predict)
+        if arm == "fallback":
+            numerics = fp8.Float8Numerics(model, guard, every=FALLBACK_EVERY)
+            fallback = fp8.Float8Fallback(
+                numerics, guard, threshold=fallback_threshold, samples=fallback_samples
+            )
     elif arm == "torchao":
         from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
@@ -86,9 +99,15 @@ def run_arm(
     locals_ = [w._local_tensor._tensor for w in weights]
     saturated, used_hist, amax_hist, losses, skipped = 0, [], [], [], 0
     counted: list[int] = []
+    # per float8 layer (sorted): after which step (counted from 1) it was switched to high
+    # precision, and after which step it first passed the threshold on `samples` samples
+    switched: dict[str, int] = {}
+    passed: dict[str, int] = {}
+    worst: dict[str, Any] = {}  # the largest agreed share any sample showed, with where
+    seen = 0
 
     def one_step(step: int) -> None:
-        nonlocal skipped
+        nonlocal skipped, seen
         tokens, target = batch(step, rank)
         logits = model(tokens)
         loss = nn.functional.cross_entropy(logits.float().flatten(0, 1), target.flatten())
@@ -103,6 +122,18 @@ def run_arm(
             precompute_float8_dynamic_scale_for_fsdp(model)
         skipped += not guard.step_applied(opt)
         losses.append(loss.item())
+        if fallback is not None:
+            if numerics.num_samples != seen:
+                seen = numerics.num_samples
+                for key, row in numerics.snapshot().items():
+                    for share in ("flushed", "subnormal", "saturated"):
+                        if row[share] > worst.get("share", -1.0):
+                            worst.update(share=row[share], of=f"{key}/{share}", after_step=step + 1)
+            for name in fallback.fallen:
+                switched.setdefault(name, step + 1)
+            for name, run in fallback.runs.items():
+                if run >= fallback.samples:
+                    passed.setdefault(name, step + 1)
 
     for step in range(steps):
         if weights:
@@ -116,12 +147,15 @@ def run_arm(
             one_step(step)
     # Outside the counted steps: every rank's history, for exact scales and agreement.
     flat = [x for row in amax_hist for x in row] + [x for row in used_hist for x in row]
-    every = _dist.all_gather_floats([*flat, float(saturated), losses[-1]])
+    names = sorted(fallback.runs) if fallback is not None else []
+    decided = [float(d.get(k, -1)) for k in names for d in (switched, passed)]
+    every = _dist.all_gather_floats([*flat, *decided, float(saturated), losses[-1]])
     n = len(flat) // 2
+    decided_all = [r[2 * n : 2 * n + len(decided)] for r in every]
     exact_amax = [max(r[i] for r in every) for i in range(n)]
     used_all = every[0][n : 2 * n]
     ratios = [u * a / FP8_MAX for u, a in zip(used_all, exact_amax)]
-    return {
+    result: dict[str, Any] = {
         "collectives_per_step": counted[0],
         "saturated_weight_elements": int(sum(r[-2] for r in every)),
         "min_scale_ratio": min(ratios) if ratios else None,
@@ -132,6 +166,24 @@ def run_arm(
         "skipped_steps": skipped,
         "float8_layers": len(weights),
     }
+    if fallback is not None:
+        result["fallback"] = {
+            "threshold": fallback.threshold,
+            "samples": fallback.samples,
+            "numerics_every": FALLBACK_EVERY,
+            "samples_taken": numerics.num_samples,
+            "switched": [{"layer": k, "after_step": switched[k]} for k in names if k in switched],
+            # passed the threshold but stayed in FP8: its weight is all-gathered in float8
+            "passed_but_left": [
+                {"layer": k, "after_step": passed[k]}
+                for k in names
+                if k in passed and k not in switched
+            ],
+            "layers": names,
+            "largest_share_sampled": worst,
+            "agreed_on_ranks": all(d == decided_all[0] for d in decided_all),
+        }
+    return result
 
 
 def telemetry_ops(steps: int = 3) -> dict[str, int]:

@@ -2,8 +2,9 @@
 
 Main table: per model, arms hp / torchao / dscale at lr 3e-3, AdamW betas (0.9, 0.95). Sweep
 (``dscale`` arm, MLP): lr 1e-4, 3e-3, 1e-2 x betas (0.9, 0.95), (0.9, 0.999), an overflow
-injected on rank 1 every 50 steps (agreed skips). Counts and losses are deterministic; nothing
-here is timed.
+injected on rank 1 every 50 steps (agreed skips). ``--fallback`` adds the ``fallback`` arm
+(``dscale`` with ``Float8Fallback``) and each FP8 arm's final-loss gap to ``hp``. Counts and
+losses are deterministic; nothing here is timed.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ def run_here(cfg: dict[str, Any]) -> dict[str, Any]:
     steps = cfg["steps"]
     # --predict exact: the dscale arm runs WeightScales(predict="exact") (still named dscale)
     ours = "dscale_exact" if cfg.get("predict") == "exact" else "dscale"
+    arms_run = (*ARMS, "fallback") if cfg.get("fallback") else ARMS
     table: dict[str, dict[str, Any]] = {}
     for model in cfg["models"]:
         table[model] = {
@@ -44,12 +46,17 @@ def run_here(cfg: dict[str, Any]) -> dict[str, Any]:
                 steps=steps,
                 lr=3e-3,
                 betas=(0.9, 0.95),
+                fallback_threshold=cfg.get("fallback_threshold", 0.01),
+                fallback_samples=cfg.get("fallback_samples", 3),
             )
-            for arm in ARMS
+            for arm in arms_run
         }
     for arms in table.values():  # the issue's "loss within 1e-3 of torchao's arm", per step
         pairs = zip(arms["dscale"]["losses"], arms["torchao"]["losses"])
         arms["dscale"]["max_abs_loss_diff_vs_torchao"] = max(abs(a - b) for a, b in pairs)
+        for arm, r in arms.items():  # final loss over hp's: the fallback's against dscale's
+            if arm != "hp":
+                r["loss_gap_to_hp"] = r["final_loss"] - arms["hp"]["final_loss"]
     sweep = []
     if cfg["sweep"]:
         inf_steps = tuple(range(25, steps, 50))
@@ -59,7 +66,13 @@ def run_here(cfg: dict[str, Any]) -> dict[str, Any]:
                     rank, "mlp", ours, steps=steps, lr=lr, betas=betas, inf_steps=inf_steps
                 )
                 sweep.append({"lr": lr, "betas": list(betas), **row})
-    return {"steps": steps, "predict": cfg.get("predict", "bound"), "arms": table, "sweep": sweep}
+    return {
+        "steps": steps,
+        "predict": cfg.get("predict", "bound"),
+        "fallback": bool(cfg.get("fallback")),
+        "arms": table,
+        "sweep": sweep,
+    }
 
 
 def _spawned(rank: int, world: int, store_path: str, cfg: dict[str, Any], out: str) -> None:
@@ -99,6 +112,25 @@ def render(result: dict[str, Any]) -> str:
         lines.append(
             f"{model}: largest |loss(dscale) - loss(torchao)| over the steps, rank 0: {diff:.2e}"
         )
+    for model, arms in result["arms"].items():
+        if "fallback" not in arms:
+            continue
+        fb = arms["fallback"]["fallback"]
+        lines.append(
+            f"{model} fallback (threshold {fb['threshold']}, {fb['samples']} samples, numerics "
+            f"every {fb['numerics_every']}; {fb['samples_taken']} samples): switched "
+            f"{_layers(fb['switched'])}; passed but left in FP8 (float8 all-gather) "
+            f"{_layers(fb['passed_but_left'])}; same on both ranks: {fb['agreed_on_ranks']}"
+        )
+        w = fb["largest_share_sampled"]
+        lines.append(
+            f"{model} largest sampled share: {w['share']:.2e} ({w['of']}, after step "
+            f"{w['after_step']})"
+        )
+        lines.append(
+            f"{model} final loss - hp's: fallback {arms['fallback']['loss_gap_to_hp']:.2e}, "
+            f"dscale {arms['dscale']['loss_gap_to_hp']:.2e}"
+        )
     if "telemetry" in result:
         t = result["telemetry"]
         lines.append(
@@ -116,6 +148,10 @@ def render(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _layers(rows: list[dict[str, Any]]) -> str:
+    return ", ".join(f"{r['layer']} after step {r['after_step']}" for r in rows) or "none"
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Parse arguments, spawn the ranks, print the tables and write ``--json``."""
     parser = argparse.ArgumentParser(prog="python -m dscale.bench fp8", description=__doc__)
@@ -129,7 +165,29 @@ def main(argv: Sequence[str] | None = None) -> None:
         default="bound",
         help="the dscale arm's WeightScales(predict=...) (default bound)",
     )
+    parser.add_argument(
+        "--fallback",
+        action="store_true",
+        help="add the fallback arm: dscale's with Float8Numerics(every=10) and Float8Fallback",
+    )
+    parser.add_argument(
+        "--fallback-threshold",
+        type=float,
+        default=0.01,
+        help="the fallback arm's share threshold, in (0, 1) (default 0.01, Float8Fallback's)",
+    )
+    parser.add_argument(
+        "--fallback-samples",
+        type=int,
+        default=3,
+        help="the fallback arm's samples in a row, >= 1 (default 3, Float8Fallback's)",
+    )
     args = parser.parse_args(argv)
+    if not 0.0 < args.fallback_threshold < 1.0 or args.fallback_samples < 1:
+        parser.error(
+            f"--fallback-threshold must be in (0, 1) (got {args.fallback_threshold}) and "
+            f"--fallback-samples >= 1 (got {args.fallback_samples})"
+        )
     models = [m for m in args.models.split(",") if m]
     bad = [m for m in models if m not in _fp8.MODELS]
     if bad or args.steps < 2:
@@ -139,6 +197,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         "models": models,
         "sweep": not args.no_sweep,
         "predict": args.predict,
+        "fallback": args.fallback,
+        "fallback_threshold": args.fallback_threshold,
+        "fallback_samples": args.fallback_samples,
     }
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
