@@ -50,8 +50,10 @@ system-tools:
 	  exit 1; \
 	fi
 
+# Two workers, each file whole on one of them (module fixtures share one spawn): the end-to-end
+# tests spend much of their time waiting on subprocesses and daemons.
 test: lint system-tools
-	$(PY) -m pytest
+	$(PY) -m pytest -n 2 --dist loadfile
 
 test-fast: install
 	$(PY) -m pytest -m "not slow"
