@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -13,8 +14,15 @@ def _dry_run(target: str, tmp_path: Path) -> str:
     for name in ("Makefile", "pyproject.toml"):
         shutil.copy(ROOT / name, tmp_path / name)
     venv = tmp_path / "venv"  # none yet: what a fresh clone's first run does
+    # Under `make test` the outer make's MAKELEVEL/MAKEFLAGS would make this one a sub-make that
+    # prints "Entering/Leaving directory" lines around its commands: run it as a user would.
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS")}
     proc = subprocess.run(
-        ["make", "-n", target, f"VENV={venv}"], cwd=tmp_path, capture_output=True, text=True
+        ["make", "--no-print-directory", "-n", target, f"VENV={venv}"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=env,
     )
     assert proc.returncode == 0, proc.stderr
     return proc.stdout
