@@ -1,17 +1,15 @@
 """The scaler's one collective: every rank learns whether any rank saw an inf or NaN.
 
 All cross-rank agreement goes through :func:`all_reduce_flag`, so tests can count it by patching
-this single function. What travels is a small float32 vector reduced with MAX, one field per
-:data:`FIELDS` entry: the overflow flag, and the scale and its negation (so MAX gives the largest
-and, negated back, the smallest scale over the ranks: the rank-agreement check costs no extra
-collective and, being part of the step, cannot be called on some ranks only). A new field (for
-example a max grad magnitude) is one more entry whose MAX over ranks is what it needs.
-
-``policy="predictive"`` appends two fields (``_grad_measure``): the largest gradient magnitude
-(scaled; ``OVERFLOW_MARK`` from a rank that overflowed) and the sampled underflow share plus one
-(0: not sampled); MAX gives the largest over the ranks, so every rank sets the same next scale.
-They follow the flag and the scale fields (:func:`measured_at`); the spike gate's fields come after
-them.
+this single function. What travels is a small float32 vector reduced with MAX, whose fields
+:class:`Layout` declares, in order: the overflow flag; the scale and its negation (so MAX gives
+the largest and, negated back, the smallest scale over the ranks: the rank-agreement check costs
+no extra collective and, being part of the step, cannot be called on some ranks only);
+``policy="predictive"``'s measurement (``_grad_measure``: the largest gradient magnitude, scaled,
+``OVERFLOW_MARK`` from a rank that overflowed, and the sampled underflow share plus one); the
+fields that features register (``GradScaler.add_agreement_field``: dscale.fp8's amaxes); the
+spike gate's slots (``_spike_gate``). Each is a value whose MAX over the ranks is what the
+feature needs, so every rank decides alike.
 
 Both policies send the scale fields only on every :data:`RANGE_EVERY`-th iteration (the first
 included) and the flag (and measurement) alone in between: on gloo a one-element all-reduce takes
@@ -32,15 +30,12 @@ import torch.distributed as dist
 
 from dscale._unscale import copy_to
 
-#: The agreement vector's fields, in order; the scale fields only on range iterations, the
-#: measurement with policy="predictive" only (then the spike gate's, ``_spike_gate``).
+#: The leading fields, in order: the flag, then the scale fields on range iterations, then
+#: policy="predictive"'s measurement. Appended parts follow them (:class:`Layout`).
 FIELDS = ("overflow", "scale", "neg_scale", "grad_max_abs", "underflow")
 OVERFLOW, SCALE, NEG_SCALE = range(3)
-
-
-def measured_at(with_range: bool) -> int:
-    """Index of policy="predictive"'s first field (grad_max_abs; underflow follows)."""
-    return 3 if with_range else 1
+#: The Layout key of the spike gate's slots (``_spike_gate``), always the last part.
+SPIKE = "spike"
 
 
 #: The vector carries the scale fields on iterations 0, RANGE_EVERY, 2 x ...
@@ -59,47 +54,114 @@ class ScaleRange(NamedTuple):
     high: torch.Tensor
 
 
-def agreement_vector(
-    flag: torch.Tensor,
-    scale: torch.Tensor,
-    measured: torch.Tensor | None = None,
-    *,
-    with_range: bool = True,
-) -> torch.Tensor:
-    """This rank's vector: ``flag``, ``scale`` (and ``measured``), on one device, FIELDS order.
+class AgreementField(Protocol):
+    """A feature's values riding the vector (``GradScaler.add_agreement_field``; dscale.fp8).
 
-    ``measured`` is ``[grad_max_abs, underflow]`` (predictive policy); without ``with_range``
-    the scale fields are left out.
+    ``values`` gives this rank's values for ``optimizer``'s step (any float dtype, the same
+    length on every rank; NaN is sent as +inf), or None to send nothing this step, on every rank
+    alike. ``agreed`` is then handed this field's slots in the vector that is all-reduced in
+    place: they hold the agreed values once the step has read its flag (a step callback).
     """
-    parts = [flag.reshape(1).float()]
-    if with_range:
-        scale = scale.reshape(1).float()
-        parts += [scale, -scale]
-    if measured is not None:
-        parts.append(measured.float().reshape(2))
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def values(self, optimizer: Any) -> torch.Tensor | None: ...
+
+    def agreed(self, slots: torch.Tensor) -> None: ...
 
 
-def blank_vector(
-    scale: torch.Tensor,
-    host_scale: float | None,
-    device: torch.device,
-    *,
-    measured: bool = False,
-    with_range: bool = True,
-) -> torch.Tensor:
-    """This rank's vector with the flag (and measurement) fields 0, for the check to write into.
+class Layout:
+    """Where each field sits in one check's vector, declared as the check builds it.
 
-    ``host_scale`` is the scale's value when the host knows it: on the CPU the vector is then
-    made from Python numbers in one call instead of a few tensor ops.
+    The leading fields are slots that the check's kernels write in place (no op to add them):
+    the flag, the scale and its negation on range iterations, predictive's measurement. The
+    parts that features register follow in one ``cat``: each :class:`AgreementField`, then
+    the spike gate's slots (:data:`SPIKE`). A reader asks the layout for a field's slots
+    instead of counting offsets, so a new field touches its own module only.
     """
-    extra = 2 if measured else 0
-    if not with_range:
-        return torch.zeros(1 + extra, dtype=torch.float32, device=device)
-    if host_scale is not None and device.type == "cpu":
-        return _cpu_template(host_scale, extra).clone()
-    # [0, 1, -1, 0...] * scale: the whole vector in one op (the scale is finite, never inf).
-    return _pattern(device, extra) * copy_to(scale, device).reshape(()).float()
+
+    def __init__(self, *, with_range: bool, measured: bool) -> None:
+        self.with_range = with_range
+        self.measured = measured
+        self.slots: dict[Any, slice] = {}
+        self.width = 0
+        self._add("overflow", 1)
+        if with_range:
+            self._add("scale", 2)  # the scale, then its negation
+        if measured:
+            self._add("measured", 2)  # grad_max_abs, underflow (``_grad_measure``)
+
+    def _add(self, key: Any, width: int) -> slice:
+        self.slots[key] = slot = slice(self.width, self.width + width)
+        self.width += width
+        return slot
+
+    def start(self, key: Any) -> int:
+        """The index of ``key``'s first slot."""
+        return int(self.slots[key].start)
+
+    def view(self, vector: torch.Tensor, key: Any) -> torch.Tensor:
+        """``key``'s slots in ``vector`` (a view: it follows an in-place all-reduce)."""
+        return vector[self.slots[key]]
+
+    def blank(
+        self, scale: torch.Tensor, host_scale: float | None, device: torch.device
+    ) -> torch.Tensor:
+        """The leading fields with the flag (and measurement) 0, for the check to write into.
+
+        ``host_scale`` is the scale's value when the host knows it: on the CPU the vector is then
+        made from Python numbers in one call instead of a few tensor ops.
+        """
+        extra = 2 if self.measured else 0
+        if not self.with_range:
+            return torch.zeros(1 + extra, dtype=torch.float32, device=device)
+        if host_scale is not None and device.type == "cpu":
+            return _cpu_template(host_scale, extra).clone()
+        # [0, 1, -1, 0...] * scale: the whole vector in one op (the scale is finite, never inf).
+        return _pattern(device, extra) * copy_to(scale, device).reshape(()).float()
+
+    def refusal(self, scale: torch.Tensor, device: torch.device, mark: float) -> torch.Tensor:
+        """The leading fields of a rank that refuses its step: overflowed, measured as ``mark``."""
+        parts = [torch.ones(1, device=device)]
+        if self.with_range:
+            scale = copy_to(scale, device).reshape(1).float()
+            parts += [scale, -scale]
+        if self.measured:
+            parts.append(torch.tensor([mark, 0.0], device=device))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def append(
+        self,
+        vector: torch.Tensor,
+        fields: list[tuple[Any, torch.Tensor]],
+        spike: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """``vector`` with the registered ``(field, values)`` and the spike gate's slots appended.
+
+        One ``cat``; fields are sent as float32 with NaN as +inf (so a MAX cannot drop it: see
+        :func:`all_reduce_flag`), the spike slots as they are (NaN-free where made). Each field
+        is handed its slots in the result.
+        """
+        parts = [vector]
+        for field, values in fields:
+            self._add(field, values.numel())
+            parts.append(_nan_as_inf(values.to(vector.device, torch.float32).reshape(-1)))
+        if spike is not None:
+            self._add(SPIKE, spike.numel())
+            parts.append(spike)
+        if len(parts) == 1:
+            return vector
+        out = torch.cat(parts)
+        self.hand_over(out)
+        return out
+
+    def hand_over(self, vector: torch.Tensor) -> None:
+        """Hand each registered field its slots in ``vector`` (the one that is all-reduced)."""
+        for key in self.slots:
+            if not isinstance(key, str):
+                key.agreed(self.view(vector, key))
+
+
+def _nan_as_inf(values: torch.Tensor) -> torch.Tensor:
+    return torch.nan_to_num(values, nan=math.inf, posinf=math.inf, neginf=-math.inf)
 
 
 @functools.lru_cache(maxsize=8)
@@ -118,26 +180,6 @@ def scale_range(agreed: torch.Tensor) -> ScaleRange:
     return ScaleRange(-agreed[NEG_SCALE], agreed[SCALE])
 
 
-def append_field(vector: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
-    """``vector`` with ``part`` appended as float32, NaN sent as +inf (so MAX cannot drop it)."""
-    part = part.to(vector.device, torch.float32).reshape(-1)
-    return torch.cat(
-        [vector, torch.nan_to_num(part, nan=math.inf, posinf=math.inf, neginf=-math.inf)]
-    )
-
-
-class AgreementField(Protocol):
-    """A feature's values riding the vector (``GradScaler.add_agreement_field``).
-
-    ``append_to`` returns ``vector`` with this rank's values for ``optimizer``'s step appended
-    with :func:`append_field` (or ``vector`` itself), the same length on every rank; the field
-    keeps the returned tensor
-    and its offset, and reads the agreed values there once the step is decided.
-    """
-
-    def append_to(self, vector: torch.Tensor, optimizer: Any) -> torch.Tensor: ...
-
-
 def all_reduce_flag(values: torch.Tensor, group: Any) -> Any:
     """Start a MAX all-reduce of the agreement vector ``values`` in place; return its work handle.
 
@@ -146,7 +188,7 @@ def all_reduce_flag(values: torch.Tensor, group: Any) -> Any:
     non-zero rank (5.0 wins over NaN from rank 1; MS-AMP PR #58). Each field is NaN-free where it
     is made, so the seam adds no op: the flag is 0 or 1 (the check's kernel, flags folded as
     ``> 0``), the scale finite, predictive's and the spike gate's fields ``nan_to_num``-ed, and
-    registered fields appended through :func:`append_field`. The call is asynchronous; on NCCL
+    registered fields appended through :meth:`Layout.append`. The call is asynchronous; on NCCL
     ``work.wait()`` only makes the current CUDA stream wait, so the host never blocks here.
     """
     return dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group, async_op=True)

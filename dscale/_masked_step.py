@@ -1,4 +1,4 @@
-"""Skip an optimizer step on the device instead of on the host (``GradScaler(sync_free=True)``).
+"""Skip an optimizer step on the device instead of on the host (``sync_free=True``, fused steps).
 
 The optimizer always runs; afterwards every parameter and optimizer-state tensor is put back to its
 value from before the step wherever the agreed overflow flag is set. No ``.item()``, so foreach and
@@ -296,3 +296,29 @@ def remove_state_created_by_skipped_step(
     if bool(found_inf.item() > 0):
         for param in params:
             optimizer.state.pop(param, None)
+
+
+def fused_step(
+    optimizer: torch.optim.Optimizer,
+    found_inf: torch.Tensor,
+    grad_scale: torch.Tensor | None,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
+    """A fused optimizer's step, told the flag as torch tells it: its kernel skips where 1.
+
+    ``grad_scale`` and ``found_inf`` are set on the optimizer for the step only (torch's
+    contract); state that a skipped step created is removed, as if it never ran.
+    """
+    optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
+    optimizer.found_inf = found_inf  # type: ignore[attr-defined]
+    before = ids_with_state(optimizer)
+    try:
+        retval = optimizer.step(*args, **kwargs)
+    finally:
+        del optimizer.grad_scale  # type: ignore[attr-defined]
+        del optimizer.found_inf  # type: ignore[attr-defined]
+    fresh = state_created_since(optimizer, before)
+    if fresh:
+        remove_state_created_by_skipped_step(optimizer, fresh, found_inf)
+    return retval

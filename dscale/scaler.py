@@ -3,48 +3,41 @@
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import logging
 import math
-import types
 import warnings
-import weakref
 from collections import abc
 from collections.abc import Callable, Mapping, Sequence
-from enum import Enum
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 import torch
 
-from dscale import _agreement, _dist, _policy, _predictive, _predictive_state, _spike_gate, _state
-from dscale._grad_measure import mark_overflow
-from dscale._masked_step import (
-    ids_with_state,
-    masked_step,
-    remove_state_created_by_skipped_step,
-    state_created_since,
+from dscale import (
+    _agreement,
+    _check,
+    _decision,
+    _dist,
+    _legacy_step,
+    _policy,
+    _predictive,
+    _predictive_state,
+    _spike_gate,
+    _state,
+    _watchdogs,
 )
+from dscale._masked_step import fused_step, masked_step
+from dscale._optimizer_state import OptimizerState, Stage
 from dscale._policy import COUNTER_NAMES
 from dscale._reduction_hooks import AttachRefusal, ReductionHooks
 from dscale._scale_state import ScaleState, fresh_host_state
 from dscale._torch_compat import TorchGradScalerSurface
-from dscale._unscale import (
-    check_and_unscale_,
-    copy_to,
-    group_by_device_and_dtype,
-    optimizer_grads,
-)
+from dscale._unscale import copy_to
 from dscale._warnings import warn_if_scaling_is_not_needed
+from dscale._watchdogs import ScaleCollapsedError, StuckPolicy
+
+__all__ = ["GradObserver", "GradScaler", "ScaleCollapsedError"]
 
 logger = logging.getLogger(__name__)
-
-StuckPolicy = Literal["raise", "warn"]
-# Grads that a fused optimizer's check may unscale in place without losing small values.
-_FULL_PRECISION = (torch.float32, torch.float64)
-
-
-class ScaleCollapsedError(RuntimeError):
-    """The scale sits at ``min_scale`` and steps keep overflowing (``on_stuck_at_min="raise"``)."""
 
 
 class GradObserver(Protocol):
@@ -59,66 +52,9 @@ class GradObserver(Protocol):
         """Called at the end of every update() with the agreed flag (> 0: the step was skipped)."""
 
 
-class _Stage(Enum):
-    READY = 0
-    UNSCALED = 1
-    STEPPED = 2
-
-
-@dataclasses.dataclass
-class _OptimizerState:
-    stage: _Stage = _Stage.READY
-    # This rank's agreement vector (_agreement.FIELDS), then the agreed one once `work` is done.
-    agreed: torch.Tensor | None = None
-    work: Any = None  # pending all-reduce
-    over_group: bool = False  # whether `agreed` was reduced over the scaler's group
-    lone: bool = False  # whether the scaler had no process group (one process) at the check
-    # Checked by step() before a step(grad_scaler=...) optimizer ran: its unscale_() then only
-    # marks the stage (the check ran, and unscaled what it had to).
-    prechecked: bool = False
-    applied: bool | None = None  # known on the host when step() synced for its decision
-    host_agreed: list[float] | None = None  # the agreed vector, read in that same sync
-    # A rank-local flag written by code made for torch's scaler (["found_inf_per_device"]).
-    user_found: torch.Tensor | None = None
-    overflowed: bool | None = None  # with `applied`: whether the skip was for inf/NaN grads
-    # The spike gate (dscale/_spike_gate.py): the length of its part of `agreed`, and once
-    # decided the spike flag, the step's values and the skip flag (overflow or spike).
-    tail_len: int = 0
-    spike: torch.Tensor | None = None
-    spike_values: torch.Tensor | None = None
-    skip: torch.Tensor | None = None
-    # attach(): the backward passes through the models holding the optimizer's parameters when
-    # it was checked; one more before its step means grads the check never saw.
-    backwards: tuple[int, ...] = ()
-    # unscale_(): the agreement waits for the first read of the flag, so that a flag torch-shaped
-    # code writes in between (`late_found`) takes effect on every rank. `deferred`: not started
-    # yet; `deferred_group`: the group it then runs over (None: none).
-    deferred: bool = False
-    deferred_group: Any = None
-    late_found: torch.Tensor | None = None
-    refused: Exception | None = None  # raised once this rank has joined the deferred agreement
-
-
 # Under torch.compile the scaler's calls run eagerly (a graph break each, as torch's own scaler
 # gets): they read process groups, device state and host decisions that dynamo cannot trace.
 _eager = torch.compiler.disable
-
-
-class _NoGrad:
-    """``torch.no_grad()`` at a third of its cost (1.3 us there): the check runs every step."""
-
-    __slots__ = ("enabled",)
-
-    def __enter__(self) -> None:
-        self.enabled = torch.is_grad_enabled()
-        torch._C._set_grad_enabled(False)
-
-    def __exit__(self, *exc: object) -> None:
-        torch._C._set_grad_enabled(self.enabled)
-
-
-#: :meth:`GradScaler.agreed_scale_range` of an iteration with no group: the scale itself.
-_OWN_SCALE = "own scale"
 
 
 # issue 13: a subclass of torch.amp.GradScaler; torch's internals are answered in _torch_compat.
@@ -217,14 +153,7 @@ class GradScaler(TorchGradScalerSurface):
             raise ValueError(f"init_scale={init_scale!r} is below min_scale={min_scale!r}")
         if max_scale is not None and init_scale > max_scale:
             raise ValueError(f"init_scale={init_scale!r} is above max_scale={max_scale!r}")
-        if on_stuck_at_min not in ("raise", "warn"):
-            raise ValueError(f"on_stuck_at_min must be 'raise' or 'warn', got {on_stuck_at_min!r}")
-        if (
-            not isinstance(stuck_patience, int)
-            or isinstance(stuck_patience, bool)
-            or (stuck_patience < 1)
-        ):
-            raise ValueError(f"stuck_patience must be an int >= 1, got {stuck_patience!r}")
+        _watchdogs.check_stuck_args(on_stuck_at_min, stuck_patience)
         self._device = str(torch.device(device).type) if not isinstance(device, str) else device
         self._enabled = bool(enabled)
         if self._enabled and self._device == "cuda" and not torch.cuda.is_available():
@@ -260,7 +189,7 @@ class GradScaler(TorchGradScalerSurface):
             tail = _predictive_state.tail_words(window, growth_interval)
         self._book = ScaleState(fresh_host_state(float(init_scale), hysteresis), tail)
         self._placed_init_scale = float(init_scale)  # torch's _init_scale, once placed
-        self._per_optimizer_states: dict[int, _OptimizerState] = {}
+        self._per_optimizer_states: dict[int, OptimizerState] = {}
         self._outcomes: dict[int, bool | torch.Tensor] = {}
         self._last_stepped: int | None = None
         self._callbacks: list[Callable[[torch.optim.Optimizer, bool], None]] = []
@@ -280,8 +209,7 @@ class GradScaler(TorchGradScalerSurface):
         self._scale_for_step: torch.Tensor | None = None
         # id of the optimizer whose step(grad_scaler=...) runs: its reads of the flag agree.
         self._stepping: int | None = None
-        self._inv_scale: tuple[float, torch.Tensor] | None = None  # (scale, 1/scale)
-        self._one: torch.Tensor | None = None
+        self._factors = _check.UnscaleFactors()  # 1/scale and 1.0 as tensors, made once
         # False for a StepGuard (dscale/step_guard.py): the scale is 1 and never moves.
         self._loss_scaling = True
         self._spike_warned_at = 0  # the spike run length last warned about
@@ -365,201 +293,21 @@ class GradScaler(TorchGradScalerSurface):
         if not self._enabled:
             return
         self._require_scale("unscale_")
-        state = self._per_optimizer_states.setdefault(id(optimizer), _OptimizerState())
-        if state.stage is _Stage.UNSCALED:
+        state = self._per_optimizer_states.setdefault(id(optimizer), OptimizerState())
+        if state.stage is Stage.UNSCALED:
             raise RuntimeError(
                 "unscale_() has already been called on this optimizer since the last update(). "
                 "Call unscale_(optimizer) at most once per iteration, between backward() and "
                 "step(optimizer), then update() once after step()"
             )
-        if state.stage is _Stage.STEPPED:
+        if state.stage is Stage.STEPPED:
             raise RuntimeError(
                 "unscale_() is being called after step(). Call unscale_(optimizer) before "
                 "step(optimizer) (to clip the gradients), or not at all: step() unscales"
             )
         if not state.prechecked:
-            self._check(optimizer, state, unscale=True, defer=True)
-        state.stage = _Stage.UNSCALED
-
-    def _check(
-        self,
-        optimizer: torch.optim.Optimizer,
-        state: _OptimizerState,
-        *,
-        unscale: bool | None,
-        unscaled_by_caller: bool = False,
-        defer: bool = False,
-    ) -> bool:
-        """Grads -> observers -> flag -> agree; True when the grads are unscaled afterwards.
-
-        The hooks report which of ``optimizer``'s grads they already unscaled and checked (and
-        whether their flag is global); this rank's pass takes the rest, and the agreement
-        vector goes out once, unless the hooks' flag already covers everything on every rank.
-        ``unscaled_by_caller``: code written for torch's scaler unscaled the grads itself.
-        ``defer``: start the agreement when the flag is first read (:meth:`_agreed`).
-        """
-        scale = self._require_scale("unscale_")
-        group = self._process_group()
-        state.lone = group is None
-        if self._spike is not None and len(self._per_optimizer_states) > 1:
-            raise RuntimeError(
-                "the spike gate decides once per iteration on the loss and the grad norm, but a "
-                "second optimizer was checked in this iteration; with several optimizers use "
-                "one GradScaler per optimizer, or turn the spike gate off (spike_signals=())"
-            )
-        try:
-            report = self._hooks.report(optimizer, group, scale.device)
-            if unscaled_by_caller and report.covered:
-                # torch's in-place unscale kernel leaves the grads' versions as they were, so
-                # the hooks cannot see this write: the stage says it.
-                twice = AttachRefusal(
-                    f"attach(): the grads of {len(report.covered)} parameter(s) were unscaled in "
-                    "the attached model's reduction, and code written for torch's scaler marked "
-                    "them unscaled itself (['stage'] = OptState.UNSCALED): it divided them a "
-                    "second time. Let the scaler unscale them (scaler.unscale_(optimizer)), or do "
-                    "not attach() this model"
-                )
-                twice.peers_agree = not report.is_global  # as the hooks' own refusals
-                state.stage = _Stage.READY  # the next iteration's code says it again, or not
-                raise twice
-        except AttachRefusal as exc:
-            # The peers run the agreement where the flag is not global, and also where a spike
-            # gate or a flag written by torch-shaped code keeps it (below): join it with a refusal,
-            # so that they skip rather than wait on us.
-            kept = self._spike is not None or state.user_found is not None
-            if (exc.peers_agree or kept) and group is not None:
-                device = _dist.flag_device(group, scale.device)
-                # As long as the peers' vectors (policy="predictive" adds its measurement).
-                refusal = _agreement.agreement_vector(
-                    torch.ones((), device=device),
-                    copy_to(scale, device),
-                    self._refused_measurement(device),
-                    with_range=self._carries_range(),
-                )
-                for extra in self._fields:  # as long as the peers'
-                    refusal = extra.append_to(refusal, optimizer)
-                if self._spike is not None:  # as long as the peers' (our slots: -inf)
-                    width = len(self._spike.signals) * _dist.world_size(group)
-                    blank = torch.full((width,), -math.inf, device=device)
-                    refusal = torch.cat([refusal, blank])
-                if defer:
-                    # unscale_(): the peers agree at the flag's first read, after any collective
-                    # of the user's in between (FSDP's clip_grad_norm_): join there, then raise.
-                    state.agreed, state.refused = refusal, exc
-                    state.deferred, state.deferred_group = True, group
-                    return True
-                _agreement.all_reduce_flag(refusal, group).wait()
-                # This rank now holds what its peers agreed on (a skip): update() backs off as
-                # theirs does, and a second step() raises instead of waiting alone in a collective.
-                state.agreed, state.over_group, state.stage = refusal, True, _Stage.STEPPED
-            raise
-        state.backwards = report.backwards
-        # attach(): nothing left for this rank's pass where the hooks checked every grad.
-        grads = [] if report.complete else optimizer_grads(optimizer, set(report.covered))
-        groups = group_by_device_and_dtype(grads)
-        if unscale is None:  # a fused optimizer, which can unscale in its own kernel
-            # Where the host decides (the CPU), the check writes every grad anyway, so unscaling
-            # there is free and spares the fused kernel its own division (an extra pass on the
-            # CPU). On a GPU the kernel's division costs nothing, while 1/scale would cost three
-            # launches: the kernel unscales, as with torch. fp16/bf16 grads stay scaled:
-            # unscaled in their own storage, small values would flush to zero. Only at a
-            # power-of-two scale is a product with f32(1/scale) the kernel's division exactly.
-            unscale = (
-                self._decides_on_host(scale)
-                and _is_power_of_two(self._book.host)
-                and all(d in _FULL_PRECISION for per_dtype in groups.values() for d in per_dtype)
-            )
-        unscale = unscale or report.unscaled  # the pass must match what the hooks did
-        if not self._loss_scaling:
-            unscale = True  # the scale is 1: checked grads are unscaled grads
-        for observer in self._observers:
-            observer.on_grads(optimizer, grads, scale)
-        if report.is_global and self._spike is None and state.user_found is None:
-            # DDP's own all-reduce over a group covering ours made the flag global. (The spike
-            # gate still needs the loss and grad norm of every rank, and a flag written by
-            # torch-shaped code is this rank's own: they keep the collective. Every rank runs the
-            # same code, so every rank writes one, whatever its value.)
-            group = None
-        device = scale.device if group is None else _dist.flag_device(group, scale.device)
-        host = self._book.host
-        with _NoGrad():
-            state.agreed = _agreement.blank_vector(
-                scale,
-                None if host is None else host.scale,
-                device,
-                measured=self._predictive is not None,
-                with_range=self._carries_range(),
-            )
-            if self._predictive is not None:  # policy="predictive": measure before the unscale
-                at = _agreement.measured_at(self._carries_range())
-                self._predictive.measure.write(state.agreed, at, groups, report.measured)
-            flag = state.agreed[_agreement.OVERFLOW]  # a view: the check writes the flag into it
-            if groups:  # none left when attach()'s hooks checked every grad: no 1/scale either
-                inv_scale = self._unscale_factor(scale) if unscale else self._unit(scale)
-                check_and_unscale_(groups, inv_scale, flag)
-            written = bool(groups)  # whether the flag holds a check's result yet (else 0)
-            # MAX of flags as 0 or 1, not +: torch's fused kernels skip only where found_inf == 1
-            # exactly, and a user's flag may say 2 (or -1, which torch's update reads as found).
-            for other in (report.flag, state.user_found):
-                if other is not None:
-                    other = copy_to(other, device).reshape(())
-                    if written:
-                        torch.maximum(flag, (other > 0).float(), out=flag)
-                    else:  # flag is 0: (other > 0) in one op (heaviside at 0 takes flag's 0)
-                        torch.heaviside(other.float(), flag, out=flag)
-                        written = True
-                    if self._predictive is not None:
-                        mark_overflow(
-                            state.agreed, _agreement.measured_at(self._carries_range()), other
-                        )
-            for extra in self._fields:  # registered fields, before the spike gate's tail
-                state.agreed = extra.append_to(state.agreed, optimizer)
-            if self._spike is not None:  # this rank's loss and grad norm, in its own slots
-                every = optimizer_grads(optimizer) if report.covered else grads
-                carried = None if unscale else scale  # None: unscaled grads
-                tail = self._spike.tail(
-                    every, carried, device, _dist.rank(group), _dist.world_size(group)
-                )
-                state.tail_len = tail.numel()
-                state.agreed = torch.cat([state.agreed, tail])
-        state.over_group = group is not None
-        if defer:
-            state.deferred, state.deferred_group = True, group
-        else:
-            state.work = None if group is None else _agreement.all_reduce_flag(state.agreed, group)
-        return unscale
-
-    def _start_deferred(self, state: _OptimizerState) -> None:
-        """Start the agreement unscale_() left for later, with a flag written since then.
-
-        The written flag joins this rank's as torch's would (MAX: it adds a found overflow, it
-        cannot hide one). Under attach(), where DDP's reduction made the flag global, a written
-        flag keeps the collective, as one written before unscale_() does: every rank then writes.
-        """
-        state.deferred = False
-        group, state.deferred_group = state.deferred_group, None
-        late, state.late_found = state.late_found, None
-        assert state.agreed is not None  # noqa: S101 - set by the check that deferred
-        if state.refused is not None:  # the refusal vector: join the peers' agreement, raise
-            refused, state.refused = state.refused, None
-            _agreement.all_reduce_flag(state.agreed, group).wait()
-            raise refused
-        if late is not None:
-            with _NoGrad():
-                flag = state.agreed[_agreement.OVERFLOW]
-                late = copy_to(late, flag.device).reshape(())
-                torch.maximum(flag, (late > 0).float(), out=flag)
-                if self._predictive is not None:
-                    at = _agreement.measured_at(self._carries_range())
-                    mark_overflow(state.agreed, at, late)
-            if group is None:
-                group = self._process_group()
-                if group is not None:
-                    scale = self._require_scale("step")
-                    state.agreed = copy_to(state.agreed, _dist.flag_device(group, scale.device))
-        if group is not None:
-            state.over_group = True
-            state.work = _agreement.all_reduce_flag(state.agreed, group)
+            _check.check(self, optimizer, state, unscale=True, defer=True)
+        state.stage = Stage.UNSCALED
 
     def _decides_on_host(self, agreed: torch.Tensor) -> bool:
         """Whether fused and sync-free steps read the agreed flag on the host (``agreed``'s device).
@@ -576,31 +324,6 @@ class GradScaler(TorchGradScalerSurface):
         Always with the spike gate: its slots follow the scale fields, at a fixed place.
         """
         return _agreement.carries_range(self._iteration) or self._spike is not None
-
-    def _unscale_factor(self, scale: torch.Tensor) -> torch.Tensor:
-        """1/scale as a tensor, made once per scale value while the host knows the scale."""
-        host = self._book.host
-        if host is None:  # the reciprocal in fp64, as torch does: fp32 division can be imprecise
-            return scale.double().reciprocal().float()
-        cached = self._inv_scale
-        if cached is None or cached[0] != host.scale or cached[1].device != scale.device:
-            # The same fp64 reciprocal rounded once to fp32 (inf for a scale that underflowed).
-            inverse = _policy.f32(1.0 / host.scale) if host.scale else math.inf
-            cached = (host.scale, torch.full((), inverse, device=scale.device))
-            self._inv_scale = cached
-        return cached[1]
-
-    def _unit(self, scale: torch.Tensor) -> torch.Tensor:
-        """A 1.0 to check without unscaling (fused optimizers unscale in their own kernel)."""
-        if self._one is None or self._one.device != scale.device:
-            self._one = torch.ones_like(scale)
-        return self._one
-
-    def _refused_measurement(self, device: torch.device) -> torch.Tensor | None:
-        """policy="predictive": a refusing rank's measurement, an overflow's; else None."""
-        if self._predictive is None:
-            return None
-        return torch.tensor([_predictive.OVERFLOW_MARK, 0.0], device=device)
 
     # ----------------------------------------------------------------- reduction hooks
     def attach(self, model: torch.nn.Module) -> None:
@@ -622,55 +345,6 @@ class GradScaler(TorchGradScalerSurface):
                 measure,
             )
 
-    def _agreed(self, state: _OptimizerState) -> torch.Tensor:
-        """The agreed vector of ``state`` on the scale's device (waits for the collective)."""
-        if state.deferred:
-            self._start_deferred(state)
-        if state.work is not None:
-            state.work.wait()
-            state.work = None
-        assert state.agreed is not None  # noqa: S101 - set by _check
-        scale = self._require_scale("step")
-        if state.agreed.device != scale.device:
-            state.agreed = copy_to(state.agreed, scale.device)
-        return state.agreed
-
-    def _agreed_flag(self, state: _OptimizerState) -> torch.Tensor:
-        return self._agreed(state)[_agreement.OVERFLOW]
-
-    def _skip_flag(self, state: _OptimizerState) -> torch.Tensor:
-        """The flag the step obeys (> 0: skip): the overflow flag, or with the spike gate on the
-        larger of it and the gate's decision (0 or 1 either way: fused kernels test == 1)."""
-        agreed = self._agreed(state)
-        flag = agreed[_agreement.OVERFLOW]
-        if self._spike is None:
-            return flag
-        if state.skip is None:
-            tail = agreed[agreed.numel() - state.tail_len :]
-            state.spike, state.spike_values = self._spike.decide(tail, flag)
-            state.skip = torch.maximum(flag, state.spike.to(flag.dtype))
-        return state.skip
-
-    def _decide_on_host(self, state: _OptimizerState) -> bool:
-        """Read the agreed vector on the host (one sync on GPU): whether the step is applied.
-
-        The whole (small) vector comes in that one copy: policy="predictive" uses its
-        measurement, and the scale range is then known on the host too (and the spike gate's
-        decision, appended to it).
-        """
-        agreed = self._agreed(state)
-        spike = False
-        if self._spike is not None:
-            self._skip_flag(state)
-            assert state.spike is not None  # noqa: S101 - decided just above
-            values = torch.cat([agreed, state.spike.reshape(1).to(agreed.dtype)]).tolist()
-            state.host_agreed, spike = values[:-1], values[-1] > 0
-        else:
-            state.host_agreed = agreed.tolist()
-        state.overflowed = state.host_agreed[_agreement.OVERFLOW] > 0
-        state.applied = not (state.overflowed or spike)
-        return state.applied
-
     @_eager
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """Unscale (unless done), agree across ranks, then step unless some rank overflowed.
@@ -688,192 +362,79 @@ class GradScaler(TorchGradScalerSurface):
                 "scaler.scale(loss).backward() yourself, then scaler.step(optimizer)."
             )
         self._require_scale("step")
-        state = self._per_optimizer_states.setdefault(id(optimizer), _OptimizerState())
-        if state.stage is _Stage.STEPPED:
+        state = self._per_optimizer_states.setdefault(id(optimizer), OptimizerState())
+        if state.stage is Stage.STEPPED:
             raise RuntimeError(
                 "step() has already been called since the last update(). Call step(optimizer) "
                 "once per optimizer per iteration, then update() once after step()"
             )
         fused = getattr(optimizer, "_step_supports_amp_scaling", False)
-        if fused and _takes_grad_scaler(optimizer):
+        if fused and _legacy_step.takes_grad_scaler(optimizer):
             if self._spike is not None:
                 raise ValueError(
                     f"{type(optimizer).__name__}.step(grad_scaler=...) checks its grads itself and "
                     "skips on the overflow flag only, so the spike gate cannot skip its steps; "
                     "turn the gate off (spike_signals=()) for this optimizer"
                 )
-            retval = self._step_passing_self(optimizer, state, args, kwargs)
+            retval = _legacy_step.step_passing_scaler(self, optimizer, state, args, kwargs)
             return self._stepped(optimizer, state, retval)
-        was_unscaled = state.stage is _Stage.UNSCALED
-        if state.stage is _Stage.READY:
+        unscaled = self._checked(optimizer, state, fused)
+        on_host = self._decides_on_host(_decision.agreed(self, state))
+        if fused:  # the flag goes into the kernel, which skips where it is 1
+            flag = _decision.skip_flag(self, state)
+            grad_scale = self._grad_scale_for(optimizer, unscaled)
+            retval = fused_step(optimizer, flag, grad_scale, args, kwargs)
+            decided = _decision.decide_on_host(self, state) if on_host else flag
+        elif self._sync_free and not on_host:  # the step runs and is undone where the flag is set
+            decided = flag = _decision.skip_flag(self, state)
+            retval = masked_step(optimizer, flag, lambda: optimizer.step(*args, **kwargs))
+        else:
+            decided = _decision.decide_on_host(self, state)  # the host sync a skip needs
+            retval = optimizer.step(*args, **kwargs) if decided else None
+        self._outcomes[id(optimizer)] = decided
+        return self._stepped(optimizer, state, retval)
+
+    def _checked(
+        self, optimizer: torch.optim.Optimizer, state: OptimizerState, fused: bool
+    ) -> bool:
+        """Run the check unless unscale_() did; whether the grads are unscaled afterwards."""
+        if state.stage is Stage.READY:
             # Unscaling in the check pass instead of the fused kernel is proven bit-identical
             # (the differential matrices) for torch.optim's own fused kernels only; any other
             # optimizer that does its own scaling gets the grads still scaled, as from torch.
             unscale = (None if _is_torch_fused(optimizer) else False) if fused else True
-            was_unscaled = self._check(optimizer, state, unscale=unscale)
-        elif state.agreed is None:  # marked UNSCALED by code that unscaled the grads itself
-            self._check(optimizer, state, unscale=False, unscaled_by_caller=True)
+            return _check.check(self, optimizer, state, unscale=unscale)
+        if state.agreed is None:  # marked UNSCALED by code that unscaled the grads itself
+            _check.check(self, optimizer, state, unscale=False, unscaled_by_caller=True)
         else:
-            self._refuse_a_backward_since_unscale(optimizer, state)
-        agreed = self._agreed(state)
-        on_host = self._decides_on_host(agreed)
+            _check.refuse_a_backward_since_unscale(self, optimizer, state)
+        return True
 
-        if fused:
-            flag = self._skip_flag(state)
-            scale = self._require_scale("step")
-            # torch's contract: the product with a grad_scale the user set, None once unscaled.
-            own = getattr(optimizer, "grad_scale", None)
-            grad_scale = (
-                own
-                if was_unscaled or not self._loss_scaling
-                else (scale if own is None else scale * own)
-            )
-            optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
-            optimizer.found_inf = flag  # type: ignore[attr-defined]
-            before = ids_with_state(optimizer)
-            try:
-                retval = optimizer.step(*args, **kwargs)
-            finally:
-                del optimizer.grad_scale  # type: ignore[attr-defined]
-                del optimizer.found_inf  # type: ignore[attr-defined]
-            fresh = state_created_since(optimizer, before)
-            if fresh:
-                remove_state_created_by_skipped_step(optimizer, fresh, flag)
-            self._outcomes[id(optimizer)] = self._decide_on_host(state) if on_host else flag
-        elif self._sync_free and not on_host:
-            flag = self._skip_flag(state)
-            retval = masked_step(optimizer, flag, lambda: optimizer.step(*args, **kwargs))
-            self._outcomes[id(optimizer)] = flag
-        else:
-            applied = self._decide_on_host(state)  # the host sync the skip decision needs
-            retval = optimizer.step(*args, **kwargs) if applied else None
-            self._outcomes[id(optimizer)] = applied
-        return self._stepped(optimizer, state, retval)
+    def _grad_scale_for(self, optimizer: torch.optim.Optimizer, unscaled: bool) -> Any:
+        """torch's contract for a fused step's ``grad_scale``: the product with one the user
+        set, None (or the user's) once unscaled."""
+        own = getattr(optimizer, "grad_scale", None)
+        if unscaled or not self._loss_scaling:
+            return own
+        scale = self._require_scale("step")
+        return scale if own is None else scale * own
 
-    def _refuse_a_backward_since_unscale(
-        self, optimizer: torch.optim.Optimizer, state: _OptimizerState
-    ) -> None:
-        """attach(): raise if a backward changed ``optimizer``'s grads after unscale_() checked."""
-        if not state.backwards or self._hooks.backwards(optimizer) == state.backwards:
-            return
-        # A backward through DDP or FSDP2 is collective, so every rank refuses here alike. One
-        # outside the reduction (no_sync(), the bare module) may run on one rank only: the
-        # agreement unscale_() left pending then goes out marked overflowed, so that the
-        # peers skip rather than wait in it. Nothing is applied here either way. (Where no
-        # collective runs, the flag is left as it is: nothing can reach the peers.)
-        mine = state.agreed
-        if state.deferred and (state.deferred_group is not None or state.late_found is not None):
-            assert mine is not None  # noqa: S101 - set by the check that deferred
-            with _NoGrad():
-                mine[_agreement.OVERFLOW].fill_(1.0)
-                if self._predictive is not None:
-                    at = _agreement.measured_at(self._carries_range())
-                    mark_overflow(mine, at, torch.ones((), device=mine.device))
-            self._agreed(state)
-        raise RuntimeError(
-            "attach(): a backward pass ran through the attached model (or, outside its "
-            "reduction, through its parameters) after scaler.unscale_(optimizer) and before "
-            "scaler.step(optimizer); the flag that "
-            "unscale_() agreed on does not cover the grads it added, so the step is refused. "
-            "Call scaler.unscale_(optimizer) after the last backward before the step"
-        )
-
-    def _stepped(
-        self, optimizer: torch.optim.Optimizer, state: _OptimizerState, retval: Any
-    ) -> Any:
-        state.stage = _Stage.STEPPED
+    def _stepped(self, optimizer: torch.optim.Optimizer, state: OptimizerState, retval: Any) -> Any:
+        state.stage = Stage.STEPPED
         self._last_stepped = id(optimizer)
         for callback in self._callbacks:
             callback(optimizer, self.step_applied(optimizer))
         return retval
 
-    def _step_passing_self(
-        self,
-        optimizer: torch.optim.Optimizer,
-        state: _OptimizerState,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-    ) -> Any:
-        """torch's older contract: ``optimizer.step(grad_scaler=self)``, the optimizer checks.
-
-        Such an optimizer (apex's and Transformer Engine's capturable fused ones) asks
-        ``_check_inf_per_device(self)`` (or calls ``unscale_``) and ``_get_scale_async()``, unscales
-        and skips in its own kernel. What it reads here is the flag agreed by every rank, so every
-        rank's optimizer skips alike.
-        """
-        warnings.warn(
-            "GradScaler is going to stop passing itself as a keyword argument to the passed "
-            "optimizer. In the near future GradScaler registers `grad_scale: Tensor` and "
-            "`found_inf: Tensor` to the passed optimizer and let the optimizer use them directly.",
-            FutureWarning,
-            stacklevel=3,
-        )
-        before = ids_with_state(optimizer)
-        # attach(): the hooks unscaled grads in the reduction (and the check unscales the rest
-        # to match). Check now, whatever order the optimizer asks in, so that it reads a scale
-        # of 1 from _get_scale_async() instead of dividing a second time.
-        scale = self._require_scale("step")
-        if state.agreed is None and self._hooks.reduced(optimizer):
-            unscaled = self._check(optimizer, state, unscale=False)
-            assert unscaled  # noqa: S101 - the hooks reduced: the check unscales what they did not
-            state.prechecked = True  # an unscale_() from the optimizer has nothing left to do
-            self._scale_for_step = self._unit(scale)
-        if state.stage is _Stage.UNSCALED and state.agreed is not None:
-            self._refuse_a_backward_since_unscale(optimizer, state)  # as step() does
-        step: Any = optimizer.step  # takes grad_scaler= (checked by _takes_grad_scaler)
-        self._stepping = id(optimizer)
-        try:
-            retval = step(*args, grad_scaler=self, **kwargs)
-        finally:
-            self._scale_for_step = None
-            self._stepping = None
-        if state.agreed is None:
-            raise RuntimeError(
-                f"{type(optimizer).__name__}.step(grad_scaler=...) never checked its grads: it "
-                "must call grad_scaler._check_inf_per_device(optimizer) or "
-                "grad_scaler.unscale_(optimizer), so that update() knows whether it skipped"
-            )
-        flag = self._agreed_flag(state)
-        fresh = state_created_since(optimizer, before)
-        if fresh:
-            remove_state_created_by_skipped_step(optimizer, fresh, flag)
-        on_host = self._decides_on_host(flag)
-        self._outcomes[id(optimizer)] = self._decide_on_host(state) if on_host else flag
-        return retval
-
-    def _agree_now(self, optimizer: torch.optim.Optimizer) -> None:
-        """Start the agreement that unscale_() left for later, where every rank reads the flag.
-
-        That is inside ``optimizer``'s step(grad_scaler=...) (it reads the flag it skips on).
-        Elsewhere a read may come from one rank only (a log line on rank 0): started there
-        alone, the all-reduce would pair with the peers' next collective (a user's
-        clip_grad_norm_ before step()) and the ranks would hang. It gets this rank's flag then,
-        as from torch's scaler, and the ranks agree in step() or update().
-        """
-        if self._stepping != id(optimizer):
-            return
-        state = self._per_optimizer_states.get(id(optimizer))
-        if state is not None and state.deferred:
-            self._start_deferred(state)
-
     @_eager
     def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[Any, Any]:
         """torch's check without unscaling, for optimizers that unscale themselves: ``{device:
-        flag}``, the flag agreed by every rank (the agreement runs here; no host sync).
+        flag}``, the flag agreed by every rank inside ``optimizer``'s step(grad_scaler=...);
+        elsewhere this rank's, as torch's (``dscale/_legacy_step.py``)."""
+        return _legacy_step.check_inf_per_device(self, optimizer)
 
-        Agreed inside ``optimizer``'s step(grad_scaler=...), where every rank asks. Called
-        elsewhere (it may be on one rank only), it checks this rank's grads, as torch's does, and
-        changes nothing the step will do: a collective started there alone would leave the
-        ranks' collectives out of step.
-        """
-        self._require_scale("_check_inf_per_device")
-        state = self._per_optimizer_states.get(id(optimizer))
-        if self._stepping != id(optimizer) and (state is None or state.agreed is None):
-            return _local_flags(optimizer)
-        state = self._per_optimizer_states.setdefault(id(optimizer), _OptimizerState())
-        if state.agreed is None:
-            self._check(optimizer, state, unscale=False)
-        return self._found_inf_per_device(optimizer)
+    def _agree_now(self, optimizer: torch.optim.Optimizer) -> None:
+        _legacy_step.agree_now(self, optimizer)
 
     @_eager
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
@@ -886,77 +447,36 @@ class GradScaler(TorchGradScalerSurface):
         if not self._enabled:
             return
         self._require_scale("update")
-        if new_scale is not None:
-            if not self._loss_scaling:
-                raise RuntimeError(
-                    "update(new_scale=...) on a StepGuard: it does not scale the loss, so it has "
-                    "no scale to set; call update() with no argument"
-                )
-            self._end_spike_iteration(list(self._per_optimizer_states.values()))
-            self._book.set_scale(_checked_new_scale(new_scale))
-            if self._predictive is not None:
-                self._predictive.skip_iteration()
-            self._forget_optimizer_states()
-            self._hooks.reset()
-            self._iteration += 1
-            return
         states = list(self._per_optimizer_states.values())
-        if not states:
-            raise RuntimeError(
-                "update() found no inf checks since the last update(): call "
-                "scaler.step(optimizer) (or scaler.unscale_(optimizer)) before scaler.update()"
-            )
-        if any(
-            s.agreed is None and s.user_found is None and s.stage is _Stage.READY for s in states
-        ):
-            # A check that raised before it made a flag, with no agreement to join (attach()'s
-            # refusal where DDP's reduction made the flag global): the peers went on.
-            self._forget_optimizer_states()
-            self._hooks.reset()
-            raise RuntimeError(
-                "update(): a step() or unscale_() of this iteration raised on this rank before "
-                "its inf/NaN check finished, and no agreement ran to tell the other ranks, so "
-                "they may have applied their step: the ranks' weights may differ now. Fix what "
-                "that error named, then reload the last checkpoint on every rank"
-            )
+        if new_scale is not None:
+            self._set_scale(new_scale, states)
+            return
+        self._refuse_an_unchecked_iteration(states)
         refused = None
         for state in states:
             if state.deferred:  # unscale_() without step(): agree on it now
                 try:
-                    self._start_deferred(state)
+                    _check.start_deferred(self, state)
                 except AttachRefusal as exc:
                     # This rank joined its peers' agreement (a skip): update as they do, then
                     # raise, so that the next iteration starts on every rank alike.
                     refused = exc
-        self._scale_range = self._range_over_group(states)
+        self._scale_range = _decision.scale_range_source(self, states)
         known = all(s.applied is not None for s in states)
         # Overflows only: a step the spike gate skipped is no reason to back off the scale.
         skipped = any(s.overflowed for s in states) if known else None
         # The flag as a tensor only where it is used: a device-side update, or observers.
         on_device = not known or self._book.host is None
-        found = self._found(states) if on_device or self._observers else None
-        skip_flag = self._end_spike_iteration(states)
+        found = _decision.iteration_flag(self, states) if on_device or self._observers else None
+        skip_flag = _decision.end_spike_iteration(self, states)
         if self._predictive is not None:  # policy="predictive": this iteration's measurement
-            host_values = [s.host_agreed for s in states]
-            on_host = None if any(v is None for v in host_values) else host_values
-            at = _agreement.measured_at(self._carries_range())
-            # A step the spike gate skipped measures nothing: its spike stays out of the window.
-            spiked = [s.spike for s in states if s.spike is not None]
-            self._predictive.begin(
-                [self._agreed(s) for s in states],
-                on_host,  # type: ignore[arg-type]
-                at,
-                spiked=spiked,
-                spiked_on_host=any(s.applied is False and not s.overflowed for s in states),
-            )
+            self._predictive_measured(states)
         self._book.update(
             self._policy, found, skipped, self._predictive, pinned=not self._loss_scaling
         )
-        self._forget_optimizer_states()
-        self._hooks.reset()
-        self._iteration += 1
-        self._watch_for_collapse()
-        self._watch_spikes()
+        self._end_iteration()
+        _watchdogs.watch_for_collapse(self)
+        _watchdogs.watch_spikes(self)
         if skip_flag is not None and found is not None:
             found = skip_flag  # observers hear "the step was skipped", for a spike too
         for observer in self._observers:
@@ -964,90 +484,58 @@ class GradScaler(TorchGradScalerSurface):
         if refused is not None:
             raise refused
 
-    def _end_spike_iteration(self, states: list[_OptimizerState]) -> torch.Tensor | None:
-        """The spike gate's end of an iteration: the window and counters; the skip flag."""
-        if self._spike is None:
-            return None
-        skip = None
-        for state in states:
-            if state.spike is not None and state.spike_values is not None:
-                assert state.skip is not None  # noqa: S101 - decided with the spike
-                self._spike.push(state.spike_values, state.spike, state.skip)
-                skip = state.skip
-        self._spike.end_iteration()
-        return skip
-
-    def _found(self, states: list[_OptimizerState]) -> torch.Tensor:
-        """The iteration's agreed flag on the scale's device (> 0: some step overflowed)."""
-        flags = [self._agreed_flag(s) for s in states]
-        return flags[0] if len(flags) == 1 else torch.stack(flags).amax()  # stays 0 or 1
-
-    def _watch_for_collapse(self) -> None:
-        """Act on a scale stuck at min_scale; after device-side updates, checks every N steps."""
-        if self._policy.min_scale is None:
-            return
-        if self._book.host is None:
-            self._updates_since_stuck_check += 1
-            if self._updates_since_stuck_check < self._stuck_patience:
-                return
-            self._updates_since_stuck_check = 0
-        state = self._book.read()  # free while the host holds the state
-        in_a_row = state.counters[_policy.SKIPPED_IN_A_ROW]
-        if state.scale > self._policy.min_scale or in_a_row < self._stuck_patience:
-            return
-        if not self._loss_scaling:  # a StepGuard: no scale to blame
-            logger.warning(
-                "the last %d steps in a row were skipped for inf/NaN gradients on some rank (the "
-                "latest at step index %d): look for the parameters with non-finite grads "
-                "(dscale_nonfinite_grads_total) or a diverged loss",
-                in_a_row,
-                state.counters[_policy.STEPS] - 1,
+    def _set_scale(self, new_scale: float | torch.Tensor, states: list[OptimizerState]) -> None:
+        """update(new_scale=...): the scale is set, whatever the iteration's steps did."""
+        if not self._loss_scaling:
+            raise RuntimeError(
+                "update(new_scale=...) on a StepGuard: it does not scale the loss, so it has "
+                "no scale to set; call update() with no argument"
             )
-            return
-        message = (
-            f"loss scale is stuck at min_scale={self._policy.min_scale:g}: the last {in_a_row} "
-            f"steps in a row were skipped for inf/NaN gradients (the latest at step index "
-            f"{state.counters[_policy.STEPS] - 1}). The gradients overflow even at the smallest "
-            "scale: look "
-            "for the parameters with non-finite grads (dscale_nonfinite_grads_total) or a "
-            "diverged loss, or lower min_scale."
+        _decision.end_spike_iteration(self, states)
+        self._book.set_scale(_checked_new_scale(new_scale))
+        if self._predictive is not None:
+            self._predictive.skip_iteration()
+        self._end_iteration()
+
+    def _refuse_an_unchecked_iteration(self, states: list[OptimizerState]) -> None:
+        if not states:
+            raise RuntimeError(
+                "update() found no inf checks since the last update(): call "
+                "scaler.step(optimizer) (or scaler.unscale_(optimizer)) before scaler.update()"
+            )
+        if any(
+            s.agreed is None and s.user_found is None and s.stage is Stage.READY for s in states
+        ):
+            # A check that raised before it made a flag, with no agreement to join (attach()'s
+            # refusal where DDP's reduction made the flag global): the peers went on.
+            self._end_iteration(counted=False)
+            raise RuntimeError(
+                "update(): a step() or unscale_() of this iteration raised on this rank before "
+                "its inf/NaN check finished, and no agreement ran to tell the other ranks, so "
+                "they may have applied their step: the ranks' weights may differ now. Fix what "
+                "that error named, then reload the last checkpoint on every rank"
+            )
+
+    def _predictive_measured(self, states: list[OptimizerState]) -> None:
+        """policy="predictive": hand the iteration's agreed measurement to its rule."""
+        assert self._predictive is not None and states[0].layout is not None  # noqa: S101
+        host_values = [s.host_agreed for s in states]
+        on_host = None if any(v is None for v in host_values) else host_values
+        # A step the spike gate skipped measures nothing: its spike stays out of the window.
+        self._predictive.begin(
+            [_decision.agreed(self, s) for s in states],
+            on_host,  # type: ignore[arg-type]
+            states[0].layout.start("measured"),
+            spiked=[s.spike for s in states if s.spike is not None],
+            spiked_on_host=any(s.applied is False and not s.overflowed for s in states),
         )
-        if self._on_stuck_at_min == "raise":
-            raise ScaleCollapsedError(message)
-        logger.warning("%s", message)
 
-    def _watch_spikes(self) -> None:
-        """Warn when the spike gate has skipped ``stuck_patience`` steps in a row."""
-        if self._spike is None:
-            return
-        # The newest counters the host holds (no wait): a warning may come a step or two late.
-        in_a_row = int(self._spike.snapshot(wait=False)["spike_skipped_in_a_row"])
-        if in_a_row < self._stuck_patience:
-            self._spike_warned_at = 0
-        elif in_a_row >= self._spike_warned_at + self._stuck_patience:
-            self._spike_warned_at = in_a_row
-            logger.warning(
-                "the spike gate skipped the last %d steps in a row: the loss or grad norm has "
-                "stayed above the window's mean + %g standard deviations. Skipped values never "
-                "enter the window, so a lasting change of level is skipped for good: raise "
-                "spike_sigma, or load a state dict without the spike_* keys to start a fresh "
-                "window",
-                in_a_row,
-                self._spike.sigma,
-            )
-
-    def _range_over_group(self, states: list[_OptimizerState]) -> torch.Tensor | str | None:
-        """Min and max scale over the group from this iteration's collective, if it carried them.
-
-        After a collective: its agreed vector, turned into the range only when asked for (None
-        then if it was the flag alone).
-        """
-        for state in states:
-            if state.over_group:
-                return self._agreed(state) if self._carries_range() else None
-        if all(state.lone for state in states):  # one process: its own scale is the whole range
-            return _OWN_SCALE
-        return None  # the DDP hook's reduction made the flag global: no scaler collective ran
+    def _end_iteration(self, *, counted: bool = True) -> None:
+        """Forget the iteration's per-optimizer states and hooks' flags; count it."""
+        self._forget_optimizer_states()
+        self._hooks.reset()
+        if counted:
+            self._iteration += 1
 
     def agreed_scale_range(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(min, max) of the scale over the scaler's ranks in the last update(), as tensors.
@@ -1062,7 +550,7 @@ class GradScaler(TorchGradScalerSurface):
         found = self._scale_range
         if isinstance(found, torch.Tensor):
             found = _agreement.scale_range(found)
-        elif isinstance(found, str):  # _OWN_SCALE, made here rather than on every update
+        elif isinstance(found, str):  # OWN_SCALE, made here rather than on every update
             scale = self._require_scale("agreed_scale_range")
             found = _agreement.ScaleRange(scale, scale)
         self._scale_range = found
@@ -1098,12 +586,19 @@ class GradScaler(TorchGradScalerSurface):
         return lambda: self._callbacks.remove(callback)
 
     def add_agreement_field(self, field: _agreement.AgreementField) -> Callable[[], None]:
-        """Let ``field`` append values to every step's agreement vector (dscale.fp8's amaxes).
+        """Let ``field`` send values on every step's agreement vector (dscale.fp8's amaxes).
 
-        Its values ride the one MAX all-reduce (NaN sent as +inf); returns an unregister function.
+        ``field.values(optimizer)`` gives this rank's values (or None), which ride the one MAX
+        all-reduce (NaN sent as +inf); ``field.agreed(slots)`` is handed its slots in the vector
+        (see ``dscale._agreement.AgreementField``). Returns an unregister function.
         """
         self._fields.append(field)
-        return lambda: self._fields.remove(field)
+
+        def unregister() -> None:
+            if field in self._fields:
+                self._fields.remove(field)
+
+        return unregister
 
     def add_observer(self, observer: GradObserver) -> None:
         """Attach a :class:`GradObserver` (e.g. numerics stats for the metrics exporter)."""
@@ -1277,8 +772,7 @@ class GradScaler(TorchGradScalerSurface):
         state["_outcomes"] = {}
         state["_last_stepped"] = None
         state["_scale_range"] = None
-        state["_inv_scale"] = None  # device tensors, made again on demand
-        state["_one"] = None
+        state["_factors"] = _check.UnscaleFactors()  # device tensors, made again on demand
         state["_scale_for_step"] = None
         state["_stepping"] = None
         # Hooks are registered on live models; a copy must attach() again.
@@ -1290,8 +784,6 @@ class GradScaler(TorchGradScalerSurface):
     def __setstate__(self, state: dict[str, Any]) -> None:
         defaults = (
             ("_read_host_flags", True),
-            ("_inv_scale", None),
-            ("_one", None),
             ("_scale_for_step", None),
             ("_iteration", 0),
             ("_placed_init_scale", 2.0**16),
@@ -1301,6 +793,9 @@ class GradScaler(TorchGradScalerSurface):
         )
         for name, default in defaults:
             state.setdefault(name, default)  # pickled before these existed
+        state.setdefault("_factors", _check.UnscaleFactors())
+        state.pop("_inv_scale", None)
+        state.pop("_one", None)
         telemetry = state.pop("_predictive_telemetry", None)
         self.__dict__.update(state)
         predictive = getattr(self, "_predictive", None)
@@ -1313,47 +808,7 @@ class GradScaler(TorchGradScalerSurface):
             )
 
 
-GradScaler._optimizer_state_type = _OptimizerState
-
-
-def _local_flags(optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:
-    """``{device: 1.0 if some grad of optimizer's on this rank is inf/NaN else 0.0}``, read only."""
-    flags: dict[torch.device, torch.Tensor] = {}
-    for device, per_dtype in group_by_device_and_dtype(optimizer_grads(optimizer)).items():
-        norms = [
-            n for tensors in per_dtype.values() for n in torch._foreach_norm(tensors, math.inf)
-        ]
-        flags[device] = (~torch.stack(norms).isfinite()).any().float()
-    return flags
-
-
-def _is_power_of_two(host: _policy.HostState | None) -> bool:
-    return host is not None and math.frexp(host.scale)[0] == 0.5
-
-
-# step function -> whether it takes grad_scaler=: inspect.signature costs ~30 us, more than the
-# rest of a fused step's own work, so it is read once per plain function (weakly: a class can go).
-# Functions hash by identity and their signature is fixed; any other callable (an object whose
-# class's __call__ may be patched, or that hashes by value) is read afresh every time.
-_TAKES_GRAD_SCALER: weakref.WeakKeyDictionary[types.FunctionType, bool] = (
-    weakref.WeakKeyDictionary()
-)
-
-
-def _takes_grad_scaler(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether ``optimizer.step`` takes torch's older ``grad_scaler`` keyword."""
-    step = optimizer.step
-    function: Any = getattr(step, "__func__", step)  # a bound method is new on every access
-    cacheable = type(function) is types.FunctionType
-    if cacheable and function in _TAKES_GRAD_SCALER:
-        return _TAKES_GRAD_SCALER[function]
-    try:
-        takes = "grad_scaler" in inspect.signature(step).parameters
-    except (TypeError, ValueError):  # a builtin or an odd callable: no keyword to pass
-        takes = False
-    if cacheable:
-        _TAKES_GRAD_SCALER[function] = takes
-    return takes
+GradScaler._optimizer_state_type = OptimizerState
 
 
 def _is_torch_fused(optimizer: torch.optim.Optimizer) -> bool:

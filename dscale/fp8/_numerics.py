@@ -19,7 +19,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from dscale import _agreement
 from dscale.fp8 import _attached, _torchao
 
 TENSORS = (("input", torch.float8_e4m3fn), ("weight", torch.float8_e4m3fn))
@@ -85,8 +84,7 @@ class Float8Numerics:
         self.sample_step: int | None = None  # the step index of the last sample
         self._armed = True  # step 0 is sampled
         self._stats: dict[str, torch.Tensor] = {}
-        self._sent: torch.Tensor | None = None
-        self._offset = 0
+        self._sent: torch.Tensor | None = None  # this field's slots in the agreed vector
         self._last: dict[str, dict[str, float]] = {}
         self._handles: list[Any] = []
         # The weights as they are now: under FSDP2 float8 all-gather, the sharded DTensor
@@ -95,7 +93,7 @@ class Float8Numerics:
         for name, module in self.layers:
             self._handles.append(module.register_forward_hook(self._hook(name)))
         self._unregister = scaler.register_step_callback(self._after_step)
-        self._unfield = _attached.add_field(scaler, self)
+        self._unfield = scaler.add_agreement_field(self)
         self._scaler = scaler
         _attached.attach_numerics(scaler, self)  # the exporter and MetricsLog find it there
 
@@ -129,24 +127,22 @@ class Float8Numerics:
         return tensor_stats(weight, torch.float8_e4m3fn, precomputed)
 
     # --------------------------------------------------------- the agreement field protocol
-    def append_to(self, vector: torch.Tensor, optimizer: Any) -> torch.Tensor:
-        """On sampled steps, every layer's stats (missing ones 0) appended; else ``vector``."""
+    def values(self, optimizer: Any) -> torch.Tensor | None:
+        """On sampled steps, every layer's stats (missing ones 0); else None (nothing sent)."""
         if not self._armed:
-            return vector
-        blank = torch.zeros(len(FIELDS))
-        rows = [self._stats.get(k, blank).to(vector.device) for k in self.keys]
-        self._offset = vector.numel()
-        self._sent = _agreement.append_field(vector, torch.cat(rows))  # NaN rides as +inf
-        return self._sent
+            return None
+        device = next(iter(self._stats.values())).device if self._stats else None
+        blank = torch.zeros(len(FIELDS), device=device)
+        return torch.cat([self._stats.get(k, blank).to(device) for k in self.keys])
 
-    def agreed_vector(self, vector: torch.Tensor) -> None:
-        """The vector the scaler all-reduces (this field's values at its offset)."""
-        self._sent = vector
+    def agreed(self, slots: torch.Tensor) -> None:
+        """This field's slots in the vector the scaler all-reduces (NaN arrives as +inf)."""
+        self._sent = slots
 
     def _after_step(self, optimizer: Any, applied: bool) -> None:
         if self._armed and self._sent is not None:
             width = len(self.keys) * len(FIELDS)
-            values = self._sent[self._offset : self._offset + width].tolist()  # host read
+            values = self._sent[:width].tolist()  # host read
             self._last = {}
             for i, key in enumerate(self.keys):
                 row = dict(zip(FIELDS, values[i * len(FIELDS) : (i + 1) * len(FIELDS)]))

@@ -19,8 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from dscale import _agreement, _dist
-from dscale.fp8 import _attached, _bound, _predict, _torchao
+from dscale import _dist
+from dscale.fp8 import _bound, _predict, _torchao
 from dscale.fp8._convert import Float8Conversion
 from dscale.step_guard import StepGuard
 
@@ -108,8 +108,7 @@ class WeightScales:
         self.scales = torch.ones(len(weights), dtype=torch.float32, device=device)
         self.bounded = _bound.has_bound(optimizer)
         self.num_nonfinite = 0
-        self._sent: torch.Tensor | None = None
-        self._offset = 0
+        self._sent: torch.Tensor | None = None  # this field's slots in the agreed vector
         if self.bounded:
             self._set_exact_scales()
             for wrapper, view in zip(self._wrappers, self.scales.unbind()):
@@ -130,7 +129,7 @@ class WeightScales:
                 logger.warning("WeightScales(predict='exact'): %s; the bound is used", why)
         self._unfield: Any = None
         if self.bounded:
-            self._unfield = _attached.add_field(scaler, self)
+            self._unfield = scaler.add_agreement_field(self)
         else:
             logger.info(
                 "WeightScales: %s has no known update bound; torchao's precompute runs after "
@@ -139,21 +138,19 @@ class WeightScales:
             )
 
     # ------------------------------------------------------------ the agreement field protocol
-    def append_to(self, vector: torch.Tensor, optimizer: torch.optim.Optimizer) -> torch.Tensor:
-        """``vector`` with this rank's pre-step shard amaxes appended (this optimizer's only)."""
+    def values(self, optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
+        """This rank's pre-step shard amaxes (for this field's optimizer only, else None)."""
         if optimizer is not self._optimizer or not self._locals:
-            return vector
+            return None
         amax = torch.stack(torch._foreach_norm(self._locals, math.inf))
         if self.predict == "exact":  # then the post-step amaxes (+inf where not computed)
             post = self._predictor() if self._predictor is not None else None
             amax = torch.cat([amax, torch.full_like(amax, math.inf) if post is None else post])
-        self._offset = vector.numel()
-        self._sent = _agreement.append_field(vector, amax)  # NaN rides as +inf
-        return self._sent
+        return amax
 
-    def agreed_vector(self, vector: torch.Tensor) -> None:
-        """The vector the scaler all-reduces (this field's amaxes at its offset)."""
-        self._sent = vector
+    def agreed(self, slots: torch.Tensor) -> None:
+        """This field's slots in the vector the scaler all-reduces (NaN arrives as +inf)."""
+        self._sent = slots
 
     # ------------------------------------------------------------------------- after the step
     def _after_step(self, optimizer: torch.optim.Optimizer, applied: bool) -> None:
@@ -162,10 +159,10 @@ class WeightScales:
         if not self.bounded:
             self._precompute()
             return
-        assert self._sent is not None  # noqa: S101 - append_to ran in this step's check
+        assert self._sent is not None  # noqa: S101 - values() ran in this step's check
         n = len(self._locals)
-        amax = self._sent[self._offset : self._offset + n].double()
-        post = self._sent[self._offset + n : self._offset + 2 * n].double()
+        amax = self._sent[:n].double()
+        post = self._sent[n : 2 * n].double()
         self._sent = None
         if applied:
             bounds = torch.tensor(_bound.group_step_bounds(optimizer), dtype=torch.float64)

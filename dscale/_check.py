@@ -1,0 +1,368 @@
+"""The check: one optimizer's grads to this rank's agreement vector, on its way to the peers.
+
+:func:`check` runs the stages in order (``docs/CONTRACTS.md`` draws them):
+
+1. **collect**: the hooks' report (``attach()``: what the reduction already unscaled and
+   checked) and the grads left for this rank's own pass;
+2. **observe**: observers see the still-scaled grads (``dscale.stats``);
+3. **measure**: ``policy="predictive"``'s largest magnitude, before the unscale;
+4. **check**: the fused inf/NaN check, unscaling where the step wants unscaled grads;
+5. **signals**: flags from elsewhere (the hooks', a user's), the registered fields and the
+   spike gate's values join the vector (its :class:`~dscale._agreement.Layout`);
+6. **agree**: the one MAX all-reduce starts (``unscale_()`` defers it to the flag's first read,
+   :func:`start_deferred`).
+
+A refusal of ``attach()`` (grads its hooks did not check) joins the peers' collective with an
+overflowed vector of the same layout before it is raised, so that no rank waits alone.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from dscale import _agreement, _dist, _policy, _predictive
+from dscale._agreement import Layout
+from dscale._grad_measure import mark_overflow
+from dscale._optimizer_state import OptimizerState, Stage
+from dscale._reduction_hooks import AttachRefusal, HookReport
+from dscale._unscale import (
+    GradGroups,
+    check_and_unscale_,
+    copy_to,
+    group_by_device_and_dtype,
+    optimizer_grads,
+)
+
+if TYPE_CHECKING:
+    from dscale.scaler import GradScaler
+
+# Grads that a fused optimizer's check may unscale in place without losing small values.
+_FULL_PRECISION = (torch.float32, torch.float64)
+
+
+class NoGrad:
+    """``torch.no_grad()`` at a third of its cost (1.3 us there): the check runs every step."""
+
+    __slots__ = ("enabled",)
+
+    def __enter__(self) -> None:
+        self.enabled = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
+
+    def __exit__(self, *exc: object) -> None:
+        torch._C._set_grad_enabled(self.enabled)
+
+
+def check(
+    scaler: GradScaler,
+    optimizer: torch.optim.Optimizer,
+    state: OptimizerState,
+    *,
+    unscale: bool | None,
+    unscaled_by_caller: bool = False,
+    defer: bool = False,
+) -> bool:
+    """Run the stages for ``optimizer``; True when its grads are unscaled afterwards.
+
+    ``unscale``: whether this rank's pass unscales (None: a fused optimizer's, chosen by
+    :func:`_unscales_for_fused`). ``unscaled_by_caller``: code written for torch's scaler
+    unscaled the grads itself. ``defer``: start the agreement at the flag's first read.
+    """
+    scale = scaler._require_scale("unscale_")
+    group = scaler._process_group()
+    state.lone = group is None
+    if scaler._spike is not None and len(scaler._per_optimizer_states) > 1:
+        raise RuntimeError(
+            "the spike gate decides once per iteration on the loss and the grad norm, but a "
+            "second optimizer was checked in this iteration; with several optimizers use "
+            "one GradScaler per optimizer, or turn the spike gate off (spike_signals=())"
+        )
+    # 1. collect
+    try:
+        report = _hooks_report(scaler, optimizer, state, group, scale, unscaled_by_caller)
+    except AttachRefusal as exc:
+        if _join_peers_refusing(scaler, optimizer, state, exc, group, scale, defer):
+            return True  # unscale_(): raised at the flag's first read, once joined
+        raise
+    state.backwards = report.backwards
+    # Nothing left for this rank's pass where the hooks checked every grad.
+    grads = [] if report.complete else optimizer_grads(optimizer, set(report.covered))
+    groups = group_by_device_and_dtype(grads)
+    if unscale is None:
+        unscale = _unscales_for_fused(scaler, scale, groups)
+    unscale = unscale or report.unscaled  # the pass must match what the hooks did
+    if not scaler._loss_scaling:
+        unscale = True  # the scale is 1: checked grads are unscaled grads
+    # 2. observe
+    for observer in scaler._observers:
+        observer.on_grads(optimizer, grads, scale)
+    if report.is_global and scaler._spike is None and state.user_found is None:
+        # DDP's own all-reduce over a group covering ours made the flag global. (The spike
+        # gate still needs the loss and grad norm of every rank, and a flag written by
+        # torch-shaped code is this rank's own: they keep the collective. Every rank runs the
+        # same code, so every rank writes one, whatever its value.)
+        group = None
+    device = scale.device if group is None else _dist.flag_device(group, scale.device)
+    host = scaler._book.host
+    state.layout = layout = Layout(
+        with_range=scaler._carries_range(), measured=scaler._predictive is not None
+    )
+    with NoGrad():
+        vector = layout.blank(scale, None if host is None else host.scale, device)
+        # 3. measure
+        if scaler._predictive is not None:
+            at = layout.start("measured")
+            scaler._predictive.measure.write(vector, at, groups, report.measured)
+        # 4. check (the kernel writes the flag into its slot: a view)
+        flag = vector[_agreement.OVERFLOW]
+        if groups:  # none left when attach()'s hooks checked every grad: no 1/scale either
+            factors = scaler._factors
+            inv_scale = factors.inverse(scale, host) if unscale else factors.one(scale)
+            check_and_unscale_(groups, inv_scale, flag)
+        # 5. signals
+        _fold_flags(scaler, vector, layout, flag, bool(groups), (report.flag, state.user_found))
+        spike = None
+        if scaler._spike is not None:  # every grad this rank holds, hooked ones too
+            every = optimizer_grads(optimizer) if report.covered else grads
+            spike = _spike_values(scaler, every, None if unscale else scale, device, group)
+        vector = layout.append(vector, _field_values(scaler, optimizer), spike)
+    state.agreed = vector
+    # 6. agree
+    state.over_group = group is not None
+    if defer:
+        state.deferred, state.deferred_group = True, group
+    else:
+        state.work = None if group is None else _agreement.all_reduce_flag(vector, group)
+    return unscale
+
+
+def _hooks_report(
+    scaler: GradScaler,
+    optimizer: torch.optim.Optimizer,
+    state: OptimizerState,
+    group: Any,
+    scale: torch.Tensor,
+    unscaled_by_caller: bool,
+) -> HookReport:
+    """What attach()'s hooks did for ``optimizer``; AttachRefusal for grads they missed."""
+    report = scaler._hooks.report(optimizer, group, scale.device)
+    if unscaled_by_caller and report.covered:
+        # torch's in-place unscale kernel leaves the grads' versions as they were, so the
+        # hooks cannot see this write: the stage says it.
+        twice = AttachRefusal(
+            f"attach(): the grads of {len(report.covered)} parameter(s) were unscaled in "
+            "the attached model's reduction, and code written for torch's scaler marked "
+            "them unscaled itself (['stage'] = OptState.UNSCALED): it divided them a "
+            "second time. Let the scaler unscale them (scaler.unscale_(optimizer)), or do "
+            "not attach() this model"
+        )
+        twice.peers_agree = not report.is_global  # as the hooks' own refusals
+        state.stage = Stage.READY  # the next iteration's code says it again, or not
+        raise twice
+    return report
+
+
+def _unscales_for_fused(scaler: GradScaler, scale: torch.Tensor, groups: GradGroups) -> bool:
+    """Whether the check unscales for a fused optimizer (else its kernel does, as torch's).
+
+    Where the host decides (the CPU), the check writes every grad anyway, so unscaling there is
+    free and spares the fused kernel its own division (an extra pass on the CPU). On a GPU the
+    kernel's division costs nothing, while 1/scale would cost three launches. fp16/bf16 grads
+    stay scaled: unscaled in their own storage, small values would flush to zero. Only at a
+    power-of-two scale is a product with f32(1/scale) the kernel's division exactly.
+    """
+    host = scaler._book.host
+    return (
+        scaler._decides_on_host(scale)
+        and host is not None
+        and math.frexp(host.scale)[0] == 0.5
+        and all(d in _FULL_PRECISION for per_dtype in groups.values() for d in per_dtype)
+    )
+
+
+def _fold_flags(
+    scaler: GradScaler,
+    vector: torch.Tensor,
+    layout: Layout,
+    flag: torch.Tensor,
+    written: bool,
+    others: tuple[torch.Tensor | None, ...],
+) -> None:
+    """Fold the hooks' and a user's flags into this rank's (``written``: the check wrote it).
+
+    MAX of flags as 0 or 1, not +: torch's fused kernels skip only where found_inf == 1 exactly,
+    and a user's flag may say 2 (or -1, which torch's update reads as found).
+    """
+    device = flag.device
+    for other in others:
+        if other is None:
+            continue
+        other = copy_to(other, device).reshape(())
+        if written:
+            torch.maximum(flag, (other > 0).float(), out=flag)
+        else:  # flag is 0: (other > 0) in one op (heaviside at 0 takes flag's 0)
+            torch.heaviside(other.float(), flag, out=flag)
+            written = True
+        if scaler._predictive is not None:
+            mark_overflow(vector, layout.start("measured"), other)
+
+
+def _field_values(
+    scaler: GradScaler, optimizer: torch.optim.Optimizer
+) -> list[tuple[_agreement.AgreementField, torch.Tensor]]:
+    """The registered fields' values for this step (those that send any)."""
+    sent = []
+    for field in scaler._fields:
+        values = field.values(optimizer)
+        if values is not None:
+            sent.append((field, values))
+    return sent
+
+
+def _spike_values(
+    scaler: GradScaler,
+    grads: list[torch.Tensor],
+    carried: torch.Tensor | None,
+    device: torch.device,
+    group: Any,
+) -> torch.Tensor:
+    """The spike gate's slots: this rank's loss and grad norm in its own, -inf in the peers'.
+
+    ``grads`` are every grad this rank holds for the step, carrying ``carried`` (the scale
+    while still scaled; None: unscaled).
+    """
+    assert scaler._spike is not None  # noqa: S101 - called with the gate on
+    return scaler._spike.tail(grads, carried, device, _dist.rank(group), _dist.world_size(group))
+
+
+def _join_peers_refusing(
+    scaler: GradScaler,
+    optimizer: torch.optim.Optimizer,
+    state: OptimizerState,
+    exc: AttachRefusal,
+    group: Any,
+    scale: torch.Tensor,
+    defer: bool,
+) -> bool:
+    """Join the agreement the peers run with an overflowed vector; True when deferred.
+
+    The peers run it where the flag is not global, and also where a spike gate or a flag
+    written by torch-shaped code keeps it: joined with a refusal, they skip rather than wait.
+    """
+    kept = scaler._spike is not None or state.user_found is not None
+    if not (exc.peers_agree or kept) or group is None:
+        return False
+    device = _dist.flag_device(group, scale.device)
+    layout = Layout(with_range=scaler._carries_range(), measured=scaler._predictive is not None)
+    blank = None
+    if scaler._spike is not None:  # as long as the peers' (our slots: -inf)
+        width = len(scaler._spike.signals) * _dist.world_size(group)
+        blank = torch.full((width,), -math.inf, device=device)
+    refusal = layout.append(
+        layout.refusal(scale, device, _predictive.OVERFLOW_MARK),
+        _field_values(scaler, optimizer),
+        blank,
+    )
+    state.layout = layout
+    if defer:
+        # unscale_(): the peers agree at the flag's first read, after any collective of the
+        # user's in between (FSDP's clip_grad_norm_): join there, then raise.
+        state.agreed, state.refused = refusal, exc
+        state.deferred, state.deferred_group = True, group
+        return True
+    _agreement.all_reduce_flag(refusal, group).wait()
+    # This rank now holds what its peers agreed on (a skip): update() backs off as theirs does,
+    # and a second step() raises instead of waiting alone in a collective.
+    state.agreed, state.over_group, state.stage = refusal, True, Stage.STEPPED
+    return False
+
+
+def start_deferred(scaler: GradScaler, state: OptimizerState) -> None:
+    """Start the agreement unscale_() left for later, with a flag written since then.
+
+    The written flag joins this rank's as torch's would (MAX: it adds a found overflow, it
+    cannot hide one). Under attach(), where DDP's reduction made the flag global, a written
+    flag keeps the collective, as one written before unscale_() does: every rank then writes.
+    """
+    state.deferred = False
+    group, state.deferred_group = state.deferred_group, None
+    late, state.late_found = state.late_found, None
+    assert state.agreed is not None and state.layout is not None  # noqa: S101 - the check's
+    if state.refused is not None:  # the refusal vector: join the peers' agreement, raise
+        refused, state.refused = state.refused, None
+        _agreement.all_reduce_flag(state.agreed, group).wait()
+        raise refused
+    if late is not None:
+        with NoGrad():
+            flag = state.agreed[_agreement.OVERFLOW]
+            late = copy_to(late, flag.device).reshape(())
+            torch.maximum(flag, (late > 0).float(), out=flag)
+            if scaler._predictive is not None:
+                mark_overflow(state.agreed, state.layout.start("measured"), late)
+        if group is None:
+            group = scaler._process_group()
+            if group is not None:
+                scale = scaler._require_scale("step")
+                state.agreed = copy_to(state.agreed, _dist.flag_device(group, scale.device))
+                state.layout.hand_over(state.agreed)  # the fields read the copy that travels
+    if group is not None:
+        state.over_group = True
+        state.work = _agreement.all_reduce_flag(state.agreed, group)
+
+
+def refuse_a_backward_since_unscale(
+    scaler: GradScaler, optimizer: torch.optim.Optimizer, state: OptimizerState
+) -> None:
+    """attach(): raise if a backward changed ``optimizer``'s grads after unscale_() checked."""
+    if not state.backwards or scaler._hooks.backwards(optimizer) == state.backwards:
+        return
+    # A backward through DDP or FSDP2 is collective, so every rank refuses here alike. One
+    # outside the reduction (no_sync(), the bare module) may run on one rank only: the
+    # agreement unscale_() left pending then goes out marked overflowed, so that the
+    # peers skip rather than wait in it. Nothing is applied here either way. (Where no
+    # collective runs, the flag is left as it is: nothing can reach the peers.)
+    mine = state.agreed
+    if state.deferred and (state.deferred_group is not None or state.late_found is not None):
+        assert mine is not None and state.layout is not None  # noqa: S101 - the check's
+        with NoGrad():
+            mine[_agreement.OVERFLOW].fill_(1.0)
+            if scaler._predictive is not None:
+                at = state.layout.start("measured")
+                mark_overflow(mine, at, torch.ones((), device=mine.device))
+        start_deferred(scaler, state)
+    raise RuntimeError(
+        "attach(): a backward pass ran through the attached model (or, outside its "
+        "reduction, through its parameters) after scaler.unscale_(optimizer) and before "
+        "scaler.step(optimizer); the flag that "
+        "unscale_() agreed on does not cover the grads it added, so the step is refused. "
+        "Call scaler.unscale_(optimizer) after the last backward before the step"
+    )
+
+
+class UnscaleFactors:
+    """1/scale and 1.0 as tensors, made once per scale value and device."""
+
+    def __init__(self) -> None:
+        self._inverse: tuple[float, torch.Tensor] | None = None
+        self._one: torch.Tensor | None = None
+
+    def inverse(self, scale: torch.Tensor, host: _policy.HostState | None) -> torch.Tensor:
+        """1/scale, made once per scale value while the host knows the scale."""
+        if host is None:  # the reciprocal in fp64, as torch does: fp32 division can be imprecise
+            return scale.double().reciprocal().float()
+        cached = self._inverse
+        if cached is None or cached[0] != host.scale or cached[1].device != scale.device:
+            # The same fp64 reciprocal rounded once to fp32 (inf for a scale that underflowed).
+            inverse = _policy.f32(1.0 / host.scale) if host.scale else math.inf
+            cached = (host.scale, torch.full((), inverse, device=scale.device))
+            self._inverse = cached
+        return cached[1]
+
+    def one(self, scale: torch.Tensor) -> torch.Tensor:
+        """A 1.0 to check without unscaling (fused optimizers unscale in their own kernel)."""
+        if self._one is None or self._one.device != scale.device:
+            self._one = torch.ones_like(scale)
+        return self._one

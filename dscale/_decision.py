@@ -1,0 +1,118 @@
+"""The agreed vector, read: the flag a step obeys, and the decision on the host when it is read.
+
+After :mod:`dscale._check` started the collective, a step needs the agreed vector: on the device
+(fused and ``sync_free`` steps skip on the flag itself, no host sync) or on the host (a plain
+step's one sync, which brings the whole small vector: the measurement, the scale range and the
+spike decision come with it). update() reads the iteration's flag and scale range here too.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from dscale import _agreement
+from dscale._check import start_deferred
+from dscale._optimizer_state import OptimizerState
+from dscale._unscale import copy_to
+
+if TYPE_CHECKING:
+    from dscale.scaler import GradScaler
+
+#: :meth:`GradScaler.agreed_scale_range` of an iteration with no group: the scale itself.
+OWN_SCALE = "own scale"
+
+
+def agreed(scaler: GradScaler, state: OptimizerState) -> torch.Tensor:
+    """The agreed vector of ``state`` on the scale's device (waits for the collective)."""
+    if state.deferred:
+        start_deferred(scaler, state)
+    if state.work is not None:
+        state.work.wait()
+        state.work = None
+    assert state.agreed is not None  # noqa: S101 - set by the check
+    scale = scaler._require_scale("step")
+    if state.agreed.device != scale.device:
+        state.agreed = copy_to(state.agreed, scale.device)
+    return state.agreed
+
+
+def overflow_flag(scaler: GradScaler, state: OptimizerState) -> torch.Tensor:
+    """The agreed overflow flag (0-d; > 0: some rank's grads held an inf or NaN)."""
+    return agreed(scaler, state)[_agreement.OVERFLOW]
+
+
+def skip_flag(scaler: GradScaler, state: OptimizerState) -> torch.Tensor:
+    """The flag the step obeys (> 0: skip): the overflow flag, or with the spike gate on the
+    larger of it and the gate's decision (0 or 1 either way: fused kernels test == 1)."""
+    vector = agreed(scaler, state)
+    flag = vector[_agreement.OVERFLOW]
+    if scaler._spike is None:
+        return flag
+    if state.skip is None:
+        assert state.layout is not None  # noqa: S101 - set by the check
+        tail = state.layout.view(vector, _agreement.SPIKE)
+        state.spike, state.spike_values = scaler._spike.decide(tail, flag)
+        state.skip = torch.maximum(flag, state.spike.to(flag.dtype))
+    return state.skip
+
+
+def decide_on_host(scaler: GradScaler, state: OptimizerState) -> bool:
+    """Read the agreed vector on the host (one sync on GPU): whether the step is applied.
+
+    The whole (small) vector comes in that one copy: policy="predictive" uses its
+    measurement, and the scale range is then known on the host too (and the spike gate's
+    decision, appended to it).
+    """
+    vector = agreed(scaler, state)
+    spike = False
+    if scaler._spike is not None:
+        skip_flag(scaler, state)
+        assert state.spike is not None  # noqa: S101 - decided just above
+        values = torch.cat([vector, state.spike.reshape(1).to(vector.dtype)]).tolist()
+        state.host_agreed, spike = values[:-1], values[-1] > 0
+    else:
+        state.host_agreed = vector.tolist()
+    state.overflowed = state.host_agreed[_agreement.OVERFLOW] > 0
+    state.applied = not (state.overflowed or spike)
+    return state.applied
+
+
+def iteration_flag(scaler: GradScaler, states: list[OptimizerState]) -> torch.Tensor:
+    """The iteration's agreed flag on the scale's device (> 0: some step overflowed)."""
+    flags = [overflow_flag(scaler, s) for s in states]
+    return flags[0] if len(flags) == 1 else torch.stack(flags).amax()  # stays 0 or 1
+
+
+def scale_range_source(
+    scaler: GradScaler, states: list[OptimizerState]
+) -> torch.Tensor | str | None:
+    """What the scale range over the group is read from after this iteration.
+
+    After a collective: its agreed vector (turned into the range only when asked for), or None
+    if it carried the flag alone; :data:`OWN_SCALE` for one process; None where the DDP hook's
+    reduction made the flag global and no scaler collective ran.
+    """
+    for state in states:
+        if state.over_group:
+            layout = state.layout
+            return agreed(scaler, state) if layout is not None and layout.with_range else None
+    if all(state.lone for state in states):
+        return OWN_SCALE
+    return None
+
+
+def end_spike_iteration(scaler: GradScaler, states: list[OptimizerState]) -> torch.Tensor | None:
+    """The spike gate's end of an iteration: the window and counters; the skip flag."""
+    gate = scaler._spike
+    if gate is None:
+        return None
+    skip = None
+    for state in states:
+        if state.spike is not None and state.spike_values is not None:
+            assert state.skip is not None  # noqa: S101 - decided with the spike
+            gate.push(state.spike_values, state.spike, state.skip)
+            skip = state.skip
+    gate.end_iteration()
+    return skip
