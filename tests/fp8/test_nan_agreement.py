@@ -2,7 +2,7 @@
 
 gloo's MAX all-reduce (NCCL's too, MS-AMP PR #58) drops a NaN sent by a non-zero rank: every
 rank gets the other ranks' value. A field registered on the scaler is appended with
-``_agreement.append_field`` (NaN -> +inf), so through the scaler's one collective the NaN arrives
+``_agreement.Layout.append`` (NaN -> +inf), so through the scaler's one collective the NaN arrives
 as inf on every rank. Negative controls in the same spawn: the raw collective (one element:
 5.0 wins), and the same field appended with a plain ``torch.cat``, which arrives as NaN or 5.0
 depending on where it sits in the vector (gloo's vectorised MAX treats NaN by operand order).
@@ -24,33 +24,36 @@ from tests.multirank import run_ranks
 class _Field:
     """Sends 5.0, or NaN on ``nan_rank``; keeps what the collective agreed."""
 
-    def __init__(self, rank: int, nan_rank: int, sanitised: bool) -> None:
+    def __init__(self, rank: int, nan_rank: int) -> None:
         self.value = math.nan if rank == nan_rank else 5.0
-        self.sanitised = sanitised
-        self.sent: torch.Tensor | None = None
-        self.at = 0
+        self.slots: torch.Tensor | None = None
 
-    def append_to(self, vector, optimizer):
-        part = torch.tensor([self.value])
-        self.at = vector.numel()
-        if self.sanitised:
-            self.sent = _agreement.append_field(vector, part)
-        else:
-            self.sent = torch.cat([vector, part])
-        return self.sent
+    def values(self, optimizer):
+        return torch.tensor([self.value])
+
+    def agreed(self, slots):
+        self.slots = slots
 
 
-def _through_the_scaler(rank: int, nan_rank: int, sanitised: bool) -> float:
+def _through_the_scaler(rank: int, nan_rank: int) -> float:
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     guard = dscale.StepGuard("cpu")
-    field = _Field(rank, nan_rank, sanitised)
+    field = _Field(rank, nan_rank)
     guard.add_agreement_field(field)
     guard.scale(model(torch.ones(2, 4)).sum()).backward()
     guard.step(opt)
     guard.update()
-    return field.sent[field.at].item()
+    assert field.slots is not None
+    return field.slots.item()
+
+
+def _plain_cat(rank: int, nan_rank: int) -> float:
+    """The same vector made with a plain ``torch.cat`` (no NaN -> +inf), all-reduced as is."""
+    vector = torch.cat([torch.zeros(1), torch.tensor([math.nan if rank == nan_rank else 5.0])])
+    _agreement.all_reduce_flag(vector, None).wait()
+    return vector[1].item()
 
 
 def _scenarios(rank: int, world: int) -> dict[int, dict[str, float]]:
@@ -60,8 +63,8 @@ def _scenarios(rank: int, world: int) -> dict[int, dict[str, float]]:
         dist.all_reduce(raw, op=dist.ReduceOp.MAX)
         out[nan_rank] = {
             "raw": raw.item(),
-            "plain_cat": _through_the_scaler(rank, nan_rank, sanitised=False),
-            "dscale": _through_the_scaler(rank, nan_rank, sanitised=True),
+            "plain_cat": _plain_cat(rank, nan_rank),
+            "dscale": _through_the_scaler(rank, nan_rank),
         }
     return out
 
