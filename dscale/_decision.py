@@ -8,7 +8,7 @@ spike decision come with it). update() reads the iteration's flag and scale rang
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -22,6 +22,35 @@ if TYPE_CHECKING:
 
 #: :meth:`GradScaler.agreed_scale_range` of an iteration with no group: the scale itself.
 OWN_SCALE = "own scale"
+
+
+class StepDecision(NamedTuple):
+    """What a step obeys.
+
+    ``flag``: the skip flag (0-d, > 0: skip) for a device-side step, else None. ``outcome``:
+    whether the step is applied, a bool known on the host or the flag to read on request.
+    """
+
+    flag: torch.Tensor | None
+    outcome: bool | torch.Tensor
+
+
+def for_step(scaler: GradScaler, state: OptimizerState, *, fused: bool) -> StepDecision:
+    """The decision ``optimizer``'s step obeys, waiting for the agreement.
+
+    A fused kernel always gets the flag; ``sync_free`` steps get it where the host cannot read
+    it for free (a GPU); everything else is decided on the host. Where the vector is in host
+    memory (the CPU) the outcome is read there at no cost, fused steps included.
+    """
+    vector = agreed(scaler, state)
+    on_host = scaler._decides_on_host(vector)
+    if fused:
+        flag = skip_flag(scaler, state)
+        return StepDecision(flag, decide_on_host(scaler, state) if on_host else flag)
+    if scaler._sync_free and not on_host:
+        flag = skip_flag(scaler, state)
+        return StepDecision(flag, flag)
+    return StepDecision(None, decide_on_host(scaler, state))
 
 
 def agreed(scaler: GradScaler, state: OptimizerState) -> torch.Tensor:

@@ -100,9 +100,12 @@ def _changed_layout(optimizer: torch.optim.Optimizer) -> RuntimeError:
 
 
 def masked_step(
-    optimizer: torch.optim.Optimizer, found_inf: torch.Tensor, run_step: Callable[[], Any]
+    optimizer: torch.optim.Optimizer,
+    found_inf: torch.Tensor,
+    args: tuple[Any, ...] = (),
+    kwargs: dict[str, Any] | None = None,
 ) -> Any:
-    """Run ``run_step()`` and undo its effect on the device where ``found_inf > 0``.
+    """Run ``optimizer.step(*args, **kwargs)``, undone on the device where ``found_inf > 0``.
 
     While every state value is a dense tensor the undo is a flat snapshot per (device, dtype) of
     the parameters and the state there is: a handful of ops whatever the number of parameters,
@@ -110,6 +113,11 @@ def masked_step(
     removed if the step was skipped, which reads the flag on the host once. Otherwise (state in
     Python numbers, sparse or strided tensors) each tensor is saved and restored on its own.
     """
+    kwargs = kwargs or {}
+
+    def run_step() -> Any:
+        return optimizer.step(*args, **kwargs)
+
     params = _params(optimizer)
     tensors = _flat_tensors(optimizer, params)
     if tensors is None or not FlatSnapshot.fits(tensors):

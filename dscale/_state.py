@@ -65,8 +65,12 @@ def check_scale_args(
     hysteresis: Any = 1,
     hysteresis_refill: Any = "on_growth",
     prefix: str = "",
+    within_bounds: bool = False,
 ) -> None:
-    """Raise ValueError naming the first bad argument, its value and the fix."""
+    """Raise ValueError naming the first bad argument, its value and the fix.
+
+    ``within_bounds``: ``init_scale`` must lie within ``[min_scale, max_scale]`` too.
+    """
     if not _is_real(init_scale) or not math.isfinite(init_scale) or init_scale <= 0:
         raise ValueError(
             f"{prefix}init_scale must be a finite number > 0, got {init_scale!r}; "
@@ -95,6 +99,10 @@ def check_scale_args(
             f"{prefix}min_scale={min_scale!r} is larger than max_scale={max_scale!r}; "
             "swap them or drop one"
         )
+    if within_bounds and min_scale is not None and init_scale < min_scale:
+        raise ValueError(f"{prefix}init_scale={init_scale!r} is below min_scale={min_scale!r}")
+    if within_bounds and max_scale is not None and init_scale > max_scale:
+        raise ValueError(f"{prefix}init_scale={init_scale!r} is above max_scale={max_scale!r}")
     if not _is_int(hysteresis) or hysteresis < 1:
         raise ValueError(
             f"{prefix}hysteresis must be an int >= 1, got {hysteresis!r}; it is how many "

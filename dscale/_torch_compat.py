@@ -5,7 +5,8 @@ Frameworks and in-house trainers read torch's internals (accelerate calls
 read ``_per_optimizer_states[id(opt)]["stage"]`` and ``_found_inf_per_device(opt)``) and check
 ``isinstance(scaler, torch.amp.GradScaler)``. :class:`TorchGradScalerSurface` makes
 ``dscale.GradScaler`` a subclass of torch's class and answers those reads from dscale's state,
-without a host sync. Every method torch's class defines is overridden, here or in ``scaler.py``, so
+without a host sync; torch's plain accessors (``get_scale``, ``set_growth_factor``, ...) are
+answered here too. Every method torch's class defines is overridden, here or in ``scaler.py``, so
 no torch code ever runs against dscale's state; the ones with no meaning here raise.
 """
 
@@ -17,8 +18,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.amp.grad_scaler import OptState
 
+from dscale import _legacy_step
 from dscale._agreement import OVERFLOW
 from dscale._policy import f32
+from dscale._state import check_scale_args
 
 if TYPE_CHECKING:
     from dscale._policy import ScalePolicy
@@ -289,7 +292,15 @@ class TorchGradScalerSurface(torch.amp.GradScaler):
         return self._book.read().growth_tracker
 
     def _agree_now(self, optimizer: torch.optim.Optimizer) -> None:
-        """GradScaler: start an agreement that unscale_() left for later, where every rank reads."""
+        """Start an agreement that unscale_() left for later, where every rank reads."""
+        _legacy_step.agree_now(self, optimizer)  # type: ignore[arg-type]
+
+    @torch.compiler.disable
+    def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[Any, Any]:
+        """torch's check without unscaling, for optimizers that unscale themselves: ``{device:
+        flag}``, the flag agreed by every rank inside ``optimizer``'s step(grad_scaler=...);
+        elsewhere this rank's, as torch's (``dscale/_legacy_step.py``)."""
+        return _legacy_step.check_inf_per_device(self, optimizer)  # type: ignore[arg-type]
 
     def _found_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[Any, Any]:
         """``{device: flag}`` for ``optimizer``'s last check: the flag agreed by every rank (this
@@ -311,6 +322,49 @@ class TorchGradScalerSurface(torch.amp.GradScaler):
         self, optimizer: torch.optim.Optimizer, optimizer_state: dict[str, Any], *a: Any, **k: Any
     ) -> float | None:
         raise _unsupported("_maybe_opt_step", "scaler.step(optimizer)")
+
+    # ----------------------------------------------------------------- torch's public accessors
+    def get_scale(self) -> float:
+        """The current scale as a Python float (1.0 when disabled).
+
+        Free after plain steps; after fused or ``sync_free`` steps this waits for the GPU.
+        """
+        if not self._enabled:
+            return 1.0
+        return self._book.read().scale
+
+    def is_enabled(self) -> bool:
+        """Whether this scaler scales (False: a transparent pass-through)."""
+        return self._enabled
+
+    def get_growth_factor(self) -> float:
+        """The factor applied to the scale after growth_interval clean steps."""
+        return self._policy.growth_factor
+
+    def set_growth_factor(self, new_factor: float) -> None:
+        """Set the growth factor (must be > 1)."""
+        self._replace_policy(growth_factor=new_factor)
+
+    def get_backoff_factor(self) -> float:
+        """The factor applied to the scale after an overflow."""
+        return self._policy.backoff_factor
+
+    def set_backoff_factor(self, new_factor: float) -> None:
+        """Set the back-off factor (must be in (0, 1))."""
+        self._replace_policy(backoff_factor=new_factor)
+
+    def get_growth_interval(self) -> int:
+        """The number of clean steps before the scale grows."""
+        return self._policy.growth_interval
+
+    def set_growth_interval(self, new_interval: int) -> None:
+        """Set the growth interval (an int >= 1)."""
+        self._replace_policy(growth_interval=new_interval)
+
+    def _replace_policy(self, **changes: Any) -> None:
+        candidate = dataclasses.replace(self._policy, **changes)
+        check_scale_args(init_scale=1.0, **dataclasses.asdict(candidate))
+        self._policy = candidate
 
 
 def _refuse_write(name: str, fix: str) -> None:

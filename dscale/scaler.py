@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-import logging
 import math
 import warnings
 from collections import abc
@@ -21,6 +19,7 @@ from dscale import (
     _policy,
     _predictive,
     _predictive_state,
+    _scaler_state,
     _spike_gate,
     _state,
     _watchdogs,
@@ -36,8 +35,6 @@ from dscale._warnings import warn_if_scaling_is_not_needed
 from dscale._watchdogs import ScaleCollapsedError, StuckPolicy
 
 __all__ = ["GradObserver", "GradScaler", "ScaleCollapsedError"]
-
-logger = logging.getLogger(__name__)
 
 
 class GradObserver(Protocol):
@@ -148,11 +145,8 @@ class GradScaler(TorchGradScalerSurface):
             max_scale=max_scale,
             hysteresis=hysteresis,
             hysteresis_refill=hysteresis_refill,
+            within_bounds=True,
         )
-        if min_scale is not None and init_scale < min_scale:
-            raise ValueError(f"init_scale={init_scale!r} is below min_scale={min_scale!r}")
-        if max_scale is not None and init_scale > max_scale:
-            raise ValueError(f"init_scale={init_scale!r} is above max_scale={max_scale!r}")
         _watchdogs.check_stuck_args(on_stuck_at_min, stuck_patience)
         self._device = str(torch.device(device).type) if not isinstance(device, str) else device
         self._enabled = bool(enabled)
@@ -379,19 +373,16 @@ class GradScaler(TorchGradScalerSurface):
             retval = _legacy_step.step_passing_scaler(self, optimizer, state, args, kwargs)
             return self._stepped(optimizer, state, retval)
         unscaled = self._checked(optimizer, state, fused)
-        on_host = self._decides_on_host(_decision.agreed(self, state))
+        decided = _decision.for_step(self, state, fused=fused)
         if fused:  # the flag goes into the kernel, which skips where it is 1
-            flag = _decision.skip_flag(self, state)
+            assert decided.flag is not None  # noqa: S101 - a fused step always gets it
             grad_scale = self._grad_scale_for(optimizer, unscaled)
-            retval = fused_step(optimizer, flag, grad_scale, args, kwargs)
-            decided = _decision.decide_on_host(self, state) if on_host else flag
-        elif self._sync_free and not on_host:  # the step runs and is undone where the flag is set
-            decided = flag = _decision.skip_flag(self, state)
-            retval = masked_step(optimizer, flag, lambda: optimizer.step(*args, **kwargs))
-        else:
-            decided = _decision.decide_on_host(self, state)  # the host sync a skip needs
-            retval = optimizer.step(*args, **kwargs) if decided else None
-        self._outcomes[id(optimizer)] = decided
+            retval = fused_step(optimizer, decided.flag, grad_scale, args, kwargs)
+        elif decided.flag is not None:  # sync_free: the step runs, undone where the flag is set
+            retval = masked_step(optimizer, decided.flag, args, kwargs)
+        else:  # decided on the host (the one sync a plain step needs)
+            retval = optimizer.step(*args, **kwargs) if decided.outcome else None
+        self._outcomes[id(optimizer)] = decided.outcome
         return self._stepped(optimizer, state, retval)
 
     def _checked(
@@ -425,16 +416,6 @@ class GradScaler(TorchGradScalerSurface):
         for callback in self._callbacks:
             callback(optimizer, self.step_applied(optimizer))
         return retval
-
-    @_eager
-    def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[Any, Any]:
-        """torch's check without unscaling, for optimizers that unscale themselves: ``{device:
-        flag}``, the flag agreed by every rank inside ``optimizer``'s step(grad_scaler=...);
-        elsewhere this rank's, as torch's (``dscale/_legacy_step.py``)."""
-        return _legacy_step.check_inf_per_device(self, optimizer)
-
-    def _agree_now(self, optimizer: torch.optim.Optimizer) -> None:
-        _legacy_step.agree_now(self, optimizer)
 
     @_eager
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
@@ -653,48 +634,6 @@ class GradScaler(TorchGradScalerSurface):
         words, rows, policy, pos = raw
         return predictive.telemetry_from(words, rows, pos, policy)
 
-    def get_scale(self) -> float:
-        """The current scale as a Python float (1.0 when disabled).
-
-        Free after plain steps; after fused or ``sync_free`` steps this waits for the GPU.
-        """
-        if not self._enabled:
-            return 1.0
-        return self._book.read().scale
-
-    def is_enabled(self) -> bool:
-        """Whether this scaler scales (False: a transparent pass-through)."""
-        return self._enabled
-
-    def get_growth_factor(self) -> float:
-        """The factor applied to the scale after growth_interval clean steps."""
-        return self._policy.growth_factor
-
-    def set_growth_factor(self, new_factor: float) -> None:
-        """Set the growth factor (must be > 1)."""
-        self._replace_policy(growth_factor=new_factor)
-
-    def get_backoff_factor(self) -> float:
-        """The factor applied to the scale after an overflow."""
-        return self._policy.backoff_factor
-
-    def set_backoff_factor(self, new_factor: float) -> None:
-        """Set the back-off factor (must be in (0, 1))."""
-        self._replace_policy(backoff_factor=new_factor)
-
-    def get_growth_interval(self) -> int:
-        """The number of clean steps before the scale grows."""
-        return self._policy.growth_interval
-
-    def set_growth_interval(self, new_interval: int) -> None:
-        """Set the growth interval (an int >= 1)."""
-        self._replace_policy(growth_interval=new_interval)
-
-    def _replace_policy(self, **changes: Any) -> None:
-        candidate = dataclasses.replace(self._policy, **changes)
-        _state.check_scale_args(init_scale=1.0, **_policy_args(candidate))
-        self._policy = candidate
-
     # ----------------------------------------------------------------- state dict
     def state_dict(self) -> dict[str, Any]:
         """The scaler state: torch's five keys plus dscale's trackers (see ``dscale._state``).
@@ -702,40 +641,12 @@ class GradScaler(TorchGradScalerSurface):
         Empty when disabled. Call it after update(). Waits for the GPU only after fused or
         sync-free steps (otherwise the host holds the state).
         """
-        if not self._enabled:
-            return {}
-        state = _state.to_state_dict(self._policy, self._book.read())
-        if self._predictive is not None:  # version 2 and the keys of dscale/_predictive_state.py
-            state.update(self._predictive.state_dict())
-        if not self._loss_scaling:
-            state["loss_scaling"] = False
-        if self._spike is not None:
-            state.update(self._spike.state_dict())
-        if self._spike is not None or not self._loss_scaling:  # version 3: these keys
-            state["dscale_format_version"] = max(
-                state["dscale_format_version"], _state.GUARD_FORMAT_VERSION
-            )
-        return state
+        return _scaler_state.state_dict(self) if self._enabled else {}
 
     def _checked_state(self, state_dict: Mapping[str, Any]) -> tuple[Any, Any, Any, Any]:
-        """What load_state_dict would apply, or ValueError; changes nothing.
-
-        dscale.checkpoint calls it too, so that both ways in make the same checks.
-        """
-        policy, host = _state.from_state_dict(state_dict, self._policy)
-        predictive = _predictive_state.from_state_dict(state_dict)
-        spike = None if self._spike is None else self._spike.check_state(state_dict)
-        if not self._loss_scaling:  # a StepGuard keeps its scale of 1; the counts come along
-            policy = self._policy
-            if _state.scales_loss(state_dict):  # a GradScaler's trackers mean nothing here
-                host = _policy.HostState(1.0, 0, policy.hysteresis, host.counters)
-        elif not _state.scales_loss(state_dict):
-            raise ValueError(
-                "this state dict was saved by a StepGuard (loss_scaling=False: its scale is "
-                "fixed at 1), so it holds no loss scale for this GradScaler; start the "
-                "GradScaler fresh, or load the dict into a StepGuard"
-            )
-        return policy, host, predictive, spike
+        """What load_state_dict would apply, or ValueError; changes nothing (dscale.checkpoint
+        calls it too, so that both ways in make the same checks)."""
+        return _scaler_state.checked(self, state_dict)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict from dscale's or torch's GradScaler; no-op when disabled.
@@ -743,69 +654,14 @@ class GradScaler(TorchGradScalerSurface):
         The dict is validated completely first: a rejected one (ValueError) changes nothing.
         Keys that torch's dict lacks keep this scaler's settings; its trackers start fresh.
         """
-        if not self._enabled:
-            return
-        policy, host, predictive, spike = self._checked_state(state_dict)
-        self._policy = policy
-        self._book.load(host)
-        if self._spike is not None:
-            self._spike.load(spike)
-        if self._predictive is not None:
-            self._predictive.load(predictive)
-            self._predictive.note_interval(policy.growth_interval)
-        else:
-            _predictive_state.note_ignored(state_dict)
+        if self._enabled:
+            _scaler_state.load(self, state_dict)
 
-    # ----------------------------------------------------------------- pickling
     def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        if self._enabled and self._per_optimizer_states:
-            raise RuntimeError(
-                "A GradScaler instance may only be pickled at the beginning of an iteration, "
-                "or at the end after scaler.update()."
-            )
-        # A process group is not picklable: keep its ranks and look it up again when used.
-        state["_group_arg"] = None
-        # Callbacks and observers belong to the running job, not to the scaler's state.
-        state["_callbacks"] = []
-        state["_observers"] = []
-        state["_outcomes"] = {}
-        state["_last_stepped"] = None
-        state["_scale_range"] = None
-        state["_factors"] = _check.UnscaleFactors()  # device tensors, made again on demand
-        state["_scale_for_step"] = None
-        state["_stepping"] = None
-        # Hooks are registered on live models; a copy must attach() again.
-        state["_hooks"] = ReductionHooks()
-        if self._enabled and self._predictive is not None:  # the last update's (rings are kept)
-            state["_predictive_telemetry"] = self._telemetry(self._predictive)
-        return state
+        return _scaler_state.picklable(self)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        defaults = (
-            ("_read_host_flags", True),
-            ("_scale_for_step", None),
-            ("_iteration", 0),
-            ("_placed_init_scale", 2.0**16),
-            ("_loss_scaling", True),
-            ("_spike", None),
-            ("_spike_warned_at", 0),
-        )
-        for name, default in defaults:
-            state.setdefault(name, default)  # pickled before these existed
-        state.setdefault("_factors", _check.UnscaleFactors())
-        state.pop("_inv_scale", None)
-        state.pop("_one", None)
-        telemetry = state.pop("_predictive_telemetry", None)
-        self.__dict__.update(state)
-        predictive = getattr(self, "_predictive", None)
-        if predictive is not None and telemetry is not None:
-            predictive.telemetry = telemetry
-        if predictive is not None:  # its device words, sized by this version's layout
-            lengths = predictive.lengths
-            self._book.tail_words = _predictive_state.tail_words(
-                lengths["window"], lengths["memory"]
-            )
+        _scaler_state.unpickle(self, state)
 
 
 GradScaler._optimizer_state_type = OptimizerState
@@ -815,10 +671,6 @@ def _is_torch_fused(optimizer: torch.optim.Optimizer) -> bool:
     """One of torch.optim's own fused implementations (whose kernels dscale's tests cover)."""
     module = type(optimizer).__module__
     return module.startswith("torch.optim.") and bool(optimizer.defaults.get("fused"))
-
-
-def _policy_args(policy: _policy.ScalePolicy) -> dict[str, Any]:
-    return dataclasses.asdict(policy)
 
 
 def _checked_new_scale(new_scale: float | torch.Tensor) -> float | torch.Tensor:
