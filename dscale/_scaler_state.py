@@ -1,4 +1,4 @@
-"""A GradScaler's state beyond the step: its state dict and its pickled form.
+"""A GradScaler's state beyond the step: its readings, its state dict and its pickled form.
 
 ``dscale/_state.py`` owns the format of the scale and trackers; here the features' parts join
 it (predictive's rings, the spike gate's window, a StepGuard's fixed scale), are checked as one
@@ -10,11 +10,58 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from dscale import _check, _policy, _predictive_state, _state
+import torch
+
+from dscale import _check, _policy, _predictive, _predictive_state, _spike_gate, _state
 from dscale._reduction_hooks import ReductionHooks
 
 if TYPE_CHECKING:
     from dscale.scaler import GradScaler
+
+
+def counters(scaler: GradScaler) -> dict[str, torch.Tensor]:
+    """``GradScaler.counters()``: the live tensors, or new CPU ones before the first scale()."""
+    if not scaler._book.placed:
+        return {k: torch.tensor(v) for k, v in _numbers(scaler._book.read()).items()}
+    tensors = scaler._book.tensors()
+    counts = None if scaler._spike is None else scaler._spike.counts
+    if counts is not None:  # the spike gate's, once it has decided a step
+        tensors["spike_skipped_steps"] = counts[_spike_gate.SKIPPED]
+        tensors["spike_skipped_in_a_row"] = counts[_spike_gate.IN_A_ROW]
+    return tensors
+
+
+def snapshot(scaler: GradScaler, *, wait: bool = True) -> dict[str, float | int]:
+    """``GradScaler.snapshot()``: the counters as numbers, with the features' readings."""
+    book = scaler._book
+    values = _numbers(book.read() if wait else book.latest())
+    predictive = scaler._predictive
+    if predictive is not None:  # grad_max_abs, target_scale, margin_log2, underflow
+        values.update(predictive.snapshot(telemetry(scaler, predictive, wait=wait)))
+    if scaler._spike is not None:  # spike_skipped_steps, _in_a_row, _window_values, values
+        values.update(scaler._spike.snapshot(wait=wait))
+    return values
+
+
+def telemetry(
+    scaler: GradScaler, predictive: _predictive_state.PredictiveScaling, *, wait: bool = True
+) -> _predictive.Telemetry:
+    """policy="predictive"'s telemetry of the last update, from the device if it is there."""
+    book = scaler._book
+    raw = book.words_now(predictive.pos["window"]) if wait else book.latest_words()
+    if raw is None:
+        return predictive.telemetry
+    words, rows, policy, pos = raw
+    return predictive.telemetry_from(words, rows, pos, policy)
+
+
+def _numbers(state: _policy.HostState) -> dict[str, float | int]:
+    return {
+        "scale": state.scale,
+        "growth_tracker": state.growth_tracker,
+        "hysteresis_tracker": state.hysteresis_tracker,
+        **dict(zip(_policy.COUNTER_NAMES, state.counters, strict=True)),
+    }
 
 
 def state_dict(scaler: GradScaler) -> dict[str, Any]:
@@ -88,7 +135,7 @@ def picklable(scaler: GradScaler) -> dict[str, Any]:
     # Hooks are registered on live models; a copy must attach() again.
     state["_hooks"] = ReductionHooks()
     if scaler._enabled and scaler._predictive is not None:  # the last update's (rings are kept)
-        state["_predictive_telemetry"] = scaler._telemetry(scaler._predictive)
+        state["_predictive_telemetry"] = telemetry(scaler, scaler._predictive)
     return state
 
 

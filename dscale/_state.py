@@ -115,6 +115,24 @@ def check_scale_args(
         )
 
 
+def checked_new_scale(new_scale: float | torch.Tensor) -> float | torch.Tensor:
+    """update(new_scale=...)'s argument, or ValueError saying what it must be."""
+    if isinstance(new_scale, torch.Tensor):
+        if new_scale.numel() != 1 or new_scale.requires_grad:
+            raise ValueError(
+                "new_scale must be a float or a one-element tensor with requires_grad=False, "
+                f"got a tensor of shape {tuple(new_scale.shape)}"
+            )
+        return new_scale
+    if (
+        isinstance(new_scale, bool)
+        or not isinstance(new_scale, (int, float))
+        or not (math.isfinite(new_scale) and new_scale > 0)
+    ):
+        raise ValueError(f"new_scale must be a finite number > 0, got {new_scale!r}")
+    return float(new_scale)
+
+
 def validate(state: Mapping[str, Any]) -> dict[str, Any]:
     """Check a state dict completely; return it normalised (no scaler is touched here).
 

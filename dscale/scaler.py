@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import warnings
 from collections import abc
 from collections.abc import Callable, Mapping, Sequence
@@ -26,7 +25,6 @@ from dscale import (
 )
 from dscale._masked_step import fused_step, masked_step
 from dscale._optimizer_state import OptimizerState, Stage
-from dscale._policy import COUNTER_NAMES
 from dscale._reduction_hooks import AttachRefusal, ReductionHooks
 from dscale._scale_state import ScaleState, fresh_host_state
 from dscale._torch_compat import TorchGradScalerSurface
@@ -473,7 +471,7 @@ class GradScaler(TorchGradScalerSurface):
                 "no scale to set; call update() with no argument"
             )
         _decision.end_spike_iteration(self, states)
-        self._book.set_scale(_checked_new_scale(new_scale))
+        self._book.set_scale(_state.checked_new_scale(new_scale))
         if self._predictive is not None:
             self._predictive.skip_iteration()
         self._end_iteration()
@@ -594,45 +592,22 @@ class GradScaler(TorchGradScalerSurface):
         """The live device tensors (no sync): scale, trackers and event counters.
 
         Keys: scale, growth_tracker, hysteresis_tracker, steps, skipped_steps, skipped_in_a_row,
-        growths, backoffs. Brought up to date from the host copy first (kernel launches only), so
-        call it from the training thread. Before the first scale() the scaler has no device yet:
-        the values come as new CPU tensors, and the scaler stays unplaced.
+        growths, backoffs (and the spike gate's). Brought up to date from the host copy first
+        (kernel launches only), so call it from the training thread. Before the first scale()
+        the scaler has no device yet: the values come as new CPU tensors, and the scaler stays
+        unplaced.
         """
-        if not self._book.placed:
-            host = self._book.read()
-            return {k: torch.tensor(v) for k, v in _snapshot_dict(host).items()}
-        tensors = self._book.tensors()
-        counts = None if self._spike is None else self._spike.counts
-        if counts is not None:  # the spike gate's, once it has decided a step
-            tensors["spike_skipped_steps"] = counts[_spike_gate.SKIPPED]
-            tensors["spike_skipped_in_a_row"] = counts[_spike_gate.IN_A_ROW]
-        return tensors
+        return _scaler_state.counters(self)
 
     def snapshot(self, *, wait: bool = True) -> dict[str, float | int]:
-        """:meth:`counters` as Python numbers.
+        """:meth:`counters` as Python numbers (and predictive's telemetry).
 
         Free after plain steps (the host holds the state); after fused or ``sync_free`` steps it
         waits for the GPU. ``wait=False`` never waits and never writes, so another thread (a
         metrics scrape) may call it: after device-side updates it returns the newest state whose
         copy has reached the host, which may be an update or two behind.
         """
-        values = _snapshot_dict(self._book.read() if wait else self._book.latest())
-        predictive = self._predictive
-        if predictive is not None:  # grad_max_abs, target_scale, margin_log2, underflow
-            values.update(predictive.snapshot(self._telemetry(predictive, wait=wait)))
-        if self._spike is not None:  # spike_skipped_steps, _in_a_row, _window_values, values
-            values.update(self._spike.snapshot(wait=wait))
-        return values
-
-    def _telemetry(
-        self, predictive: _predictive_state.PredictiveScaling, *, wait: bool = True
-    ) -> _predictive.Telemetry:
-        """policy="predictive"'s telemetry of the last update, from the device if it is there."""
-        raw = self._book.words_now(predictive.pos["window"]) if wait else self._book.latest_words()
-        if raw is None:
-            return predictive.telemetry
-        words, rows, policy, pos = raw
-        return predictive.telemetry_from(words, rows, pos, policy)
+        return _scaler_state.snapshot(self, wait=wait)
 
     # ----------------------------------------------------------------- state dict
     def state_dict(self) -> dict[str, Any]:
@@ -671,29 +646,3 @@ def _is_torch_fused(optimizer: torch.optim.Optimizer) -> bool:
     """One of torch.optim's own fused implementations (whose kernels dscale's tests cover)."""
     module = type(optimizer).__module__
     return module.startswith("torch.optim.") and bool(optimizer.defaults.get("fused"))
-
-
-def _checked_new_scale(new_scale: float | torch.Tensor) -> float | torch.Tensor:
-    if isinstance(new_scale, torch.Tensor):
-        if new_scale.numel() != 1 or new_scale.requires_grad:
-            raise ValueError(
-                "new_scale must be a float or a one-element tensor with requires_grad=False, "
-                f"got a tensor of shape {tuple(new_scale.shape)}"
-            )
-        return new_scale
-    if (
-        isinstance(new_scale, bool)
-        or not isinstance(new_scale, (int, float))
-        or not (math.isfinite(new_scale) and new_scale > 0)
-    ):
-        raise ValueError(f"new_scale must be a finite number > 0, got {new_scale!r}")
-    return float(new_scale)
-
-
-def _snapshot_dict(state: _policy.HostState) -> dict[str, float | int]:
-    return {
-        "scale": state.scale,
-        "growth_tracker": state.growth_tracker,
-        "hysteresis_tracker": state.hysteresis_tracker,
-        **dict(zip(COUNTER_NAMES, state.counters, strict=True)),
-    }

@@ -61,7 +61,7 @@ def _ddp_run(rank: int, hook: bool, poison_step: int, accumulate: bool) -> dict[
 
 def _fsdp2_run(rank: int, hook: bool) -> dict[str, Any]:
     import dscale
-    import dscale.scaler as scaler_module
+    import dscale._check as check_module
     from tests.scaler._setup import full_params, wrap
 
     model = wrap(tiny_model(), "fsdp2")
@@ -70,13 +70,13 @@ def _fsdp2_run(rank: int, hook: bool) -> dict[str, Any]:
     if hook:
         scaler.attach(model)
     seen: list[int] = []
-    real_pass = scaler_module.check_and_unscale_
+    real_pass = check_module.check_and_unscale_
 
     def counting_pass(groups: Any, *args: Any) -> Any:
         seen.append(sum(len(g) for per_dtype in groups.values() for g in per_dtype.values()))
         return real_pass(groups, *args)
 
-    scaler_module.check_and_unscale_ = counting_pass
+    check_module.check_and_unscale_ = counting_pass
     calls, restore = _count_flag_collectives()
     params, scales = [], []
     try:
@@ -90,7 +90,7 @@ def _fsdp2_run(rank: int, hook: bool) -> dict[str, Any]:
             scales.append(scaler.get_scale())
     finally:
         restore()
-        scaler_module.check_and_unscale_ = real_pass
+        check_module.check_and_unscale_ = real_pass
     return {"params": params, "scales": scales, "collectives": len(calls), "pass_sizes": seen}
 
 
