@@ -21,6 +21,7 @@ alike, so every rank sends a vector of the same length.
 
 from __future__ import annotations
 
+import copy
 import functools
 import math
 from typing import Any, NamedTuple, Protocol
@@ -89,10 +90,15 @@ class Layout:
         if measured:
             self._add("measured", 2)  # grad_max_abs, underflow (``_grad_measure``)
 
-    def _add(self, key: Any, width: int) -> slice:
-        self.slots[key] = slot = slice(self.width, self.width + width)
+    @staticmethod
+    @functools.lru_cache(maxsize=4)
+    def leading(with_range: bool, measured: bool) -> Layout:
+        """The leading fields' layout, made once (shared: :meth:`append` copies it to extend)."""
+        return Layout(with_range=with_range, measured=measured)
+
+    def _add(self, key: Any, width: int) -> None:
+        self.slots[key] = slice(self.width, self.width + width)
         self.width += width
-        return slot
 
     def start(self, key: Any) -> int:
         """The index of ``key``'s first slot."""
@@ -133,25 +139,28 @@ class Layout:
         vector: torch.Tensor,
         fields: list[tuple[Any, torch.Tensor]],
         spike: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """``vector`` with the registered ``(field, values)`` and the spike gate's slots appended.
+    ) -> tuple[torch.Tensor, Layout]:
+        """``vector`` with the registered ``(field, values)`` and the spike gate's slots appended,
+        and the layout that says where they sit (this one when nothing is appended).
 
         One ``cat``; fields are sent as float32 with NaN as +inf (so a MAX cannot drop it: see
         :func:`all_reduce_flag`), the spike slots as they are (NaN-free where made). Each field
         is handed its slots in the result.
         """
+        if not fields and spike is None:
+            return vector, self
+        layout = copy.copy(self)
+        layout.slots = dict(self.slots)
         parts = [vector]
         for field, values in fields:
-            self._add(field, values.numel())
+            layout._add(field, values.numel())
             parts.append(_nan_as_inf(values.to(vector.device, torch.float32).reshape(-1)))
         if spike is not None:
-            self._add(SPIKE, spike.numel())
+            layout._add(SPIKE, spike.numel())
             parts.append(spike)
-        if len(parts) == 1:
-            return vector
         out = torch.cat(parts)
-        self.hand_over(out)
-        return out
+        layout.hand_over(out)
+        return out, layout
 
     def hand_over(self, vector: torch.Tensor) -> None:
         """Hand each registered field its slots in ``vector`` (the one that is all-reduced)."""

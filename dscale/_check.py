@@ -107,11 +107,10 @@ def check(
         group = None
     device = scale.device if group is None else _dist.flag_device(group, scale.device)
     host = scaler._book.host
-    state.layout = layout = Layout(
-        with_range=scaler._carries_range(), measured=scaler._predictive is not None
-    )
+    layout = Layout.leading(scaler._carries_range(), scaler._predictive is not None)
     with NoGrad():
         vector = layout.blank(scale, None if host is None else host.scale, device)
+        state.agreed, state.layout = vector, layout  # the flag so far, should a stage raise
         # 3. measure
         if scaler._predictive is not None:
             at = layout.start("measured")
@@ -128,8 +127,8 @@ def check(
         if scaler._spike is not None:  # every grad this rank holds, hooked ones too
             every = optimizer_grads(optimizer) if report.covered else grads
             spike = _spike_values(scaler, every, None if unscale else scale, device, group)
-        vector = layout.append(vector, _field_values(scaler, optimizer), spike)
-    state.agreed = vector
+        vector, layout = layout.append(vector, _field_values(scaler, optimizer), spike)
+    state.agreed, state.layout = vector, layout
     # 6. agree
     state.over_group = group is not None
     if defer:
@@ -256,17 +255,16 @@ def _join_peers_refusing(
     if not (exc.peers_agree or kept) or group is None:
         return False
     device = _dist.flag_device(group, scale.device)
-    layout = Layout(with_range=scaler._carries_range(), measured=scaler._predictive is not None)
+    layout = Layout.leading(scaler._carries_range(), scaler._predictive is not None)
     blank = None
     if scaler._spike is not None:  # as long as the peers' (our slots: -inf)
         width = len(scaler._spike.signals) * _dist.world_size(group)
         blank = torch.full((width,), -math.inf, device=device)
-    refusal = layout.append(
+    refusal, state.layout = layout.append(
         layout.refusal(scale, device, _predictive.OVERFLOW_MARK),
         _field_values(scaler, optimizer),
         blank,
     )
-    state.layout = layout
     if defer:
         # unscale_(): the peers agree at the flag's first read, after any collective of the
         # user's in between (FSDP's clip_grad_norm_): join there, then raise.
