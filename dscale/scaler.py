@@ -61,6 +61,11 @@ class GradScaler(TorchGradScalerSurface):
     dtype; the one-element overflow flag is then all-reduced (MAX) once per optimizer step, so all
     ranks skip, grow or back off together even when only one rank's shard overflowed.
 
+    This class keeps torch's API and the per-optimizer stage machine; the step's work is done by
+    the stage modules it calls: ``_check`` (grads to this rank's agreement vector), ``_decision``
+    (the agreed vector read), ``_masked_step`` (the optimizer's step, skipped on the device), then
+    the book's rule in update() (``docs/CONTRACTS.md``, "The step path, in stages").
+
     Example::
 
         scaler = dscale.GradScaler("cuda")
