@@ -1,0 +1,100 @@
+"""Fields registered on the agreement vector each read their own agreed values (issue 34).
+
+``GradScaler.add_agreement_field`` once handed each field the vector its own ``append_to``
+returned: with two fields, the first kept a vector that the second's append had copied, so it
+read its rank-local values, never the MAX over the ranks (dscale.fp8 chained its fields to work
+around it). Each field now gets its own slots in the vector that is all-reduced. Checked on 2
+ranks against the MAX computed by hand, alongside the scaler's own fields (predictive's
+measurement, the spike gate's slots, the scale range on and off its iteration), with a field
+that sends nothing on some steps, and on a step where an overflow skips: the step's decision and
+the scale equal those of the same scaler with no fields.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+import dscale
+from tests.multirank import run_ranks
+
+
+class _Field:
+    """Sends ``[base * (rank + 1), -base * rank]`` (or nothing on odd steps if ``sparse``)."""
+
+    def __init__(self, rank: int, base: float, sparse: bool = False) -> None:
+        self.rank, self.base, self.sparse = rank, base, sparse
+        self.step = 0
+        self.slots: torch.Tensor | None = None
+        self.read: list[list[float] | None] = []
+
+    def values(self, optimizer: Any) -> torch.Tensor | None:
+        if self.sparse and self.step % 2:
+            return None
+        return torch.tensor([self.base * (self.rank + 1), -self.base * self.rank])
+
+    def agreed(self, slots: torch.Tensor) -> None:
+        self.slots = slots
+
+    def after_step(self, optimizer: Any, applied: bool) -> None:
+        self.read.append(None if self.slots is None else self.slots.tolist())
+        self.slots = None
+        self.step += 1
+
+
+def _run(rank: int, make: Any, with_fields: bool) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = make()
+    fields = [_Field(rank, 3.0), _Field(rank, 5.0, sparse=True), _Field(rank, 7.0)]
+    if with_fields:
+        for field in fields:
+            scaler.add_agreement_field(field)
+            scaler.register_step_callback(field.after_step)
+    applied, scales = [], []
+    for step in range(20):  # past the scale range's iteration (every 16th)
+        opt.zero_grad()
+        poison = float("inf") if (step == 5 and rank == 1) else 1.0
+        loss = model(torch.full((3, 4), 0.5 + step)).square().mean() * poison
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        applied.append(scaler.step_applied(opt))
+        scaler.update()
+        scales.append(scaler.get_scale())
+    return {
+        "read": [f.read for f in fields],
+        "applied": applied,
+        "scales": scales,
+        "weight": model.weight.detach().clone(),
+    }
+
+
+_SCALERS = {
+    "dynamic": lambda: dscale.GradScaler("cpu", init_scale=2.0**8, growth_interval=3),
+    "predictive": lambda: dscale.GradScaler("cpu", policy="predictive"),
+    "spike_gate": lambda: dscale.StepGuard("cpu", spike_signals=("loss", "grad_norm")),
+}
+
+
+def _scenarios(rank: int, world: int) -> dict[str, Any]:
+    return {
+        name: {"fields": _run(rank, make, True), "plain": _run(rank, make, False)}
+        for name, make in _SCALERS.items()
+    }
+
+
+def test_each_registered_field_reads_the_max_over_the_ranks_and_changes_no_decision():
+    results = run_ranks(_scenarios, world_size=2)
+    for rank, per_scaler in results.items():
+        for name, got in per_scaler.items():
+            first, sparse, last = got["fields"]["read"]
+            assert first == [[6.0, 0.0]] * 20, (rank, name)  # max(3, 6), max(0, -3)
+            assert last == [[14.0, 0.0]] * 20, (rank, name)
+            assert sparse == [[10.0, 0.0] if s % 2 == 0 else None for s in range(20)], (rank, name)
+            plain = got["plain"]
+            assert got["fields"]["applied"] == plain["applied"], (rank, name)
+            assert got["fields"]["scales"] == plain["scales"], (rank, name)
+            assert torch.equal(got["fields"]["weight"], plain["weight"]), (rank, name)
+            assert plain["applied"][5] is False  # the overflow on rank 1 skipped both ranks
