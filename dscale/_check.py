@@ -9,8 +9,8 @@
 4. **check**: the fused inf/NaN check, unscaling where the step wants unscaled grads;
 5. **signals**: flags from elsewhere (the hooks', a user's), the registered fields and the
    spike gate's values join the vector (its :class:`~dscale._agreement.Layout`);
-6. **agree**: the one MAX all-reduce starts (``unscale_()`` defers it to the flag's first read,
-   :func:`start_deferred`).
+6. **agree**: the one MAX all-reduce starts (``unscale_()`` defers it to the flag's first read:
+   ``_decision.start_deferred``).
 
 A refusal of ``attach()`` (grads its hooks did not check) joins the peers' collective with an
 overflowed vector of the same layout before it is raised, so that no rank waits alone.
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dscale import _agreement, _dist, _policy, _predictive
+from dscale import _agreement, _dist, _predictive, _unscale
 from dscale._agreement import Layout
 from dscale._grad_measure import mark_overflow
 from dscale._optimizer_state import OptimizerState, Stage
@@ -41,19 +41,6 @@ if TYPE_CHECKING:
 
 # Grads that a fused optimizer's check may unscale in place without losing small values.
 _FULL_PRECISION = (torch.float32, torch.float64)
-
-
-class NoGrad:
-    """``torch.no_grad()`` at a third of its cost (1.3 us there): the check runs every step."""
-
-    __slots__ = ("enabled",)
-
-    def __enter__(self) -> None:
-        self.enabled = torch.is_grad_enabled()
-        torch._C._set_grad_enabled(False)
-
-    def __exit__(self, *exc: object) -> None:
-        torch._C._set_grad_enabled(self.enabled)
 
 
 def check(
@@ -108,7 +95,7 @@ def check(
     device = scale.device if group is None else _dist.flag_device(group, scale.device)
     host = scaler._book.host
     layout = Layout.leading(scaler._carries_range(), scaler._predictive is not None)
-    with NoGrad():
+    with _unscale.NoGrad():
         vector = layout.blank(scale, None if host is None else host.scale, device)
         state.agreed, state.layout = vector, layout  # the flag so far, should a stage raise
         # 3. measure
@@ -276,91 +263,3 @@ def _join_peers_refusing(
     # and a second step() raises instead of waiting alone in a collective.
     state.agreed, state.over_group, state.stage = refusal, True, Stage.STEPPED
     return False
-
-
-def start_deferred(scaler: GradScaler, state: OptimizerState) -> None:
-    """Start the agreement unscale_() left for later, with a flag written since then.
-
-    The written flag joins this rank's as torch's would (MAX: it adds a found overflow, it
-    cannot hide one). Under attach(), where DDP's reduction made the flag global, a written
-    flag keeps the collective, as one written before unscale_() does: every rank then writes.
-    """
-    state.deferred = False
-    group, state.deferred_group = state.deferred_group, None
-    late, state.late_found = state.late_found, None
-    assert state.agreed is not None and state.layout is not None  # noqa: S101 - the check's
-    if state.refused is not None:  # the refusal vector: join the peers' agreement, raise
-        refused, state.refused = state.refused, None
-        _agreement.all_reduce_flag(state.agreed, group).wait()
-        raise refused
-    if late is not None:
-        with NoGrad():
-            flag = state.agreed[_agreement.OVERFLOW]
-            late = copy_to(late, flag.device).reshape(())
-            torch.maximum(flag, (late > 0).float(), out=flag)
-            if scaler._predictive is not None:
-                mark_overflow(state.agreed, state.layout.start("measured"), late)
-        if group is None:
-            group = scaler._process_group()
-            if group is not None:
-                scale = scaler._require_scale("step")
-                state.agreed = copy_to(state.agreed, _dist.flag_device(group, scale.device))
-                state.layout.hand_over(state.agreed)  # the fields read the copy that travels
-    if group is not None:
-        state.over_group = True
-        state.work = _agreement.all_reduce_flag(state.agreed, group)
-
-
-def refuse_a_backward_since_unscale(
-    scaler: GradScaler, optimizer: torch.optim.Optimizer, state: OptimizerState
-) -> None:
-    """attach(): raise if a backward changed ``optimizer``'s grads after unscale_() checked."""
-    if not state.backwards or scaler._hooks.backwards(optimizer) == state.backwards:
-        return
-    # A backward through DDP or FSDP2 is collective, so every rank refuses here alike. One
-    # outside the reduction (no_sync(), the bare module) may run on one rank only: the
-    # agreement unscale_() left pending then goes out marked overflowed, so that the
-    # peers skip rather than wait in it. Nothing is applied here either way. (Where no
-    # collective runs, the flag is left as it is: nothing can reach the peers.)
-    mine = state.agreed
-    if state.deferred and (state.deferred_group is not None or state.late_found is not None):
-        assert mine is not None and state.layout is not None  # noqa: S101 - the check's
-        with NoGrad():
-            mine[_agreement.OVERFLOW].fill_(1.0)
-            if scaler._predictive is not None:
-                at = state.layout.start("measured")
-                mark_overflow(mine, at, torch.ones((), device=mine.device))
-        start_deferred(scaler, state)
-    raise RuntimeError(
-        "attach(): a backward pass ran through the attached model (or, outside its "
-        "reduction, through its parameters) after scaler.unscale_(optimizer) and before "
-        "scaler.step(optimizer); the flag that "
-        "unscale_() agreed on does not cover the grads it added, so the step is refused. "
-        "Call scaler.unscale_(optimizer) after the last backward before the step"
-    )
-
-
-class UnscaleFactors:
-    """1/scale and 1.0 as tensors, made once per scale value and device."""
-
-    def __init__(self) -> None:
-        self._inverse: tuple[float, torch.Tensor] | None = None
-        self._one: torch.Tensor | None = None
-
-    def inverse(self, scale: torch.Tensor, host: _policy.HostState | None) -> torch.Tensor:
-        """1/scale, made once per scale value while the host knows the scale."""
-        if host is None:  # the reciprocal in fp64, as torch does: fp32 division can be imprecise
-            return scale.double().reciprocal().float()
-        cached = self._inverse
-        if cached is None or cached[0] != host.scale or cached[1].device != scale.device:
-            # The same fp64 reciprocal rounded once to fp32 (inf for a scale that underflowed).
-            inverse = _policy.f32(1.0 / host.scale) if host.scale else math.inf
-            cached = (host.scale, torch.full((), inverse, device=scale.device))
-            self._inverse = cached
-        return cached[1]
-
-    def one(self, scale: torch.Tensor) -> torch.Tensor:
-        """A 1.0 to check without unscaling (fused optimizers unscale in their own kernel)."""
-        if self._one is None or self._one.device != scale.device:
-            self._one = torch.ones_like(scale)
-        return self._one

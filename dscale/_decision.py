@@ -1,5 +1,9 @@
 """The agreed vector, read: the flag a step obeys, and the decision on the host when it is read.
 
+The collective the check started completes here: :func:`agreed` waits for it, and starts first
+the one ``unscale_()`` left for the flag's first read (:func:`start_deferred`), which a flag
+written since then joins, or which a backward since then turns into a refusal.
+
 After :mod:`dscale._check` started the collective, a step needs the agreed vector: on the device
 (fused and ``sync_free`` steps skip on the flag itself, no host sync) or on the host (a plain
 step's one sync, which brings the whole small vector: the measurement, the scale range and the
@@ -12,10 +16,10 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from dscale import _agreement
-from dscale._check import start_deferred
+from dscale import _agreement, _dist
+from dscale._grad_measure import mark_overflow
 from dscale._optimizer_state import OptimizerState
-from dscale._unscale import copy_to
+from dscale._unscale import NoGrad, copy_to
 
 if TYPE_CHECKING:
     from dscale.scaler import GradScaler
@@ -145,3 +149,65 @@ def end_spike_iteration(scaler: GradScaler, states: list[OptimizerState]) -> tor
             skip = state.skip
     gate.end_iteration()
     return skip
+
+
+def start_deferred(scaler: GradScaler, state: OptimizerState) -> None:
+    """Start the agreement unscale_() left for later, with a flag written since then.
+
+    The written flag joins this rank's as torch's would (MAX: it adds a found overflow, it
+    cannot hide one). Under attach(), where DDP's reduction made the flag global, a written
+    flag keeps the collective, as one written before unscale_() does: every rank then writes.
+    """
+    state.deferred = False
+    group, state.deferred_group = state.deferred_group, None
+    late, state.late_found = state.late_found, None
+    assert state.agreed is not None and state.layout is not None  # noqa: S101 - the check's
+    if state.refused is not None:  # the refusal vector: join the peers' agreement, raise
+        refused, state.refused = state.refused, None
+        _agreement.all_reduce_flag(state.agreed, group).wait()
+        raise refused
+    if late is not None:
+        with NoGrad():
+            flag = state.agreed[_agreement.OVERFLOW]
+            late = copy_to(late, flag.device).reshape(())
+            torch.maximum(flag, (late > 0).float(), out=flag)
+            if scaler._predictive is not None:
+                mark_overflow(state.agreed, state.layout.start("measured"), late)
+        if group is None:
+            group = scaler._process_group()
+            if group is not None:
+                scale = scaler._require_scale("step")
+                state.agreed = copy_to(state.agreed, _dist.flag_device(group, scale.device))
+                state.layout.hand_over(state.agreed)  # the fields read the copy that travels
+    if group is not None:
+        state.over_group = True
+        state.work = _agreement.all_reduce_flag(state.agreed, group)
+
+
+def refuse_a_backward_since_unscale(
+    scaler: GradScaler, optimizer: torch.optim.Optimizer, state: OptimizerState
+) -> None:
+    """attach(): raise if a backward changed ``optimizer``'s grads after unscale_() checked."""
+    if not state.backwards or scaler._hooks.backwards(optimizer) == state.backwards:
+        return
+    # A backward through DDP or FSDP2 is collective, so every rank refuses here alike. One
+    # outside the reduction (no_sync(), the bare module) may run on one rank only: the
+    # agreement unscale_() left pending then goes out marked overflowed, so that the
+    # peers skip rather than wait in it. Nothing is applied here either way. (Where no
+    # collective runs, the flag is left as it is: nothing can reach the peers.)
+    mine = state.agreed
+    if state.deferred and (state.deferred_group is not None or state.late_found is not None):
+        assert mine is not None and state.layout is not None  # noqa: S101 - the check's
+        with NoGrad():
+            mine[_agreement.OVERFLOW].fill_(1.0)
+            if scaler._predictive is not None:
+                at = state.layout.start("measured")
+                mark_overflow(mine, at, torch.ones((), device=mine.device))
+        start_deferred(scaler, state)
+    raise RuntimeError(
+        "attach(): a backward pass ran through the attached model (or, outside its "
+        "reduction, through its parameters) after scaler.unscale_(optimizer) and before "
+        "scaler.step(optimizer); the flag that "
+        "unscale_() agreed on does not cover the grads it added, so the step is refused. "
+        "Call scaler.unscale_(optimizer) after the last backward before the step"
+    )

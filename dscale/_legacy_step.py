@@ -57,7 +57,7 @@ def step_passing_scaler(
         state.prechecked = True  # an unscale_() from the optimizer has nothing left to do
         scaler._scale_for_step = scaler._factors.one(scale)
     if state.stage is Stage.UNSCALED and state.agreed is not None:
-        _check.refuse_a_backward_since_unscale(scaler, optimizer, state)  # as step() does
+        _decision.refuse_a_backward_since_unscale(scaler, optimizer, state)  # as step() does
     step: Any = optimizer.step  # takes grad_scaler= (checked by takes_grad_scaler)
     scaler._stepping = id(optimizer)
     try:
@@ -93,7 +93,7 @@ def agree_now(scaler: GradScaler, optimizer: torch.optim.Optimizer) -> None:
         return
     state = scaler._per_optimizer_states.get(id(optimizer))
     if state is not None and state.deferred:
-        _check.start_deferred(scaler, state)
+        _decision.start_deferred(scaler, state)
 
 
 def check_inf_per_device(scaler: GradScaler, optimizer: torch.optim.Optimizer) -> dict[Any, Any]:

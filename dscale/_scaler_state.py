@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dscale import _check, _policy, _predictive, _predictive_state, _spike_gate, _state
+from dscale import _policy, _predictive, _predictive_state, _spike_gate, _state, _unscale
 from dscale._reduction_hooks import ReductionHooks
 
 if TYPE_CHECKING:
@@ -129,7 +129,7 @@ def picklable(scaler: GradScaler) -> dict[str, Any]:
     state["_outcomes"] = {}
     state["_last_stepped"] = None
     state["_scale_range"] = None
-    state["_factors"] = _check.UnscaleFactors()  # device tensors, made again on demand
+    state["_factors"] = _unscale.UnscaleFactors()  # device tensors, made again on demand
     state["_scale_for_step"] = None
     state["_stepping"] = None
     # Hooks are registered on live models; a copy must attach() again.
@@ -155,7 +155,7 @@ def unpickle(scaler: GradScaler, state: dict[str, Any]) -> None:
     """Restore a pickled scaler, from this version or an earlier one."""
     for name, default in _ADDED_SINCE:
         state.setdefault(name, default)
-    state.setdefault("_factors", _check.UnscaleFactors())
+    state.setdefault("_factors", _unscale.UnscaleFactors())
     state.pop("_inv_scale", None)  # earlier versions' cache of 1/scale
     state.pop("_one", None)
     telemetry = state.pop("_predictive_telemetry", None)

@@ -21,6 +21,7 @@ from dscale import (
     _scaler_state,
     _spike_gate,
     _state,
+    _unscale,
     _watchdogs,
 )
 from dscale._masked_step import fused_step, masked_step
@@ -206,7 +207,7 @@ class GradScaler(TorchGradScalerSurface):
         self._scale_for_step: torch.Tensor | None = None
         # id of the optimizer whose step(grad_scaler=...) runs: its reads of the flag agree.
         self._stepping: int | None = None
-        self._factors = _check.UnscaleFactors()  # 1/scale and 1.0 as tensors, made once
+        self._factors = _unscale.UnscaleFactors()  # 1/scale and 1.0 as tensors, made once
         # False for a StepGuard (dscale/step_guard.py): the scale is 1 and never moves.
         self._loss_scaling = True
         self._spike_warned_at = 0  # the spike run length last warned about
@@ -401,7 +402,7 @@ class GradScaler(TorchGradScalerSurface):
         if state.agreed is None:  # marked UNSCALED by code that unscaled the grads itself
             _check.check(self, optimizer, state, unscale=False, unscaled_by_caller=True)
         else:
-            _check.refuse_a_backward_since_unscale(self, optimizer, state)
+            _decision.refuse_a_backward_since_unscale(self, optimizer, state)
         return True
 
     def _grad_scale_for(self, optimizer: torch.optim.Optimizer, unscaled: bool) -> Any:
@@ -440,7 +441,7 @@ class GradScaler(TorchGradScalerSurface):
         for state in states:
             if state.deferred:  # unscale_() without step(): agree on it now
                 try:
-                    _check.start_deferred(self, state)
+                    _decision.start_deferred(self, state)
                 except AttachRefusal as exc:
                     # This rank joined its peers' agreement (a skip): update as they do, then
                     # raise, so that the next iteration starts on every rank alike.
