@@ -117,6 +117,10 @@ class HookState:
         # grads by identity, at C speed, with no id() per grad (see untouched()).
         self._held: list[torch.Tensor] | None = None
         self._versions: list[Any] = []
+        # What step() reads versions of, with them: the grads, or DDP's buckets where every grad
+        # is a view of one (see `_watched_of`); held and dropped with `_held`.
+        self._watched: list[torch.Tensor] = []
+        self._watched_versions: list[Any] = []
         self._records: dict[int, tuple[weakref.ref[torch.Tensor], Any]] | None = {}
         # DDP: ids of params whose grads hold this hook's unscaled output; rescaled before a
         # backward adds to them.
@@ -185,12 +189,16 @@ class HookState:
             self._seen = list(map(weakref.ref, grads))
             self._held = grads
             self._versions = self._versions_of(grads)
+            self._watched = self._watched_of(grads)
+            self._watched_versions = (
+                self._versions if self._watched is grads else self._versions_of(self._watched)
+            )
             self._records = None
             if self.ddp:
                 self.unscaled = set(self.ids)
             return
         self._seen = None
-        self._held = None
+        self.release()
         self._records = {}
         for p, grad in zip(self.params, grads, strict=True):
             if grad is not None:
@@ -206,6 +214,20 @@ class HookState:
         :meth:`classify` instead of :meth:`untouched`.
         """
         self._held = None
+        self._watched = []
+
+    def _watched_of(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The tensors whose versions move when any of ``grads`` is written in place.
+
+        DDP with ``gradient_as_bucket_view=True``: every grad is a view of a bucket, and a view
+        shares its base's version counter, so one version per bucket covers them all. Anything
+        else (DDP's default separate grads, FSDP2's DTensors): the grads themselves.
+        """
+        if self.ddp:
+            bases = list(map(_BASE, grads))
+            if not any(map(_IS_NONE, bases)):
+                return list(dict(zip(map(id, bases), bases)).values())  # each bucket once
+        return grads
 
     def _versions_of(self, grads: list[torch.Tensor]) -> list[Any]:
         """:func:`version_of` each grad, at C speed (DDP: plain grads; FSDP2: DTensors)."""
@@ -226,16 +248,18 @@ class HookState:
     def untouched(self) -> bool:
         """Whether every param's grad is the one the hook left, unwritten (a DDP fast path).
 
-        One C-level pass per check (read the grads, compare them with those held by identity,
-        read their versions): no Python code per grad, and no id() per grad (about 20 ns each,
-        half of what the check costs beside reading the grads and their versions). A False
-        sends the step to :meth:`classify`, which tells the cases apart.
+        C-level passes (read the grads, compare them with those held by identity, read the
+        versions of the grads or, for bucket views, of the buckets): no Python code per grad,
+        and no id() per grad. A False sends the step to :meth:`classify`, which tells the cases
+        apart.
         """
         held = self._held
         if held is None:
             return False
-        grads = list(map(_GRAD, self.params))
-        return all(map(operator.is_, grads, held)) and self._versions_of(grads) == self._versions
+        return (
+            all(map(operator.is_, map(_GRAD, self.params), held))
+            and self._versions_of(self._watched) == self._watched_versions
+        )
 
     def rescale_before_accumulation(self, param: torch.nn.Parameter) -> None:
         """DDP: turn this hook's unscaled output back into scaled grads before a backward adds.
@@ -347,6 +371,7 @@ def _used_on_current_stream(*tensors: torch.Tensor) -> None:
 
 _GRAD = operator.attrgetter("grad")
 _VERSION = operator.attrgetter("_version")
+_BASE = operator.attrgetter("_base")  # a view's base (None for a tensor that is not a view)
 _LOCAL_VERSION = operator.attrgetter("_local_tensor._version")  # a DTensor's local shard's
 
 
