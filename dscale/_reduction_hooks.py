@@ -112,9 +112,15 @@ class HookState:
         # `params` order (None: a param without grad; see end_backward), and id(param) -> (the
         # grad, its version), built from them only when a step needs it (`records()`).
         self._seen: list[weakref.ref[torch.Tensor]] | None = None
-        self._ids: list[int] = []  # ids of those grads: unique while none of them is freed
-        self._freed = False  # one of them was freed since (its id may be another grad's now)
+        # The same grads, held from the backward to update() (or the model's next forward or
+        # backward, whichever comes first; `release()`): step() compares them with the params'
+        # grads by identity, at C speed, with no id() per grad (see untouched()).
+        self._held: list[torch.Tensor] | None = None
         self._versions: list[Any] = []
+        # What step() reads versions of, with them: the grads, or DDP's buckets where every grad
+        # is a view of one (see `_watched_of`); held and dropped with `_held`.
+        self._watched: list[torch.Tensor] = []
+        self._watched_versions: list[Any] = []
         self._records: dict[int, tuple[weakref.ref[torch.Tensor], Any]] | None = {}
         # DDP: ids of params whose grads hold this hook's unscaled output; rescaled before a
         # backward adds to them.
@@ -160,6 +166,7 @@ class HookState:
             )
         self.scale_calls_seen = calls
         self.generation += 1
+        self.release()  # a new backward: the grads held for the last one may be gone
         # DDP reduces the whole accumulated grad, so its new flag covers everything in it. FSDP2
         # reduces only this backward's part: an earlier flag stays unless its grads are gone.
         if self.ddp or all(p.grad is None for p in self.params):
@@ -179,15 +186,19 @@ class HookState:
         grads = list(map(_GRAD, self.params))
         if not any(map(_IS_NONE, grads)) and (self.ddp or _all_dtensors(grads)):
             # Every param has a grad: kept as lists, which step() compares at C speed.
-            self._seen = list(map(weakref.ref, grads, itertools.repeat(self._grad_freed)))
-            self._ids = list(map(id, grads))
-            self._freed = False
+            self._seen = list(map(weakref.ref, grads))
+            self._held = grads
             self._versions = self._versions_of(grads)
+            self._watched = self._watched_of(grads)
+            self._watched_versions = (
+                self._versions if self._watched is grads else self._versions_of(self._watched)
+            )
             self._records = None
             if self.ddp:
                 self.unscaled = set(self.ids)
             return
         self._seen = None
+        self.release()
         self._records = {}
         for p, grad in zip(self.params, grads, strict=True):
             if grad is not None:
@@ -195,8 +206,28 @@ class HookState:
         if self.ddp:
             self.unscaled = set(self._records)
 
-    def _grad_freed(self, _: weakref.ref[torch.Tensor]) -> None:
-        self._freed = True
+    def release(self) -> None:
+        """Stop holding the grads of the last backward (they stay readable through `records()`).
+
+        Held past update() or into the next iteration, grads the user dropped (zero_grad) would
+        stay in memory through the next forward and backward; step() then takes
+        :meth:`classify` instead of :meth:`untouched`.
+        """
+        self._held = None
+        self._watched = []
+
+    def _watched_of(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The tensors whose versions move when any of ``grads`` is written in place.
+
+        DDP with ``gradient_as_bucket_view=True``: every grad is a view of a bucket, and a view
+        shares its base's version counter, so one version per bucket covers them all. Anything
+        else (DDP's default separate grads, FSDP2's DTensors): the grads themselves.
+        """
+        if self.ddp:
+            bases = list(map(_BASE, grads))
+            if not any(map(_IS_NONE, bases)):
+                return list(dict(zip(map(id, bases), bases)).values())  # each bucket once
+        return grads
 
     def _versions_of(self, grads: list[torch.Tensor]) -> list[Any]:
         """:func:`version_of` each grad, at C speed (DDP: plain grads; FSDP2: DTensors)."""
@@ -217,14 +248,18 @@ class HookState:
     def untouched(self) -> bool:
         """Whether every param's grad is the one the hook left, unwritten (a DDP fast path).
 
-        One C-level pass per check (grad identity, then versions): no Python code per grad. A
-        False sends the step to :meth:`classify`, which tells the cases apart.
+        C-level passes (read the grads, compare them with those held by identity, read the
+        versions of the grads or, for bucket views, of the buckets): no Python code per grad,
+        and no id() per grad. A False sends the step to :meth:`classify`, which tells the cases
+        apart.
         """
-        if self._seen is None or self._freed:
+        held = self._held
+        if held is None:
             return False
-        grads = list(map(_GRAD, self.params))
-        # The same ids are the same grads: none of those seen was freed, so no id was reused.
-        return list(map(id, grads)) == self._ids and self._versions_of(grads) == self._versions
+        return (
+            all(map(operator.is_, map(_GRAD, self.params), held))
+            and self._versions_of(self._watched) == self._watched_versions
+        )
 
     def rescale_before_accumulation(self, param: torch.nn.Parameter) -> None:
         """DDP: turn this hook's unscaled output back into scaled grads before a backward adds.
@@ -336,6 +371,7 @@ def _used_on_current_stream(*tensors: torch.Tensor) -> None:
 
 _GRAD = operator.attrgetter("grad")
 _VERSION = operator.attrgetter("_version")
+_BASE = operator.attrgetter("_base")  # a view's base (None for a tensor that is not a view)
 _LOCAL_VERSION = operator.attrgetter("_local_tensor._version")  # a DTensor's local shard's
 
 
@@ -437,6 +473,8 @@ class ReductionHooks:
                 "attach() takes a DistributedDataParallel model or an FSDP2 (fully_shard) model, "
                 f"got {type(model).__name__}; other models need no attach()"
             )
+        # The next forward starts an iteration: the last backward's grads are no longer held.
+        model.register_forward_pre_hook(functools.partial(_release_before_forward, state))
         self.states.append(state)
         self.epoch += 1
         # The model gone, its parameters are no longer the scaler's to vouch for (nor to keep).
@@ -555,6 +593,7 @@ class ReductionHooks:
         for state in self.states:
             state.found = {}
             state.measured = {}
+            state.release()
 
 
 def _forget(hooks: weakref.ref[ReductionHooks], state: weakref.ref[HookState]) -> None:
@@ -563,6 +602,10 @@ def _forget(hooks: weakref.ref[ReductionHooks], state: weakref.ref[HookState]) -
         owner.states.remove(gone)
         owner._combined = None
         owner.epoch += 1
+
+
+def _release_before_forward(state: HookState, module: torch.nn.Module, args: Any) -> None:
+    state.release()
 
 
 def _combine(measured: list[torch.Tensor]) -> torch.Tensor:

@@ -7,8 +7,9 @@ own work: the hooks' report, the agreement, the decision). Arms interleave in ro
 second 8-parameter arm is the A/A control. Ratios with dscale.bench's bootstrap intervals; issue
 34's target is 200 / 8 <= 1.1.
 
-Run: .venv/bin/python tests/scaler/measure_attach_step.py [REPS] [NUMEL]
-(e.g. 400 64; record `cat /proc/loadavg`)
+Run: .venv/bin/python tests/scaler/measure_attach_step.py [REPS] [NUMEL] [--bucket-view]
+(e.g. 400 64; record `cat /proc/loadavg`). ``--bucket-view``: DDP's
+``gradient_as_bucket_view=True``, where step() reads one version per bucket, not per grad.
 """
 
 from __future__ import annotations
@@ -43,8 +44,8 @@ class _Summed(nn.Module):
         return torch.stack([(w * x).sum() for w in self.weights]).sum()
 
 
-def _arm(count: int, numel: int) -> Callable[[], tuple[float, float]]:
-    model = DDP(_Summed(count, numel))
+def _arm(count: int, numel: int, bucket_view: bool) -> Callable[[], tuple[float, float]]:
+    model = DDP(_Summed(count, numel), gradient_as_bucket_view=bucket_view)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-9, foreach=True)
     scaler = dscale.GradScaler("cpu", init_scale=2.0**10)
     scaler.attach(model)
@@ -66,16 +67,20 @@ def _arm(count: int, numel: int) -> Callable[[], tuple[float, float]]:
     return run
 
 
-def main(reps: int, numel: int) -> None:
+def main(reps: int, numel: int, bucket_view: bool = False) -> None:
     torch.set_num_threads(1)
-    runs = {name: _arm(count, numel) for name, count in ARMS.items()}
+    runs = {name: _arm(count, numel, bucket_view) for name, count in ARMS.items()}
     names = list(ARMS)
     paired: dict[str, list[float]] = {name: [] for name in names}
     for rep in range(reps):
         for name in names[rep % len(names) :] + names[: rep % len(names)]:
             plain, scaled = runs[name]()
             paired[name].append((scaled - plain) * 1e6)
-    print(f"attach() on DDP, 1 gloo rank, x {numel} floats, SGD foreach, {reps} reps ({METHOD})")
+    views = ", grads as bucket views" if bucket_view else ""
+    print(
+        f"attach() on DDP{views}, 1 gloo rank, x {numel} floats, SGD foreach, {reps} reps "
+        f"({METHOD})"
+    )
     for name in names:
         median = statistics.median(paired[name])
         print(f"  {name:6s} step()+update() overhead median {median:7.1f} us")
@@ -92,11 +97,12 @@ def main(reps: int, numel: int) -> None:
 
 
 if __name__ == "__main__":
-    reps = int(sys.argv[1]) if len(sys.argv) > 1 else 400
-    numel = int(sys.argv[2]) if len(sys.argv) > 2 else 64
+    args = [a for a in sys.argv[1:] if a != "--bucket-view"]
+    reps = int(args[0]) if args else 400
+    numel = int(args[1]) if len(args) > 1 else 64
     with tempfile.TemporaryDirectory() as tmp:
         dist.init_process_group(
             "gloo", store=dist.FileStore(f"{tmp}/store", 1), rank=0, world_size=1
         )
-        main(reps, numel)
+        main(reps, numel, "--bucket-view" in sys.argv)
         dist.destroy_process_group()

@@ -192,7 +192,12 @@ def _refused(rank: int, case: str) -> str:
     import dscale
 
     parallel = "fsdp2" if case.startswith("fsdp2") else "ddp"
-    model = _fsdp2(tiny_model()) if parallel == "fsdp2" else _ddp(tiny_model())
+    if parallel == "fsdp2":
+        model = _fsdp2(tiny_model())
+    elif case.endswith("bucket_view"):  # one version per bucket: a view shares its base's
+        model = DDP(tiny_model(), gradient_as_bucket_view=True)
+    else:
+        model = _ddp(tiny_model())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = dscale.GradScaler("cpu", init_scale=2.0**10)
     scaler.attach(model)
@@ -202,7 +207,7 @@ def _refused(rank: int, case: str) -> str:
             model(batch(rank, 0)).sum().backward()
         else:
             scaler.scale(model(batch(rank, 0)).sum()).backward()
-        if case == "grad_written_after_backward":
+        if case in ("grad_written_after_backward", "grad_written_after_backward_bucket_view"):
             model.module[0].weight.grad.mul_(0.5)  # e.g. a framework's after-backward hook
         elif case == "fsdp2_grad_written_after_backward":  # the local shard's version moves
             model[0].weight.grad.mul_(0.5)
@@ -251,6 +256,7 @@ REPLICATED = (
 REFUSED = (
     "backward_without_scale",
     "grad_written_after_backward",
+    "grad_written_after_backward_bucket_view",
     "fsdp2_grad_written_after_backward",
     "grad_replaced_after_backward",
     "second_loss_outside_fully_attached",

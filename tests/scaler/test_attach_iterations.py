@@ -113,6 +113,12 @@ def _one_model(
             scaler.scale(_loss(model, x2, poison)).backward()
             scaler.step(opt_a)
             scaler.step(opt_b)
+        elif order == "forward_before_step":  # e.g. a metric on the batch before the step
+            scaler.scale(_loss(model, x1, poison)).backward()
+            with torch.no_grad():
+                model(x2)
+            scaler.step(opt_a)
+            scaler.step(opt_b)
         elif order == "no_sync_accumulation":
             with model.no_sync():
                 scaler.scale(_loss(model, x1, poison)).backward()
@@ -502,7 +508,69 @@ def _group_is_collected(rank: int, attach: bool) -> bool:
     return gone() is None
 
 
-ORDERS = ("backward_between_steps", "backwards_before_first_step", "no_sync_accumulation")
+def _grads_kept(rank: int, parallel: str) -> dict[str, Any]:
+    """Whether the scaler keeps grads alive that the user dropped (zero_grad), and whether the
+    steps took the hooks' fast check (no per-parameter classify).
+
+    The hooks hold the grads of the last backward for step()'s identity check until update(),
+    the model's next forward or its next backward; a backward abandoned without step() must not
+    keep them through the next forward.
+    """
+    import dscale
+    from dscale._reduction_hooks import HookState
+
+    if parallel == "ddp_bucket_view":  # step() reads one version per bucket
+        model = DDP(tiny_model(), gradient_as_bucket_view=True)
+    else:
+        model = wrap(tiny_model(), parallel)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = dscale.GradScaler("cpu", init_scale=2.0**10)
+    scaler.attach(model)
+    classified = []
+    classify = HookState.classify
+
+    def counting(self: Any, grads_of: Any) -> Any:
+        classified.append(1)
+        return classify(self, grads_of)
+
+    def alive() -> bool:
+        refs = [weakref.ref(p.grad) for p in model.parameters() if p.grad is not None]
+        assert refs, "no grads made"
+        opt.zero_grad(set_to_none=True)
+        return any(ref() is not None for ref in refs)
+
+    HookState.classify = counting  # type: ignore[method-assign]
+    try:
+        out: dict[str, Any] = {}
+        for step in range(2):
+            scaler.scale(_loss(model, batch(rank, step), False)).backward()
+            scaler.step(opt)
+            scaler.update()
+        out["after_update"] = alive()
+        out["classified_in_plain_steps"] = len(classified)
+        scaler.scale(_loss(model, batch(rank, 2), False)).backward()  # abandoned: no step
+        refs = [weakref.ref(p.grad) for p in model.parameters()]
+        opt.zero_grad(set_to_none=True)
+        loss = _loss(model, batch(rank, 3), False)  # the next forward
+        out["at_next_forward"] = any(ref() is not None for ref in refs)
+        scaler.scale(loss).backward()
+        with torch.no_grad():
+            model(batch(rank, 4))  # a forward between backward and step: the full check
+        scaler.step(opt)
+        scaler.update()
+        out["classified_after_a_forward"] = len(classified) - out["classified_in_plain_steps"]
+        out["applied"] = scaler.step_applied(opt)
+    finally:
+        HookState.classify = classify  # type: ignore[method-assign]
+    return out
+
+
+ORDERS = (
+    "backward_between_steps",
+    "backwards_before_first_step",
+    "no_sync_accumulation",
+    "forward_before_step",
+)
 RUNS: tuple[str, ...] = (
     "gan",
     "two_models",
@@ -587,6 +655,9 @@ def _all(rank: int, world_size: int) -> dict[str, Any]:
         w: _recovery_after_refusal(rank, w) for w in ("step", "unscale", "unscale_update")
     }
     out["group_collected"] = {a: _group_is_collected(rank, a) for a in (False, True)}
+    out["grads_kept"] = {
+        parallel: _grads_kept(rank, parallel) for parallel in ("ddp", "ddp_bucket_view", "fsdp2")
+    }
     out["param_groups_change"] = {
         kind: _param_groups_change(rank, kind) for kind in ("torch", "plain", "attach")
     }
@@ -642,6 +713,21 @@ def test_attach_does_not_keep_ddps_process_group_alive(results) -> None:
     for out in results.values():
         # Without attach() the group goes (the control); with it, it must go too.
         assert out["group_collected"] == {False: True, True: True}
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "ddp_bucket_view", "fsdp2"])
+def test_attach_keeps_no_dropped_grad_alive_after_update_or_at_the_next_forward(
+    results, parallel
+) -> None:
+    for out in results.values():
+        got = out["grads_kept"][parallel]
+        if parallel != "ddp_bucket_view":  # there DDP's buckets keep the grads (views) anyway
+            assert not got["after_update"], got
+            assert not got["at_next_forward"], got  # a backward abandoned without step()
+        # The held grads make the check one C-level pass; after a forward, the full one runs.
+        assert got["classified_in_plain_steps"] == 0, got
+        assert got["classified_after_a_forward"] == 1, got
+        assert got["applied"], got
 
 
 @pytest.mark.parametrize("how", ["no_sync", "bare"])
