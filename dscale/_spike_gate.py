@@ -28,7 +28,7 @@ value; nothing here grows with the parameter count.
 The window and the counters stay on the device (float64 tensors): no host sync. Every step is a
 handful of vector ops, whatever the window's length. One float64 matrix holds everything, a shift
 register whose newest value sits in column ``window - 1``, with this step's column (``window``)
-beside it:
+beside it, twice (``window`` and ``window + 1``, so that the shifted matrix carries it too):
 
 - one row per watched value, then a row of ones (``1`` where a slot holds a value), so one sum
   gives every signal's total and the count, one ``addcmul`` the deviations from the mean (0 in
@@ -41,8 +41,10 @@ beside it:
   the count there, so spike skips "in a row" are their difference, and no op resets a counter;
 - the values that entered, in column ``window`` of the last row.
 
-An applied step shifts its column in with one copy and one ``where``. The state dict keeps the
-ring layout (slot ``i % spike_window`` for the i-th value; a roll on the host converts).
+Two such matrices take turns: an applied step's ``where`` writes the other one shifted, a skipped
+step's writes it as it is, and one add counts the spike and the entry, both written into one
+pair of bools by the ops that decide them. The state dict keeps the ring layout (slot
+``i % spike_window`` for the i-th value; a roll on the host converts).
 """
 
 from __future__ import annotations
@@ -116,9 +118,12 @@ class SpikeGate:
         self.watches_grad_norm = "grad_norm" in signals
         self._loss: torch.Tensor | None = None  # this iteration's loss on this rank (a sum)
         self._device: torch.device | None = None
-        # float64 [len(signals) + 4, window + 1], rows as the module docstring says: values,
-        # ones, factors, spike skips (at the last entry | now), entries (column `window` only).
+        # float64 [len(signals) + 4, window + 2], rows as the module docstring says: values,
+        # ones, factors, spike skips (at the last entry | now), entries (column `window` on);
+        # the matrix now and the one the next push() writes, in turn.
         self.state: torch.Tensor | None = None
+        self._spare: torch.Tensor | None = None
+        self._flags: torch.Tensor | None = None  # bool [spike, enters] of this step
         self._slots: tuple[Any, torch.Tensor] | None = None  # ((device, rank, world), slots)
         self._norms: tuple[Any, torch.Tensor] | None = None  # ((device, count), buffer)
         self._zeros = torch.zeros(len(signals), dtype=torch.float64)
@@ -260,14 +265,16 @@ class SpikeGate:
     def _place(self, device: torch.device) -> None:
         if self._device == device:
             return
-        if self.state is None:
-            self.state = torch.empty(
-                len(self.signals) + 4, self.window + 1, dtype=torch.float64, device=device
-            )
+        if self.state is None or self._spare is None:
+            shape = (len(self.signals) + 4, self.window + 2)
+            self.state = torch.empty(shape, dtype=torch.float64, device=device)
+            self._spare = torch.empty_like(self.state)
             self._write(self._pending_load or self._empty_state())
             self._pending_load = None
         else:
             self.state = self.state.to(device)
+            self._spare = self._spare.to(device)
+        self._flags = torch.zeros(2, dtype=torch.bool, device=device)
         self._zeros = torch.zeros(len(self.signals), dtype=torch.float64, device=device)
         self._device = device
 
@@ -286,24 +293,27 @@ class SpikeGate:
 
     def decide(
         self, tail: torch.Tensor, overflow: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(spike, values) from the agreed tail: spike is 0-d fp32 (0 or 1), values float64.
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(spike, values, skip) from the agreed tail and overflow flag (0 or 1).
 
-        ``overflow`` is the agreed overflow flag (0 or 1): an overflowing step is an overflow,
-        not a spike, so it is never counted twice.
+        spike is a 0-d bool, values float64, skip the flag the step obeys: 0-d fp32, 1 for an
+        overflow or a spike (0 or 1 either way: fused kernels test ``found_inf == 1``). An
+        overflowing step is an overflow, not a spike, so it is never counted twice.
         """
         self._place(tail.device)
-        state = self.state
-        assert state is not None  # noqa: S101
+        state, flags = self.state, self._flags
+        assert state is not None and flags is not None  # noqa: S101
         n, w = len(self.signals), self.window
         world = tail.numel() // n
         # The loss is the mean over ranks, the grad norm the root of the summed squares; written
-        # into this step's column, which push() shifts in.
-        values = torch.sum(tail.view(n, world), 1, dtype=torch.float64, out=state[:n, w])
+        # into this step's two columns, which push() shifts in.
+        ranks = tail.view(n, 1, world).expand(n, 2, world)
+        pair = torch.sum(ranks, 2, dtype=torch.float64, out=state[:n, w : w + 2])
         if self.watches_loss and world > 1:
-            values[:1].div_(world)
+            pair[:1].div_(world)
         if self.watches_grad_norm:
-            values[n - 1 :].sqrt_()
+            pair[n - 1 :].sqrt_()
+        values = state[:n, w]
         window = state[: n + 1, :w]  # the values and the ones row
         sums = window.sum(1)  # every signal's total, and the count of values
         mean = sums[:n] / sums[n]  # NaN when empty: no threshold, no spike
@@ -314,28 +324,31 @@ class SpikeGate:
             torch.linalg.vector_norm(deviations, dim=1),
         )
         above = (values > threshold).any()
-        # A spike where no overflow (the flag is 0 or 1): as fp32, the flag's type.
-        spike = torch.empty((), dtype=torch.float32, device=tail.device)
-        return torch.gt(above, overflow.reshape(()), out=spike), values
+        overflow = overflow.reshape(())
+        spike = torch.gt(above, overflow, out=flags[0])  # a spike where no overflow
+        skip = torch.empty((), dtype=torch.float32, device=tail.device)
+        return spike, values, torch.maximum(overflow, spike, out=skip)
 
     def push(self, values: torch.Tensor, spike: torch.Tensor, skip: torch.Tensor) -> None:
         """End of an iteration: an applied step's (finite) values enter the window; count.
 
-        ``values`` and ``spike`` are :meth:`decide`'s; ``skip`` the step's skip flag (0 or 1).
+        ``values``, ``spike`` and ``skip`` are :meth:`decide`'s (the count reads the spike
+        where decide() wrote it, beside the flag written here).
         """
-        state = self.state
-        assert state is not None  # noqa: S101
+        state, spare, flags = self.state, self._spare, self._flags
+        assert state is not None and spare is not None and flags is not None  # noqa: S101
         w = self.window
         # Applied (skip == 0) and finite: a dot with zeros is 0, or NaN for an inf or NaN.
-        enters = torch.eq(torch.dot(values, self._zeros), skip.reshape(()))
-        # Every row but the entries one moves left by one slot where a value enters: the values,
-        # the ones, the factors, and the spike skips into the "at the last entry" slot.
-        shifted = state[: self._entries, 1:].clone()
-        torch.where(enters, shifted, state[: self._entries, :w], out=state[: self._entries, :w])
-        # Entering and a spike exclude each other: a spike skips the step.
-        state[self._spikes, w:].add_(spike.reshape(1))
-        state[self._entries, w:].add_(enters.reshape(1))
-        self._publish()  # with the step's values, which decide() wrote into column `window`
+        enters = torch.eq(torch.dot(values, self._zeros), skip.reshape(()), out=flags[1])
+        # Where a value enters every row moves left by one slot: the values, the ones, the
+        # factors, and the spike skips into the "at the last entry" slot.
+        torch.where(enters, state[:, 1:], state[:, : w + 1], out=spare[:, : w + 1])
+        # [spike skips, entries] + [spike, enters] into both step columns (a spike skips the
+        # step, so never both); written from this matrix, whose counts the shift may not carry.
+        counts = state[self._spikes : self._entries + 1, w + 1 :].expand(2, 2)
+        torch.add(counts, flags[:, None], out=spare[self._spikes : self._entries + 1, w:])
+        self.state, self._spare = spare, state
+        self._publish()  # with the step's values, which the shift carried into column `window`
 
     def end_iteration(self) -> None:
         """Forget this iteration's loss (update() calls it, whatever happened)."""
@@ -360,7 +373,7 @@ class SpikeGate:
     def _published(self) -> torch.Tensor:
         """Columns ``window - 1`` and ``window``: the last values and every counter, one view."""
         assert self.state is not None  # noqa: S101
-        return self.state[:, self.window - 1 :]
+        return self.state[:, self.window - 1 : self.window + 1]
 
     def _publish(self) -> None:
         """Start a copy of the counters and last values to the host (non-blocking on CUDA)."""
@@ -472,20 +485,20 @@ class SpikeGate:
         entered, skipped, in_a_row = _counters(checked)
         ring = checked["spike_window_values"].to(torch.float64).cpu()
         filled = min(entered, w)
-        rows = torch.zeros(n + 4, w + 1, dtype=torch.float64)
+        rows = torch.zeros(n + 4, w + 2, dtype=torch.float64)
         rows[:n, :w] = ring.roll(-(entered % w), dims=1)  # oldest first, newest last
-        rows[n, w - filled :] = 1.0
+        rows[n, w - filled :] = 1.0  # and the step's columns
         rows[:n, :w] *= rows[n, :w]  # a slot past the values saved is empty, whatever it held
         # Slot j holds the factor for the count j more values will bring (capped at the window).
         table = self._factor_table()
-        rows[n + 1] = table[(torch.arange(w + 1) + filled).clamp(max=w)]
-        rows[n + 1, w] = table[w]
-        rows[:n, w] = math.nan  # no step's values yet
-        rows[n, w] = 1.0
+        rows[n + 1] = table[(torch.arange(w + 2) + filled).clamp(max=w)]
+        rows[:n, w:] = math.nan  # no step's values yet
         rows[n + 2, w - 1] = skipped - in_a_row  # the spike skips when the last value entered
-        rows[n + 2, w] = skipped
-        rows[n + 3, w] = entered
+        rows[n + 2, w:] = skipped
+        rows[n + 3, w:] = entered
         self.state.copy_(rows)
+        assert self._spare is not None  # noqa: S101
+        self._spare.copy_(rows)  # its step's columns, which the shift does not write
         self._host = self._host_values(entered, skipped, in_a_row, [math.nan] * n)
         self._in_flight = None
 
@@ -493,7 +506,16 @@ class SpikeGate:
         state = self.__dict__.copy()
         if self.state is not None:  # tensors go through the state dict, as the scale does
             state["_pending_load"] = self.state_dict()
-        for name in ("state", "_slots", "_norms", "_device", "_loss", "_in_flight"):
+        for name in (
+            "state",
+            "_spare",
+            "_flags",
+            "_slots",
+            "_norms",
+            "_device",
+            "_loss",
+            "_in_flight",
+        ):
             state[name] = None
         state["_consts"] = {}
         state["_zeros"] = torch.zeros(len(self.signals), dtype=torch.float64)

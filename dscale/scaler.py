@@ -647,8 +647,7 @@ class GradScaler(TorchGradScalerSurface):
             return flag
         if state.skip is None:
             tail = agreed[agreed.numel() - state.tail_len :]
-            state.spike, state.spike_values = self._spike.decide(tail, flag)
-            state.skip = torch.maximum(flag, state.spike.to(flag.dtype))
+            state.spike, state.spike_values, state.skip = self._spike.decide(tail, flag)
         return state.skip
 
     def _decide_on_host(self, state: _OptimizerState) -> bool:
@@ -663,7 +662,7 @@ class GradScaler(TorchGradScalerSurface):
         if self._spike is not None:
             self._skip_flag(state)
             assert state.spike is not None  # noqa: S101 - decided just above
-            values = torch.cat([agreed, state.spike.reshape(1).to(agreed.dtype)]).tolist()
+            values = torch.cat([agreed, state.spike.reshape(1)]).tolist()  # bool: promoted
             state.host_agreed, spike = values[:-1], values[-1] > 0
         else:
             state.host_agreed = agreed.tolist()
