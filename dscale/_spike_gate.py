@@ -55,19 +55,16 @@ from typing import Any
 
 import torch
 
+from dscale import _spike_state
+from dscale._spike_state import ENTRIES, FACTORS, ONES, SPIKES
+
 #: The values the gate can watch, in their order in the agreement vector and the window.
 SIGNALS = ("loss", "grad_norm")
 #: The counters as :attr:`SpikeGate.counts` gives them: values that entered the window, spike
 #: skips, spike skips in a row.
 ENTERED, SKIPPED, IN_A_ROW = range(3)
 
-STATE_KEYS = (
-    "spike_signals",
-    "spike_window_values",
-    "spike_window_entered",
-    "num_spike_skipped_steps",
-    "num_spike_skipped_in_a_row",
-)
+STATE_KEYS = _spike_state.STATE_KEYS
 
 
 def check_spike_args(signals: Any, sigma: Any, window: Any, warmup: Any) -> tuple[str, ...]:
@@ -134,20 +131,12 @@ class SpikeGate:
 
     # ------------------------------------------------------------------ layout
     @property
-    def _ones(self) -> int:
-        return len(self.signals)
-
-    @property
-    def _factors(self) -> int:
-        return len(self.signals) + 1
-
-    @property
     def _spikes(self) -> int:
-        return len(self.signals) + 2
+        return len(self.signals) + SPIKES
 
     @property
     def _entries(self) -> int:
-        return len(self.signals) + 3
+        return len(self.signals) + ENTRIES
 
     def _constants(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(fp64 inf, fp32 inf, fp32 zero) on ``device``: operands made once."""
@@ -256,12 +245,6 @@ class SpikeGate:
         return torch.mm(x, y.t()).diagonal()
 
     # ------------------------------------------------------------------ decision
-    def _factor_table(self) -> torch.Tensor:
-        """[window + 1] float64 on the host: sigma / sqrt(n - 1) for n values, inf if n < warmup."""
-        counts = torch.arange(self.window + 1, dtype=torch.float64)
-        factor = self.sigma / (counts - 1).clamp(min=1).sqrt()
-        return factor.masked_fill(counts < self.warmup, math.inf)
-
     def _place(self, device: torch.device) -> None:
         if self._device == device:
             return
@@ -269,7 +252,7 @@ class SpikeGate:
             shape = (len(self.signals) + 4, self.window + 2)
             self.state = torch.empty(shape, dtype=torch.float64, device=device)
             self._spare = torch.empty_like(self.state)
-            self._write(self._pending_load or self._empty_state())
+            self._write(self._pending_load or _spike_state.empty_state(self.signals, self.window))
             self._pending_load = None
         else:
             self.state = self.state.to(device)
@@ -314,13 +297,13 @@ class SpikeGate:
         if self.watches_grad_norm:
             pair[n - 1 :].sqrt_()
         values = state[:n, w]
-        window = state[: n + 1, :w]  # the values and the ones row
+        window = state[: n + ONES + 1, :w]  # the values and the ones row
         sums = window.sum(1)  # every signal's total, and the count of values
         mean = sums[:n] / sums[n]  # NaN when empty: no threshold, no spike
         deviations = torch.addcmul(window[:n], mean[:, None], window[n], value=-1.0)
         threshold = torch.addcmul(
             mean,
-            state[self._factors, :1],  # the factor for this count; inf before the warm-up
+            state[n + FACTORS, :1],  # the factor for this count; inf before the warm-up
             torch.linalg.vector_norm(deviations, dim=1),
         )
         above = (values > threshold).any()
@@ -410,96 +393,41 @@ class SpikeGate:
     def state_dict(self) -> dict[str, Any]:
         """The window and counters (waits for the device after device-side steps)."""
         if self.state is None:
-            return dict(self._pending_load or self._empty_state())
+            return dict(self._pending_load or _spike_state.empty_state(self.signals, self.window))
         host = self._host_from(self._published().tolist())
         entered = int(self._published()[self._entries, 1].item())
-        # The i-th value that entered lives in slot i % window of the saved ring.
-        shift = entered % self.window
-        values = self.state[: len(self.signals), : self.window].detach().cpu().roll(shift, dims=1)
         return {
             "spike_signals": ",".join(self.signals),
-            "spike_window_values": values.clone(),
+            "spike_window_values": _spike_state.to_ring(self.state, len(self.signals), entered),
             "spike_window_entered": entered,
             "num_spike_skipped_steps": int(host["spike_skipped_steps"]),
             "num_spike_skipped_in_a_row": int(host["spike_skipped_in_a_row"]),
         }
 
-    def _empty_state(self) -> dict[str, Any]:
-        return {
-            "spike_signals": ",".join(self.signals),
-            "spike_window_values": torch.zeros(len(self.signals), self.window, dtype=torch.float64),
-            "spike_window_entered": 0,
-            "num_spike_skipped_steps": 0,
-            "num_spike_skipped_in_a_row": 0,
-        }
-
     def check_state(self, state: Mapping[str, Any]) -> dict[str, Any] | None:
         """Validate the spike keys of a state dict; None when it has none (a fresh window)."""
-        if "spike_window_values" not in state:
-            return None
-        signals = state.get("spike_signals", ",".join(self.signals))
-        if signals != ",".join(self.signals):
-            raise ValueError(
-                f"state_dict: spike_signals={signals!r} but this scaler watches "
-                f"{','.join(self.signals)!r}; its window holds other values. Construct the scaler "
-                "with the same spike_signals, or drop the spike_* keys to start a fresh window"
-            )
-        values = state["spike_window_values"]
-        if not isinstance(values, torch.Tensor):
-            values = torch.as_tensor(values, dtype=torch.float64)
-        expected = (len(self.signals), self.window)
-        if tuple(values.shape) != expected:
-            raise ValueError(
-                f"state_dict: spike_window_values has shape {tuple(values.shape)}, expected "
-                f"{expected} (spike_window={self.window}); load it with the spike_window it was "
-                "saved with, or drop the spike_* keys to start a fresh window"
-            )
-        out = {"spike_signals": signals, "spike_window_values": values.double().cpu()}
-        for key in (
-            "spike_window_entered",
-            "num_spike_skipped_steps",
-            "num_spike_skipped_in_a_row",
-        ):
-            value = state.get(key, 0)
-            if isinstance(value, torch.Tensor):
-                value = int(value.item())
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"state_dict: {key} must be an int >= 0, got {value!r}")
-            out[key] = value
-        return out
+        return _spike_state.check_state(state, self.signals, self.window)
 
     def load(self, checked: dict[str, Any] | None) -> None:
         """Replace the window and counters with a dict from :meth:`check_state` (None: fresh)."""
         if checked is None:
-            checked = self._empty_state()
+            checked = _spike_state.empty_state(self.signals, self.window)
         if self.state is None:
             self._pending_load = checked
-            self._host = self._host_values(*_counters(checked), [math.nan] * len(self.signals))
+            counts = _spike_state.counters(checked)
+            self._host = self._host_values(*counts, [math.nan] * len(self.signals))
             return
         self._write(checked)
 
     def _write(self, checked: Mapping[str, Any]) -> None:
-        """Build the matrix for ``checked`` on the host and copy it in."""
-        assert self.state is not None  # noqa: S101
-        n, w = len(self.signals), self.window
-        entered, skipped, in_a_row = _counters(checked)
-        ring = checked["spike_window_values"].to(torch.float64).cpu()
-        filled = min(entered, w)
-        rows = torch.zeros(n + 4, w + 2, dtype=torch.float64)
-        rows[:n, :w] = ring.roll(-(entered % w), dims=1)  # oldest first, newest last
-        rows[n, w - filled :] = 1.0  # and the step's columns
-        rows[:n, :w] *= rows[n, :w]  # a slot past the values saved is empty, whatever it held
-        # Slot j holds the factor for the count j more values will bring (capped at the window).
-        table = self._factor_table()
-        rows[n + 1] = table[(torch.arange(w + 2) + filled).clamp(max=w)]
-        rows[:n, w:] = math.nan  # no step's values yet
-        rows[n + 2, w - 1] = skipped - in_a_row  # the spike skips when the last value entered
-        rows[n + 2, w:] = skipped
-        rows[n + 3, w:] = entered
+        """Build the matrix for ``checked`` on the host and copy it into both matrices."""
+        assert self.state is not None and self._spare is not None  # noqa: S101
+        table = _spike_state.factor_table(self.sigma, self.window, self.warmup)
+        rows = _spike_state.to_matrix(checked, table)
         self.state.copy_(rows)
-        assert self._spare is not None  # noqa: S101
         self._spare.copy_(rows)  # its step's columns, which the shift does not write
-        self._host = self._host_values(entered, skipped, in_a_row, [math.nan] * n)
+        counts = _spike_state.counters(checked)
+        self._host = self._host_values(*counts, [math.nan] * len(self.signals))
         self._in_flight = None
 
     def __getstate__(self) -> dict[str, Any]:
@@ -520,14 +448,6 @@ class SpikeGate:
         state["_consts"] = {}
         state["_zeros"] = torch.zeros(len(self.signals), dtype=torch.float64)
         return state
-
-
-def _counters(checked: Mapping[str, Any]) -> tuple[int, int, int]:
-    return (
-        checked["spike_window_entered"],
-        checked["num_spike_skipped_steps"],
-        checked["num_spike_skipped_in_a_row"],
-    )
 
 
 def tensors_in(outputs: Any) -> list[torch.Tensor]:
