@@ -281,7 +281,9 @@ class SpikeGate:
 
         spike is a 0-d bool, values float64, skip the flag the step obeys: 0-d fp32, 1 for an
         overflow or a spike (0 or 1 either way: fused kernels test ``found_inf == 1``). An
-        overflowing step is an overflow, not a spike, so it is never counted twice.
+        overflowing step is an overflow, not a spike, so it is never counted twice. skip is
+        written into the tail's last slot, read by then: a host read of the agreed vector brings
+        it along.
         """
         self._place(tail.device)
         state, flags = self.state, self._flags
@@ -309,8 +311,7 @@ class SpikeGate:
         above = (values > threshold).any()
         overflow = overflow.reshape(())
         spike = torch.gt(above, overflow, out=flags[0])  # a spike where no overflow
-        skip = torch.empty((), dtype=torch.float32, device=tail.device)
-        return spike, values, torch.maximum(overflow, spike, out=skip)
+        return spike, values, torch.maximum(overflow, spike, out=tail[-1])
 
     def push(self, values: torch.Tensor, spike: torch.Tensor, skip: torch.Tensor) -> None:
         """End of an iteration: an applied step's (finite) values enter the window; count.

@@ -655,19 +655,15 @@ class GradScaler(TorchGradScalerSurface):
 
         The whole (small) vector comes in that one copy: policy="predictive" uses its
         measurement, and the scale range is then known on the host too (and the spike gate's
-        decision, appended to it).
+        skip flag, which its decide() writes into the vector's last slot).
         """
         agreed = self._agreed(state)
-        spike = False
         if self._spike is not None:
             self._skip_flag(state)
-            assert state.spike is not None  # noqa: S101 - decided just above
-            values = torch.cat([agreed, state.spike.reshape(1)]).tolist()  # bool: promoted
-            state.host_agreed, spike = values[:-1], values[-1] > 0
-        else:
-            state.host_agreed = agreed.tolist()
+        state.host_agreed = agreed.tolist()
         state.overflowed = state.host_agreed[_agreement.OVERFLOW] > 0
-        state.applied = not (state.overflowed or spike)
+        skip = state.host_agreed[-1] > 0 if self._spike is not None else state.overflowed
+        state.applied = not skip
         return state.applied
 
     @_eager
