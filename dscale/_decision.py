@@ -86,8 +86,7 @@ def skip_flag(scaler: GradScaler, state: OptimizerState) -> torch.Tensor:
     if state.skip is None:
         assert state.layout is not None  # noqa: S101 - set by the check
         tail = state.layout.view(vector, _agreement.SPIKE)
-        state.spike, state.spike_values = scaler._spike.decide(tail, flag)
-        state.skip = torch.maximum(flag, state.spike.to(flag.dtype))
+        state.spike, state.spike_values, state.skip = scaler._spike.decide(tail, flag)
     return state.skip
 
 
@@ -95,20 +94,19 @@ def decide_on_host(scaler: GradScaler, state: OptimizerState) -> bool:
     """Read the agreed vector on the host (one sync on GPU): whether the step is applied.
 
     The whole (small) vector comes in that one copy: policy="predictive" uses its
-    measurement, and the scale range is then known on the host too (and the spike gate's
-    decision, appended to it).
+    measurement, and the scale range is then known on the host too (and the spike gate's skip
+    flag, which its decide() writes into the last of its slots).
     """
     vector = agreed(scaler, state)
-    spike = False
     if scaler._spike is not None:
         skip_flag(scaler, state)
-        assert state.spike is not None  # noqa: S101 - decided just above
-        values = torch.cat([vector, state.spike.reshape(1).to(vector.dtype)]).tolist()
-        state.host_agreed, spike = values[:-1], values[-1] > 0
+    state.host_agreed = values = vector.tolist()
+    state.overflowed = values[_agreement.OVERFLOW] > 0
+    if scaler._spike is not None:
+        assert state.layout is not None  # noqa: S101 - set by the check
+        state.applied = not values[state.layout.slots[_agreement.SPIKE].stop - 1] > 0
     else:
-        state.host_agreed = vector.tolist()
-    state.overflowed = state.host_agreed[_agreement.OVERFLOW] > 0
-    state.applied = not (state.overflowed or spike)
+        state.applied = not state.overflowed
     return state.applied
 
 

@@ -26,13 +26,24 @@ same order, so every rank decides alike. The vector grows by one float per rank 
 value; nothing here grows with the parameter count.
 
 The window and the counters stay on the device (float64 tensors): no host sync. Every step is a
-handful of vector ops, whatever the window's length: the window is a shift register whose newest
-value sits in its last column, with a row of ones beside the values (``1`` where a slot holds a
-value), so one sum gives every signal's total and the count, one ``addcmul`` the deviations from
-the mean (0 in empty slots), one norm their root sum of squares; the threshold factor
-``sigma / sqrt(n - 1)`` (inf before the warm-up) is looked up in a table made once. An applied
-step shifts its values in with one ``cat`` and one ``where``. The counters and the last values sit
-in one packed float64 vector, published as it is. The state dict keeps the ring layout (slot
+handful of vector ops, whatever the window's length. One float64 matrix holds everything, a shift
+register whose newest value sits in column ``window - 1``, with this step's column (``window``)
+beside it, twice (``window`` and ``window + 1``, so that the shifted matrix carries it too):
+
+- one row per watched value, then a row of ones (``1`` where a slot holds a value), so one sum
+  gives every signal's total and the count, one ``addcmul`` the deviations from the mean (0 in
+  empty slots), one norm their root sum of squares;
+- a row of threshold factors ``sigma / sqrt(n - 1)`` (inf before the warm-up) for the counts
+  that the next values will bring, shifted with the values: its first slot is the factor for
+  the count now, so no lookup is needed;
+- a row whose slot ``window - 1`` holds the spike skips counted at the last value that entered,
+  and whose column-``window`` slot holds the spike skips: the shift that enters a value copies
+  the count there, so spike skips "in a row" are their difference, and no op resets a counter;
+- the values that entered, in column ``window`` of the last row.
+
+Two such matrices take turns: an applied step's ``where`` writes the other one shifted, a skipped
+step's writes it as it is, and one add counts the spike and the entry, both written into one
+pair of bools by the ops that decide them. The state dict keeps the ring layout (slot
 ``i % spike_window`` for the i-th value; a roll on the host converts).
 """
 
@@ -44,20 +55,16 @@ from typing import Any
 
 import torch
 
+from dscale import _spike_state
+from dscale._spike_state import ENTRIES, FACTORS, ONES, SPIKES
+
 #: The values the gate can watch, in their order in the agreement vector and the window.
 SIGNALS = ("loss", "grad_norm")
-#: The packed vector: values that entered the window, spike skips, in a row; then this step's
-#: values and a 1 (the column push() shifts into the window; the last values once pushed).
+#: The counters as :attr:`SpikeGate.counts` gives them: values that entered the window, spike
+#: skips, spike skips in a row.
 ENTERED, SKIPPED, IN_A_ROW = range(3)
-LAST = 3
 
-STATE_KEYS = (
-    "spike_signals",
-    "spike_window_values",
-    "spike_window_entered",
-    "num_spike_skipped_steps",
-    "num_spike_skipped_in_a_row",
-)
+STATE_KEYS = _spike_state.STATE_KEYS
 
 
 def check_spike_args(signals: Any, sigma: Any, window: Any, warmup: Any) -> tuple[str, ...]:
@@ -108,19 +115,38 @@ class SpikeGate:
         self.watches_grad_norm = "grad_norm" in signals
         self._loss: torch.Tensor | None = None  # this iteration's loss on this rank (a sum)
         self._device: torch.device | None = None
-        # float64 [len(signals) + 1, window]: a shift register (newest value in the last column)
-        # over a row of ones where a slot holds a value; empty slots are 0 in every row.
-        self.window_rows: torch.Tensor | None = None
-        # float64 [ENTERED, SKIPPED, IN_A_ROW, last values...]: counters and the last step's values.
-        self.packed: torch.Tensor | None = None
-        self._factor: torch.Tensor | None = (
-            None  # [window + 1]: sigma / sqrt(n - 1), inf if n < warmup
-        )
+        # float64 [len(signals) + 4, window + 2], rows as the module docstring says: values,
+        # ones, factors, spike skips (at the last entry | now), entries (column `window` on);
+        # the matrix now and the one the next push() writes, in turn.
+        self.state: torch.Tensor | None = None
+        self._spare: torch.Tensor | None = None
+        self._flags: torch.Tensor | None = None  # bool [spike, enters] of this step
         self._slots: tuple[Any, torch.Tensor] | None = None  # ((device, rank, world), slots)
+        self._norms: tuple[Any, torch.Tensor] | None = None  # ((device, count), buffer)
         self._zeros = torch.zeros(len(signals), dtype=torch.float64)
+        self._consts: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._host: dict[str, float | int] = self._fresh_host()
         self._in_flight: tuple[torch.Tensor, Any | None] | None = None
         self._pending_load: dict[str, Any] | None = None
+
+    # ------------------------------------------------------------------ layout
+    @property
+    def _spikes(self) -> int:
+        return len(self.signals) + SPIKES
+
+    @property
+    def _entries(self) -> int:
+        return len(self.signals) + ENTRIES
+
+    def _constants(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(fp64 inf, fp32 inf, fp32 zero) on ``device``: operands made once."""
+        if device not in self._consts:
+            self._consts[device] = (
+                torch.full((), math.inf, dtype=torch.float64, device=device),
+                torch.full((), math.inf, device=device),
+                torch.zeros((), device=device),
+            )
+        return self._consts[device]
 
     # ------------------------------------------------------------------ local values
     def add_loss(self, outputs: Any) -> None:
@@ -148,7 +174,9 @@ class SpikeGate:
         """This rank's part of the agreement vector: ``len(signals) x world`` slots, -inf but ours.
 
         ``grads`` are every grad this rank holds for the optimizer, carrying the factor
-        ``carried`` (the scale while still scaled; None when unscaled).
+        ``carried`` (the scale while still scaled; None when unscaled). Ours hold the loss and
+        the squared grad norm rounded to fp32, a NaN made +inf: MAX must be well defined, and a
+        NaN would vanish or not depending on the order.
         """
         if self.watches_loss and self._loss is None:
             raise RuntimeError(
@@ -163,95 +191,148 @@ class SpikeGate:
             self._slots = (key, blank)
         slots = self._slots[1]
         mine = slots[:, rank]
-        local = []  # this rank's values, rounded to fp32 as they are written
-        if self._loss is not None:  # watched (add_loss keeps none otherwise)
-            local.append(self._loss.to(device))
-        if self.watches_grad_norm:
-            local.append(_squared_norm(grads, carried, device))
-        torch.stack(local, out=mine)
-        # MAX must be well defined: a NaN would vanish or not depending on the order.
-        torch.nan_to_num_(mine, nan=math.inf, posinf=math.inf, neginf=-math.inf)
+        inf64, inf32, zero = self._constants(device)
+        loss = zero if self._loss is None else self._loss.to(device)
+        if not self.watches_grad_norm:  # the loss alone: NaN -> inf as it is written
+            torch.fmin(loss.reshape(1), inf32, out=mine)
+            return slots.reshape(-1)
+        local = self._local_values(loss, grads, device)  # float64 [loss, squared norm]
+        if carried is not None:  # the grads are still scaled: divide the sum by scale^2
+            local[1:].div_(carried.to(device).double().reshape(()).square())
+        # fmin(x, inf) is x, and inf for a NaN: the write rounds to fp32 and clears NaNs at once.
+        torch.fmin(local if self.watches_loss else local[1:], inf64, out=mine)
         return slots.reshape(-1)
+
+    def _local_values(
+        self, loss: torch.Tensor, grads: Sequence[torch.Tensor], device: torch.device
+    ) -> torch.Tensor:
+        """[loss, sum of squared grad norms] in float64, by one fused norm per group and one mm.
+
+        fp32 accumulation inside the norm, as torch's clip_grad_norm_ (an fp16 grad near 65504
+        would overflow an fp16 norm). The k norms go, after the loss, into a buffer laid out as
+        ``[0]*(k-1), 1, [0]*(k-1), loss, norms``, so that ``X = [[0.., loss], norms]`` and
+        ``Y = [[0.., 1], norms]`` are two strided views of it and ``diag(X @ Y.T)`` is
+        ``[loss, sum of squares]``: the stack's copy is the fp64 cast, one mm does the rest
+        (exact for the loss, whatever it is; the fp64 sum may differ from a plain sum in its
+        last bits, which the fp32 slot rounds away).
+        """
+        norms: list[torch.Tensor] = []
+        parts: list[torch.Tensor] = []
+        if grads:
+            grouped = torch._C._group_tensors_by_device_and_dtype([list(grads)], False)
+            for lists, _ in grouped.values():
+                found = torch._foreach_norm(lists[0], 2, dtype=torch.float32)  # type: ignore[arg-type]
+                if found[0].device == device:
+                    norms.extend(found)
+                else:  # a group on another device: one stacked copy of its norms
+                    parts.append(torch.stack(list(found)).to(device))
+        count = len(norms) + sum(len(p) for p in parts)
+        if count == 0:  # no grads: a norm of 0
+            norms, count = [self._constants(device)[2]], 1
+        key = (device, count)
+        if self._norms is None or self._norms[0] != key:
+            buffer = torch.zeros(3 * count, dtype=torch.float64, device=device)
+            buffer[count - 1] = 1.0
+            self._norms = (key, buffer)
+        buffer = self._norms[1]
+        written = buffer[2 * count - 1 :]
+        if parts:
+            torch.cat([loss.reshape(1), *(n.reshape(1) for n in norms), *parts], out=written)
+        else:
+            torch.stack([loss, *norms], out=written)
+        x = buffer.as_strided((2, count), (count, 1), count)
+        y = buffer.as_strided((2, count), (2 * count, 1), 0)
+        return torch.mm(x, y.t()).diagonal()
 
     # ------------------------------------------------------------------ decision
     def _place(self, device: torch.device) -> None:
         if self._device == device:
             return
-        n = len(self.signals)
-        if self.window_rows is None:
-            self.window_rows = torch.zeros(n + 1, self.window, dtype=torch.float64, device=device)
-            self.packed = torch.zeros(LAST + n + 1, dtype=torch.float64, device=device)
-            self.packed[LAST:-1] = math.nan
-            self.packed[-1] = 1.0
-            if self._pending_load is not None:
-                self._write(self._pending_load)
-                self._pending_load = None
+        if self.state is None or self._spare is None:
+            shape = (len(self.signals) + 4, self.window + 2)
+            self.state = torch.empty(shape, dtype=torch.float64, device=device)
+            self._spare = torch.empty_like(self.state)
+            self._write(self._pending_load or _spike_state.empty_state(self.signals, self.window))
+            self._pending_load = None
         else:
-            assert self.packed is not None  # noqa: S101
-            self.window_rows = self.window_rows.to(device)
-            self.packed = self.packed.to(device)
-        counts = torch.arange(self.window + 1, dtype=torch.float64)
-        factor = self.sigma / (counts - 1).clamp(min=1).sqrt()
-        self._factor = factor.masked_fill(counts < self.warmup, math.inf).to(device)
-        self._zeros = torch.zeros(n, dtype=torch.float64, device=device)
+            self.state = self.state.to(device)
+            self._spare = self._spare.to(device)
+        self._flags = torch.zeros(2, dtype=torch.bool, device=device)
+        self._zeros = torch.zeros(len(self.signals), dtype=torch.float64, device=device)
         self._device = device
 
     @property
     def counts(self) -> torch.Tensor | None:
-        """[ENTERED, SKIPPED, IN_A_ROW] on the device (float64, exact), once placed."""
-        return None if self.packed is None else self.packed[:LAST]
+        """[ENTERED, SKIPPED, IN_A_ROW] on the device (float64, exact), once placed.
+
+        A new tensor (two ops): the matrix keeps the spike skips at the last entry, not the run.
+        """
+        if self.state is None:
+            return None
+        column = self.state[:, self.window]
+        skipped = column[self._spikes]
+        at_entry = self.state[self._spikes, self.window - 1]
+        return torch.stack([column[self._entries], skipped, skipped - at_entry])
 
     def decide(
         self, tail: torch.Tensor, overflow: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(spike, values) from the agreed tail: spike is 0-d fp32 (0 or 1), values float64.
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(spike, values, skip) from the agreed tail and overflow flag (0 or 1).
 
-        ``overflow`` is the agreed overflow flag (0 or 1): an overflowing step is an overflow,
-        not a spike, so it is never counted twice.
+        spike is a 0-d bool, values float64, skip the flag the step obeys: 0-d fp32, 1 for an
+        overflow or a spike (0 or 1 either way: fused kernels test ``found_inf == 1``). An
+        overflowing step is an overflow, not a spike, so it is never counted twice. skip is
+        written into the tail's last slot, read by then: a host read of the agreed vector brings
+        it along.
         """
         self._place(tail.device)
-        assert self.window_rows is not None and self._factor is not None  # noqa: S101
-        n = len(self.signals)
+        state, flags = self.state, self._flags
+        assert state is not None and flags is not None  # noqa: S101
+        n, w = len(self.signals), self.window
         world = tail.numel() // n
         # The loss is the mean over ranks, the grad norm the root of the summed squares; written
-        # into the packed column that push() shifts in (its last entry is the ones row's 1).
-        assert self.packed is not None  # noqa: S101
-        column = self.packed[LAST:]
-        values = torch.sum(tail.view(n, world), 1, dtype=torch.float64, out=column[:n])
+        # into this step's two columns, which push() shifts in.
+        ranks = tail.view(n, 1, world).expand(n, 2, world)
+        pair = torch.sum(ranks, 2, dtype=torch.float64, out=state[:n, w : w + 2])
         if self.watches_loss and world > 1:
-            values[:1].div_(world)
+            pair[:1].div_(world)
         if self.watches_grad_norm:
-            values[n - 1 :].sqrt_()
-        rows = self.window_rows
-        sums = rows.sum(1)  # every signal's total, and the count of values
+            pair[n - 1 :].sqrt_()
+        values = state[:n, w]
+        window = state[: n + ONES + 1, :w]  # the values and the ones row
+        sums = window.sum(1)  # every signal's total, and the count of values
         mean = sums[:n] / sums[n]  # NaN when empty: no threshold, no spike
-        deviations = torch.addcmul(rows[:n], mean[:, None], rows[n], value=-1.0)
+        deviations = torch.addcmul(window[:n], mean[:, None], window[n], value=-1.0)
         threshold = torch.addcmul(
             mean,
-            self._factor.take(sums[n:].long()),  # inf before the warm-up: no spike
+            state[n + FACTORS, :1],  # the factor for this count; inf before the warm-up
             torch.linalg.vector_norm(deviations, dim=1),
         )
         above = (values > threshold).any()
-        # A spike where no overflow (the flag is 0 or 1): as fp32, the flag's type.
-        spike = torch.empty((), dtype=torch.float32, device=tail.device)
-        return torch.gt(above, overflow.reshape(()), out=spike), values
+        overflow = overflow.reshape(())
+        spike = torch.gt(above, overflow, out=flags[0])  # a spike where no overflow
+        return spike, values, torch.maximum(overflow, spike, out=tail[-1])
 
     def push(self, values: torch.Tensor, spike: torch.Tensor, skip: torch.Tensor) -> None:
         """End of an iteration: an applied step's (finite) values enter the window; count.
 
-        ``values`` and ``spike`` are :meth:`decide`'s; ``skip`` the step's skip flag (0 or 1).
+        ``values``, ``spike`` and ``skip`` are :meth:`decide`'s (the count reads the spike
+        where decide() wrote it, beside the flag written here).
         """
-        assert self.window_rows is not None and self.packed is not None  # noqa: S101
-        rows = self.window_rows
+        state, spare, flags = self.state, self._spare, self._flags
+        assert state is not None and spare is not None and flags is not None  # noqa: S101
+        w = self.window
         # Applied (skip == 0) and finite: a dot with zeros is 0, or NaN for an inf or NaN.
-        enters = torch.eq(torch.dot(values, self._zeros), skip.reshape(()))
-        shifted = torch.cat([rows[:, 1:], self.packed[LAST:, None]], 1)
-        torch.where(enters, shifted, rows, out=rows)
-        spike = spike.reshape(())
-        # Entering and a spike exclude each other: a spike skips the step.
-        self.packed[:LAST].add_(torch.stack([enters, spike, spike]))
-        self.packed[IN_A_ROW : IN_A_ROW + 1].masked_fill_(enters, 0.0)
-        self._publish()  # with the step's values, which decide() wrote into the packed vector
+        enters = torch.eq(torch.dot(values, self._zeros), skip.reshape(()), out=flags[1])
+        # Where a value enters every row moves left by one slot: the values, the ones, the
+        # factors, and the spike skips into the "at the last entry" slot.
+        torch.where(enters, state[:, 1:], state[:, : w + 1], out=spare[:, : w + 1])
+        # [spike skips, entries] + [spike, enters] into both step columns (a spike skips the
+        # step, so never both); written from this matrix, whose counts the shift may not carry.
+        counts = state[self._spikes : self._entries + 1, w + 1 :].expand(2, 2)
+        torch.add(counts, flags[:, None], out=spare[self._spikes : self._entries + 1, w:])
+        self.state, self._spare = spare, state
+        self._publish()  # with the step's values, which the shift carried into column `window`
 
     def end_iteration(self) -> None:
         """Forget this iteration's loss (update() calls it, whatever happened)."""
@@ -259,166 +340,115 @@ class SpikeGate:
 
     # ------------------------------------------------------------------ reading
     def _fresh_host(self) -> dict[str, float | int]:
-        out: dict[str, float | int] = {
-            "spike_skipped_steps": 0,
-            "spike_skipped_in_a_row": 0,
-            "spike_window_values": 0,
-        }
-        for name in self.signals:
-            out[f"spike_{name}"] = math.nan
-        return out
+        return self._host_values(0, 0, 0, [math.nan] * len(self.signals))
 
-    def _publish(self) -> None:
-        """Start a copy of the counters and last values to the host (non-blocking on CUDA)."""
-        assert self.packed is not None  # noqa: S101
-        row = self.packed
-        if row.device.type != "cuda":  # read when asked: the latest values, as published
-            self._in_flight = (row, None)
-            return
-        buffer = torch.empty(row.shape, dtype=row.dtype, pin_memory=True)
-        buffer.copy_(row, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        self._in_flight = (buffer, event)
-
-    def _host_from(self, row: list[float]) -> dict[str, float | int]:
-        entered, skipped, in_a_row, *last = row
+    def _host_values(
+        self, entered: float, skipped: float, in_a_row: float, last: Sequence[float]
+    ) -> dict[str, float | int]:
         out: dict[str, float | int] = {
             "spike_skipped_steps": int(skipped),
             "spike_skipped_in_a_row": int(in_a_row),
             "spike_window_values": int(min(entered, self.window)),
         }
-        for name, value in zip(self.signals, last[: len(self.signals)], strict=True):
+        for name, value in zip(self.signals, last, strict=True):
             out[f"spike_{name}"] = value
         return out
+
+    def _published(self) -> torch.Tensor:
+        """Columns ``window - 1`` and ``window``: the last values and every counter, one view."""
+        assert self.state is not None  # noqa: S101
+        return self.state[:, self.window - 1 : self.window + 1]
+
+    def _publish(self) -> None:
+        """Start a copy of the counters and last values to the host (non-blocking on CUDA)."""
+        view = self._published()
+        if view.device.type != "cuda":  # read when asked: the latest values, as published
+            self._in_flight = (view, None)
+            return
+        buffer = torch.empty(view.shape, dtype=view.dtype, pin_memory=True)
+        buffer.copy_(view, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._in_flight = (buffer, event)
+
+    def _host_from(self, rows: list[list[float]]) -> dict[str, float | int]:
+        """The host numbers from a read of :meth:`_published` (one row per matrix row)."""
+        n = len(self.signals)
+        at_entry, skipped = rows[self._spikes]
+        return self._host_values(
+            rows[self._entries][1], skipped, skipped - at_entry, [row[1] for row in rows[:n]]
+        )
 
     def snapshot(self, *, wait: bool = True) -> dict[str, float | int]:
         """Counters and the last step's values as Python numbers (see GradScaler.snapshot)."""
         in_flight = self._in_flight
         if in_flight is not None:
-            row, event = in_flight
+            rows, event = in_flight
             if event is None or wait or event.query():
                 if event is not None and wait:
                     event.synchronize()
-                self._host = self._host_from(row.tolist())
+                self._host = self._host_from(rows.tolist())
         return dict(self._host)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
         """The window and counters (waits for the device after device-side steps)."""
-        if self.window_rows is None:
-            if self._pending_load is not None:
-                return dict(self._pending_load)
-            values = torch.zeros(len(self.signals), self.window, dtype=torch.float64)
-            counts = [0, 0, 0]
-        else:
-            assert self.packed is not None  # noqa: S101
-            counts = [int(c) for c in self.packed[:LAST].tolist()]
-            # The i-th value that entered lives in slot i % window of the saved ring.
-            shift = counts[ENTERED] % self.window
-            values = self.window_rows[:-1].detach().cpu().roll(shift, dims=1).clone()
+        if self.state is None:
+            return dict(self._pending_load or _spike_state.empty_state(self.signals, self.window))
+        host = self._host_from(self._published().tolist())
+        entered = int(self._published()[self._entries, 1].item())
         return {
             "spike_signals": ",".join(self.signals),
-            "spike_window_values": values,
-            "spike_window_entered": counts[ENTERED],
-            "num_spike_skipped_steps": counts[SKIPPED],
-            "num_spike_skipped_in_a_row": counts[IN_A_ROW],
+            "spike_window_values": _spike_state.to_ring(self.state, len(self.signals), entered),
+            "spike_window_entered": entered,
+            "num_spike_skipped_steps": int(host["spike_skipped_steps"]),
+            "num_spike_skipped_in_a_row": int(host["spike_skipped_in_a_row"]),
         }
 
     def check_state(self, state: Mapping[str, Any]) -> dict[str, Any] | None:
         """Validate the spike keys of a state dict; None when it has none (a fresh window)."""
-        if "spike_window_values" not in state:
-            return None
-        signals = state.get("spike_signals", ",".join(self.signals))
-        if signals != ",".join(self.signals):
-            raise ValueError(
-                f"state_dict: spike_signals={signals!r} but this scaler watches "
-                f"{','.join(self.signals)!r}; its window holds other values. Construct the scaler "
-                "with the same spike_signals, or drop the spike_* keys to start a fresh window"
-            )
-        values = state["spike_window_values"]
-        if not isinstance(values, torch.Tensor):
-            values = torch.as_tensor(values, dtype=torch.float64)
-        expected = (len(self.signals), self.window)
-        if tuple(values.shape) != expected:
-            raise ValueError(
-                f"state_dict: spike_window_values has shape {tuple(values.shape)}, expected "
-                f"{expected} (spike_window={self.window}); load it with the spike_window it was "
-                "saved with, or drop the spike_* keys to start a fresh window"
-            )
-        out = {"spike_signals": signals, "spike_window_values": values.double().cpu()}
-        for key in (
-            "spike_window_entered",
-            "num_spike_skipped_steps",
-            "num_spike_skipped_in_a_row",
-        ):
-            value = state.get(key, 0)
-            if isinstance(value, torch.Tensor):
-                value = int(value.item())
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"state_dict: {key} must be an int >= 0, got {value!r}")
-            out[key] = value
-        return out
+        return _spike_state.check_state(state, self.signals, self.window)
 
     def load(self, checked: dict[str, Any] | None) -> None:
         """Replace the window and counters with a dict from :meth:`check_state` (None: fresh)."""
         if checked is None:
-            checked = {
-                "spike_window_values": torch.zeros(len(self.signals), self.window),
-                "spike_window_entered": 0,
-                "num_spike_skipped_steps": 0,
-                "num_spike_skipped_in_a_row": 0,
-            }
-        if self.window_rows is None:
+            checked = _spike_state.empty_state(self.signals, self.window)
+        if self.state is None:
             self._pending_load = checked
-            self._host = self._host_from(_row(checked, len(self.signals)))
+            counts = _spike_state.counters(checked)
+            self._host = self._host_values(*counts, [math.nan] * len(self.signals))
             return
         self._write(checked)
 
     def _write(self, checked: Mapping[str, Any]) -> None:
-        assert self.window_rows is not None and self.packed is not None  # noqa: S101
-        entered = checked["spike_window_entered"]
-        ring = checked["spike_window_values"].to(torch.float64).cpu()
-        filled = min(entered, self.window)
-        rows = torch.zeros(len(self.signals) + 1, self.window, dtype=torch.float64)
-        rows[:-1] = ring.roll(-(entered % self.window), dims=1)  # oldest first, newest last
-        rows[-1, self.window - filled :] = 1.0
-        rows[:-1] *= rows[-1]  # a slot past the values saved is empty, whatever it held
-        self.window_rows.copy_(rows)
-        counts = [
-            entered,
-            checked["num_spike_skipped_steps"],
-            checked["num_spike_skipped_in_a_row"],
-        ]
-        self.packed[:LAST].copy_(torch.tensor(counts, dtype=torch.float64))
-        self.packed[LAST:-1] = math.nan
-        self._host = self._host_from(_row(checked, len(self.signals)))
+        """Build the matrix for ``checked`` on the host and copy it into both matrices."""
+        assert self.state is not None and self._spare is not None  # noqa: S101
+        table = _spike_state.factor_table(self.sigma, self.window, self.warmup)
+        rows = _spike_state.to_matrix(checked, table)
+        self.state.copy_(rows)
+        self._spare.copy_(rows)  # its step's columns, which the shift does not write
+        counts = _spike_state.counters(checked)
+        self._host = self._host_values(*counts, [math.nan] * len(self.signals))
         self._in_flight = None
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        if self.window_rows is not None:  # tensors go through the state dict, as the scale does
+        if self.state is not None:  # tensors go through the state dict, as the scale does
             state["_pending_load"] = self.state_dict()
         for name in (
-            "window_rows",
-            "packed",
-            "_factor",
+            "state",
+            "_spare",
+            "_flags",
             "_slots",
+            "_norms",
             "_device",
             "_loss",
             "_in_flight",
         ):
             state[name] = None
+        state["_consts"] = {}
+        state["_zeros"] = torch.zeros(len(self.signals), dtype=torch.float64)
         return state
-
-
-def _row(checked: Mapping[str, Any], n: int) -> list[float]:
-    return [
-        float(checked["spike_window_entered"]),
-        float(checked["num_spike_skipped_steps"]),
-        float(checked["num_spike_skipped_in_a_row"]),
-        *([math.nan] * n),
-    ]
 
 
 def tensors_in(outputs: Any) -> list[torch.Tensor]:
@@ -427,27 +457,3 @@ def tensors_in(outputs: Any) -> list[torch.Tensor]:
     if isinstance(outputs, (list, tuple)):
         return [t for item in outputs for t in tensors_in(item)]
     return []
-
-
-def _squared_norm(
-    grads: Sequence[torch.Tensor], carried: torch.Tensor | None, device: torch.device
-) -> torch.Tensor:
-    """Sum of squares of ``grads`` / carried^2, in float64 on ``device``: one fused norm per group.
-
-    fp32 accumulation inside the norm, as torch's clip_grad_norm_ (an fp16 grad near 65504 would
-    overflow an fp16 norm).
-    """
-    total: torch.Tensor | None = None
-    if grads:
-        grouped = torch._C._group_tensors_by_device_and_dtype([list(grads)], False)
-        for lists, _ in grouped.values():
-            norms = torch._foreach_norm(lists[0], 2, dtype=torch.float32)  # type: ignore[arg-type]
-            squares = torch.empty(len(norms), dtype=torch.float64, device=norms[0].device)
-            part = torch.stack(norms, out=squares).square_().sum()  # in fp64, as stacked
-            total = part if total is None else total + part.to(device)
-    if total is None:
-        total = torch.zeros((), dtype=torch.float64, device=device)
-    if carried is None:  # the grads are unscaled: the sum as it is
-        return total.to(device)
-    factor = carried.to(device).double().reshape(())
-    return total.to(device) / factor.square()

@@ -106,8 +106,8 @@ def test_the_cli_runs_two_ranks_and_writes_json(tmp_path: Path) -> None:
         for arm in ("dscale", "dscale_sync_free", "dscale_predictive"):
             assert arms[arm]["collectives"] == 1, (name, arm)  # the one agreement all-reduce
         assert arms["dscale_attach"]["collectives"] == 0, name  # DDP's reduction carried it
-    # Issue 34's "gate <= guard + 10" is reported, not held: the gate adds 27-28 ops (see
-    # test_the_spike_gate_adds_at_most_28_ops...); every other target must be met.
+    # Issue 34's "gate <= guard + 10" is reported, not held: the gate adds 20 ops (see
+    # test_the_spike_gate_adds_at_most_20_ops...); every other target must be met.
     open_target = f"gate <= guard + {_ops_guard.GATE_EXTRA_OPS}"
     missed = [c for c in result["targets"] if not c["ok"] and open_target not in c["target"]]
     assert not missed, missed
@@ -120,13 +120,14 @@ def guard_rows() -> dict:
     return _ops_guard.run_guard(torch.device("cpu"))
 
 
-def test_the_spike_gate_adds_at_most_28_ops_to_a_step_guard(guard_rows) -> None:
-    # The gate's window in a shift register with a ones row, statistics in a few vector ops: 27
-    # (fused) or 28 (foreach) ops over the guard's; e6f0fe2's gate added 74-76 (one-element ops
-    # over the window). Issue 34 asks for 10: not met, see docs/step-guard.md.
+def test_the_spike_gate_adds_at_most_20_ops_to_a_step_guard(guard_rows) -> None:
+    # Two window matrices in turn with the factors and counters as rows, the local values by one
+    # stack + mm, the merge into the skip flag inside decide() (written where the host's read of
+    # the agreed vector brings it): 20 ops over the guard's, fused and foreach. 8b59196's gate
+    # added 27-28, e6f0fe2's 74-76. Issue 34 asks for 10: not met, see docs/step-guard.md.
     for name, arms in guard_rows.items():
         extra = arms["gate"]["kernels"] - arms["guard"]["kernels"]
-        assert extra <= 28, (name, extra)
+        assert extra <= 20, (name, extra)
 
 
 def test_the_gate_count_depends_on_neither_the_window_nor_the_parameter_count(guard_rows) -> None:

@@ -1,11 +1,13 @@
 """The spike gate in a handful of ops decides and saves exactly as the gate it replaced.
 
-Oracle: ``data/spike_runs.json``, recorded at e6f0fe2 (the gate before this rewrite: a ring with
-masked statistics in ~74 one-element ops) by ``data/record_spike_runs.py``: six long random runs
-(StepGuard and GradScaler, the host decision, the device decision of a fused optimizer and
+Oracle: ``data/spike_runs.json``, recorded by ``data/record_spike_runs.py``: six long random runs
+at e6f0fe2 (the gate before the rewrites: a ring with masked statistics in ~74 one-element ops;
+StepGuard and GradScaler, the host decision, the device decision of a fused optimizer and
 ``sync_free``; windows of 12 to 128 that wrap many times; loss and grad-norm spikes, overflows,
-losses that are not finite, and a run stuck on a new level). Replayed here, every step's decision,
-the snapshots and the state dicts (window values as float hex) must be the recorded ones.
+losses that are not finite, and a run stuck on a new level), and two runs watching one signal
+(the loss alone, fused; the grad norm alone, ``sync_free`` GradScaler) at 0010076 (the gate in
+27-28 ops, before the matrices in turn). Replayed here, every step's decision, the snapshots and
+the state dicts (window values as float hex) must be the recorded ones.
 """
 
 from __future__ import annotations

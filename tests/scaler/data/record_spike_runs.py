@@ -1,9 +1,11 @@
 """Record the spike gate's decisions and state over long random runs (test_spike_gate's oracle).
 
-Run from a checkout: ``PYTHONPATH=. python tests/scaler/data/record_spike_runs.py OUT.json``. The
-recorded file (``spike_runs.json``) was made at e6f0fe2, before the gate was rewritten in a
-handful of ops; the test replays the same runs on the current code and compares every step's
-decision and the state dicts bit for bit (floats as hex).
+Run from a checkout: ``PYTHONPATH=. python tests/scaler/data/record_spike_runs.py OUT [NAME...]``
+(names: record only those runs, keeping the others in OUT). The recorded file
+(``spike_runs.json``) holds six runs made at e6f0fe2, before the gate was rewritten in a handful of
+ops, and two single-signal runs made at 0010076, before its second rewrite; the test replays them
+on the current code and compares every step's decision and the state dicts bit for bit (floats as
+hex).
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ import torch
 
 import dscale
 
-# (name, kind, sync_free, device path, optimizer impl, window, warmup, sigma, steps, seed)
+# (name, kind, sync_free, device path, optimizer impl, window, warmup, sigma, steps, seed[,
+# signals]): the first six recorded at e6f0fe2, the single-signal two at 0010076 (the gate before
+# its second rewrite, whose decisions on the first six equal e6f0fe2's).
 RUNS = (
     ("guard_host", "guard", False, False, "foreach", 16, 8, 3.0, 700, 1),
     ("guard_fused_device", "guard", False, True, "fused", 16, 8, 3.0, 700, 2),
@@ -26,6 +30,8 @@ RUNS = (
     ("scaler_host", "scaler", False, False, "foreach", 16, 8, 3.0, 600, 4),
     ("scaler_fused_device", "scaler", False, True, "fused", 32, 16, 3.0, 600, 5),
     ("guard_default_window", "guard", False, True, "fused", 128, 64, 6.0, 500, 6),
+    ("guard_loss_only", "guard", False, True, "fused", 16, 8, 3.0, 500, 7, ("loss",)),
+    ("scaler_grad_norm_only", "scaler", True, True, "foreach", 12, 5, 2.5, 500, 8, ("grad_norm",)),
 )
 
 
@@ -55,6 +61,7 @@ def run(
     sigma: float,
     steps: int,
     seed: int,
+    signals: tuple[str, ...] = ("loss", "grad_norm"),
 ) -> dict[str, Any]:
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
@@ -62,7 +69,7 @@ def run(
     flags = {"fused": True} if impl == "fused" else {"foreach": True}
     opt = torch.optim.SGD(params, lr=1e-3, **flags)
     gate = {
-        "spike_signals": ("loss", "grad_norm"),
+        "spike_signals": signals,
         "spike_window": window,
         "spike_warmup": warmup,
         "spike_sigma": sigma,
@@ -108,8 +115,8 @@ def run(
                     snap["spike_skipped_steps"],
                     snap["spike_skipped_in_a_row"],
                     snap["spike_window_values"],
-                    _hex(snap["spike_loss"]),
-                    _hex(snap["spike_grad_norm"]),
+                    _hex(snap.get("spike_loss", math.nan)),  # NaN: not watched
+                    _hex(snap.get("spike_grad_norm", math.nan)),
                 ]
             )
         if step % 97 == 0 or step == steps - 1:
@@ -117,11 +124,17 @@ def run(
     return {"decisions": "".join(decisions), "snapshots": snapshots, "states": states}
 
 
-def main(path: str) -> None:
-    out = {r[0]: run(*r) for r in RUNS}
+def main(path: str, names: list[str]) -> None:
+    """Record RUNS (or those named) into ``path``, keeping what it holds for the others."""
+    try:
+        with open(path) as f:
+            out = json.load(f)
+    except FileNotFoundError:
+        out = {}
+    out |= {r[0]: run(*r) for r in RUNS if not names or r[0] in names}
     with open(path, "w") as f:
         json.dump(out, f)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2:])
