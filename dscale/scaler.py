@@ -490,13 +490,14 @@ class GradScaler(TorchGradScalerSurface):
                 measured=self._predictive is not None,
                 with_range=self._carries_range(),
             )
+            checked = None  # on the CPU, predictive's measurement also says inf/NaN
             if self._predictive is not None:  # policy="predictive": measure before the unscale
                 at = _agreement.measured_at(self._carries_range())
-                self._predictive.measure.write(state.agreed, at, groups, report.measured)
+                checked = self._predictive.measure.write(state.agreed, at, groups, report.measured)
             flag = state.agreed[_agreement.OVERFLOW]  # a view: the check writes the flag into it
             if groups:  # none left when attach()'s hooks checked every grad: no 1/scale either
                 inv_scale = self._unscale_factor(scale) if unscale else self._unit(scale)
-                check_and_unscale_(groups, inv_scale, flag)
+                check_and_unscale_(groups, inv_scale, flag, None if unscale else checked)
             written = bool(groups)  # whether the flag holds a check's result yet (else 0)
             # MAX of flags as 0 or 1, not +: torch's fused kernels skip only where found_inf == 1
             # exactly, and a user's flag may say 2 (or -1, which torch's update reads as found).
