@@ -1,10 +1,16 @@
-"""What predictive's measurement costs on the CPU, alone: the inf-norm, the chunked form, the check.
+"""What predictive's measurement costs on the CPU, alone, against dynamic's check pass.
 
     python tests/scaler/measure_grad_measure.py
 
 200 grads of 4096 floats (the device-path benchmark's large row), one thread, 300 interleaved
-repetitions; the minimum is the figure least disturbed by other work on the machine. The check
-pass is what dscale's dynamic rule does to the same grads on the device path (one read and write).
+repetitions; the minimum is the figure least disturbed by other work on the machine. Arms:
+
+- the inf-norm (``_foreach_norm(ord=inf)``), the measurement before issue 34;
+- abs + amax over chunks in fresh memory, the form of issue 34's first round;
+- abs + amax over chunks in the measurement's kept buffer (now);
+- dynamic's check pass over the same grads (one read and write of every grad);
+- where the grads stay scaled (a fused optimizer's step), predictive's flag: the same kernel on
+  the one measured value, which replaces that pass.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ import time
 
 import torch
 
-from dscale._grad_measure import _largest
+from dscale._grad_measure import CHUNK, _largest, _measure_chunks
 
 
 def main() -> None:
@@ -23,19 +29,29 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     grads = [torch.randn(4096, generator=gen) * 64 for _ in range(200)]
     found, one = torch.zeros(()), torch.ones(())
+    scratch = torch.empty(CHUNK)
+    measured = _measure_chunks(grads, count_small=False, scratch=scratch)[0]
 
     def inf_norm() -> torch.Tensor:
         return torch.stack(torch._foreach_norm(grads, math.inf, dtype=torch.float32)).amax()
 
+    def kept() -> torch.Tensor:
+        return _measure_chunks(grads, count_small=False, scratch=scratch)[0]
+
     def check() -> None:
         torch._amp_foreach_non_finite_check_and_unscale_(grads, found, one)
 
+    def flag() -> None:
+        torch._amp_foreach_non_finite_check_and_unscale_([measured], found, one)
+
     arms = {
         "_foreach_norm(inf) (before)": inf_norm,
-        "chunked abs + amax (now)": lambda: _largest(grads),
+        "abs + amax, fresh chunks": lambda: _largest(grads),
+        "abs + amax, kept buffer (now)": kept,
         "check pass (dynamic's)": check,
+        "flag from the measurement": flag,
     }
-    assert inf_norm().item() == _largest(grads).item()
+    assert inf_norm().item() == _largest(grads).item() == kept().item()
     times: dict[str, list[float]] = {name: [] for name in arms}
     for _ in range(300):
         for name, fn in arms.items():
@@ -45,7 +61,7 @@ def main() -> None:
     for name, values in times.items():
         values.sort()
         print(
-            f"{name:28s} min {values[0]:7.0f} us  p10 {values[30]:7.0f}  "
+            f"{name:30s} min {values[0]:7.0f} us  p10 {values[30]:7.0f}  "
             f"median {statistics.median(values):7.0f}"
         )
 
