@@ -61,7 +61,7 @@ def _grads(rng: random.Random) -> list[torch.Tensor]:
         if numel > 4 and rng.random() < 0.3:  # below fp16's smallest normal
             t[: numel // 4] *= 2.0**-20
         if numel > 1 and rng.random() < 0.1:
-            t[rng.randrange(numel)] = rng.choice([math.inf, -math.inf, math.nan])
+            t[rng.randrange(numel)] = rng.choice([math.inf, -math.inf, math.nan, -math.nan])
         t = t.to(dtype)
         if numel > 10 and rng.random() < 0.3:  # a non-contiguous grad
             t = t[: numel // 2 * 2].view(2, -1).t()
@@ -241,3 +241,24 @@ def test_a_fused_predictive_run_equals_the_same_run_with_the_check_pass(
             assert s.keys() == t.keys()
             for key in s:
                 assert torch.equal(torch.as_tensor(s[key]), torch.as_tensor(t[key])), key
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
+def test_a_negative_nan_or_inf_anywhere_reads_as_an_overflow(dtype: torch.dtype) -> None:
+    # The CPU form takes the largest magnitude as an integer max over the bits of |grad|: a NaN
+    # with its sign bit set must still come out on top once abs() cleared that bit.
+    measure = GradMeasure(sample_every=10**9)
+    measure.iteration = 1
+    for bad in (-math.nan, math.nan, -math.inf, math.inf, None):
+        for numel, at in ((3 * CHUNK + 5, CHUNK + 1000), (300, 7)):  # views / a shared chunk
+            grads = [torch.full((numel,), -2.0, dtype=dtype), torch.ones(300, dtype=dtype)]
+            if bad is not None:
+                grads[0][at] = bad
+            vector = torch.zeros(2)
+            checked = measure.write(vector, 0, group_by_device_and_dtype(grads))
+            assert checked is not None
+            if bad is None:
+                assert vector[0].item() == checked.item() == 2.0, dtype
+            else:
+                assert vector[0].item() == OVERFLOW_MARK, (dtype, bad)
+                assert not checked.isfinite(), (dtype, bad)
