@@ -1,13 +1,15 @@
 """What predictive's measurement costs on the CPU, alone, against dynamic's check pass.
 
-    python tests/scaler/measure_grad_measure.py
+    python tests/scaler/measure_grad_measure.py [--2d]
 
-200 grads of 4096 floats (the device-path benchmark's large row), one thread, 300 interleaved
+200 grads of 4096 floats (the device-path benchmark's large row; ``--2d``: shaped 64 x 64, as a
+model's weights are), one thread, 300 interleaved
 repetitions; the minimum is the figure least disturbed by other work on the machine. Arms:
 
 - the inf-norm (``_foreach_norm(ord=inf)``), the measurement before issue 34;
-- abs + amax over chunks in fresh memory, the form of issue 34's first round;
-- abs + amax over chunks in the measurement's kept buffer (now);
+- abs + max over chunks in fresh memory (as issue 34's first round did, with this round's chunk
+  size and integer max);
+- abs + max over chunks in the measurement's kept buffer (now);
 - dynamic's check pass over the same grads (one read and write of every grad);
 - where the grads stay scaled (a fused optimizer's step), predictive's flag: the same kernel on
   the one measured value, which replaces that pass.
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import sys
 import time
 
 import torch
@@ -27,7 +30,8 @@ from dscale._grad_measure import CHUNK, _largest, _measure_chunks
 def main() -> None:
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(0)
-    grads = [torch.randn(4096, generator=gen) * 64 for _ in range(200)]
+    shape = (64, 64) if "--2d" in sys.argv[1:] else (4096,)
+    grads = [torch.randn(shape, generator=gen) * 64 for _ in range(200)]
     found, one = torch.zeros(()), torch.ones(())
     scratch = torch.empty(CHUNK)
     measured = _measure_chunks(grads, count_small=False, scratch=scratch)[0]
@@ -46,8 +50,8 @@ def main() -> None:
 
     arms = {
         "_foreach_norm(inf) (before)": inf_norm,
-        "abs + amax, fresh chunks": lambda: _largest(grads),
-        "abs + amax, kept buffer (now)": kept,
+        "abs + max, fresh memory": lambda: _largest(grads),
+        "abs + max, kept buffer (now)": kept,
         "check pass (dynamic's)": check,
         "flag from the measurement": flag,
     }
