@@ -3,16 +3,17 @@
     python tests/scaler/measure_grad_measure.py [--2d]
 
 200 grads of 4096 floats (the device-path benchmark's large row; ``--2d``: shaped 64 x 64, as a
-model's weights are), one thread, 300 interleaved
-repetitions; the minimum is the figure least disturbed by other work on the machine. Arms:
+model's weights are), one thread, 300 interleaved repetitions; the minimum is the figure least
+disturbed by other work on the machine. Arms:
 
 - the inf-norm (``_foreach_norm(ord=inf)``), the measurement before issue 34;
-- abs + max over chunks in fresh memory (as issue 34's first round did, with this round's chunk
-  size and integer max);
-- abs + max over chunks in the measurement's kept buffer (now);
+- abs + amax over chunks (now);
 - dynamic's check pass over the same grads (one read and write of every grad);
 - where the grads stay scaled (a fused optimizer's step), predictive's flag: the same kernel on
   the one measured value, which replaces that pass.
+
+Alone is not inside a step: what a form costs there is measured in a step (``python -m
+dscale.bench --device-path``), where several forms faster here were not (``docs/benchmarks.md``).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import time
 
 import torch
 
-from dscale._grad_measure import CHUNK, _largest, _measure_chunks
+from dscale._grad_measure import _largest
 
 
 def main() -> None:
@@ -33,14 +34,10 @@ def main() -> None:
     shape = (64, 64) if "--2d" in sys.argv[1:] else (4096,)
     grads = [torch.randn(shape, generator=gen) * 64 for _ in range(200)]
     found, one = torch.zeros(()), torch.ones(())
-    scratch = torch.empty(CHUNK)
-    measured = _measure_chunks(grads, count_small=False, scratch=scratch)[0]
+    measured = _largest(grads)
 
     def inf_norm() -> torch.Tensor:
         return torch.stack(torch._foreach_norm(grads, math.inf, dtype=torch.float32)).amax()
-
-    def kept() -> torch.Tensor:
-        return _measure_chunks(grads, count_small=False, scratch=scratch)[0]
 
     def check() -> None:
         torch._amp_foreach_non_finite_check_and_unscale_(grads, found, one)
@@ -50,12 +47,11 @@ def main() -> None:
 
     arms = {
         "_foreach_norm(inf) (before)": inf_norm,
-        "abs + max, fresh memory": lambda: _largest(grads),
-        "abs + max, kept buffer (now)": kept,
+        "chunked abs + amax (now)": lambda: _largest(grads),
         "check pass (dynamic's)": check,
         "flag from the measurement": flag,
     }
-    assert inf_norm().item() == _largest(grads).item() == kept().item()
+    assert inf_norm().item() == _largest(grads).item()
     times: dict[str, list[float]] = {name: [] for name in arms}
     for _ in range(300):
         for name, fn in arms.items():
@@ -65,7 +61,7 @@ def main() -> None:
     for name, values in times.items():
         values.sort()
         print(
-            f"{name:30s} min {values[0]:7.0f} us  p10 {values[30]:7.0f}  "
+            f"{name:28s} min {values[0]:7.0f} us  p10 {values[30]:7.0f}  "
             f"median {statistics.median(values):7.0f}"
         )
 

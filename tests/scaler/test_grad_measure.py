@@ -72,8 +72,7 @@ def _grads(rng: random.Random) -> list[torch.Tensor]:
 @pytest.mark.parametrize("sampling", [False, True], ids=["measured", "sampled"])
 def test_the_cpu_measurement_equals_the_inf_norm_bit_for_bit(sampling: bool) -> None:
     rng = random.Random(34)
-    # One measurement for every case, as a scaler keeps it: its chunk buffers hold the last
-    # case's values when the next one starts.
+    # One measurement for every case, as a scaler keeps it.
     measure = GradMeasure(sample_every=1 if sampling else 10**9)
     measure.iteration = 1
     for case in range(20):
@@ -245,8 +244,8 @@ def test_a_fused_predictive_run_equals_the_same_run_with_the_check_pass(
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
 def test_a_negative_nan_or_inf_anywhere_reads_as_an_overflow(dtype: torch.dtype) -> None:
-    # The CPU form takes the largest magnitude as an integer max over the bits of |grad|: a NaN
-    # with its sign bit set must still come out on top once abs() cleared that bit.
+    # A NaN or inf of either sign, in views of a large grad or in a chunk of small ones, reads as
+    # an overflow in the vector and in the value the check reads its flag from.
     measure = GradMeasure(sample_every=10**9)
     measure.iteration = 1
     for bad in (-math.nan, math.nan, -math.inf, math.inf, None):
