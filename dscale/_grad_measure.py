@@ -15,10 +15,10 @@ maximum is exact in any order, so both give the same bits):
   is ever made; the chunks are planned from the grads' sizes (``itertools.accumulate`` and
   ``bisect``: Python work per chunk, not per grad). A sampled step counts its underflowing
   elements from the same chunks, in the same pass. Fresh memory for every chunk cost about 100
-  page faults a step in some processes and none in others (what the allocator gives back to the
-  system depends on the process's history): 2885 against 1410 us of overhead at 200 x 4096 fused,
-  the same code in two processes. The kept buffer never faults; where fresh memory does not fault
-  either, the buffer costs about 20 us more at 8 x 4096 and nothing measurable at 200 x 4096.
+  page faults a step in some processes and none in others (presumably as the allocator's history
+  there decides): 2885 against 1410 us of overhead at 200 x 4096 fused, the same code in two
+  processes. The kept buffer never faults; where fresh memory does not fault either, the buffer
+  costs about 20 us more at 8 x 4096 and nothing measurable at 200 x 4096.
 
 The CPU form also stands in for the check pass when the grads stay scaled (a fused optimizer
 unscales them itself): the largest magnitude is inf or NaN exactly when some grad holds one, so
