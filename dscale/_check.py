@@ -98,16 +98,17 @@ def check(
     with _unscale.NoGrad():
         vector = layout.blank(scale, None if host is None else host.scale, device)
         state.agreed, state.layout = vector, layout  # the flag so far, should a stage raise
-        # 3. measure
+        # 3. measure (on the CPU the largest magnitude also says inf/NaN: `checked`)
+        checked = None
         if scaler._predictive is not None:
             at = layout.start("measured")
-            scaler._predictive.measure.write(vector, at, groups, report.measured)
+            checked = scaler._predictive.measure.write(vector, at, groups, report.measured)
         # 4. check (the kernel writes the flag into its slot: a view)
         flag = vector[_agreement.OVERFLOW]
         if groups:  # none left when attach()'s hooks checked every grad: no 1/scale either
             factors = scaler._factors
             inv_scale = factors.inverse(scale, host) if unscale else factors.one(scale)
-            check_and_unscale_(groups, inv_scale, flag)
+            check_and_unscale_(groups, inv_scale, flag, None if unscale else checked)
         # 5. signals
         _fold_flags(scaler, vector, layout, flag, bool(groups), (report.flag, state.user_found))
         spike = None

@@ -79,14 +79,30 @@ def group_by_device_and_dtype(grads: Sequence[torch.Tensor]) -> GradGroups:
     return groups
 
 
-def check_and_unscale_(groups: GradGroups, inv_scale: torch.Tensor, found: torch.Tensor) -> None:
+def check_and_unscale_(
+    groups: GradGroups,
+    inv_scale: torch.Tensor,
+    found: torch.Tensor,
+    checked: torch.Tensor | None = None,
+) -> None:
     """Multiply every grad by ``inv_scale``; make ``found`` (one element, zeroed) > 0 on inf/NaN.
 
     One ``_amp_foreach_non_finite_check_and_unscale_`` call per (device, dtype): a single
     read-and-write pass in fp32 math, fp16 grads included. Grads on ``found``'s device write it
     directly; another device's flag is added to it without a host sync (CPU->GPU copies are
     non-blocking, a GPU->CPU copy only happens when the backend can only reduce on the CPU).
+
+    ``checked``: only where ``inv_scale`` is 1 (the grads stay scaled: a fused optimizer unscales
+    them itself), a 0-d tensor on ``found``'s device that is inf or NaN exactly when a grad in
+    ``groups`` holds one (``GradMeasure.write``'s CPU measurement). The same kernel then checks
+    that one value instead of every grad: the pass would multiply each grad by 1, which leaves it
+    as it is, so only the flag is needed, and on the CPU reading and rewriting every grad cost as
+    much as the measurement itself.
     """
+    if checked is not None:
+        unit = copy_to(inv_scale, found.device)
+        torch._amp_foreach_non_finite_check_and_unscale_([checked], found, unit)
+        return
     for device, per_dtype in groups.items():
         here = found if device == found.device else torch.zeros((), device=device)
         scale_here = copy_to(inv_scale, device)  # a CPU kernel reads it at once (CPU offload)
