@@ -44,7 +44,7 @@ from collections.abc import Iterator
 import torch
 
 from dscale._predictive import OVERFLOW_MARK
-from dscale._unscale import GradGroups, copy_to
+from dscale._unscale import GradGroups, copy_to, norms
 
 #: fp16's smallest normal number. Scaled grads below it lose precision (subnormal) or flush to 0.
 FP16_MIN_NORMAL = 2.0**-14
@@ -58,12 +58,19 @@ def _largest(tensors: list[torch.Tensor]) -> torch.Tensor:
     """The largest magnitude over ``tensors`` (inf/NaN if any holds one), one 0-d fp32 tensor."""
     if tensors and tensors[0].device.type == "cpu":
         return _measure_chunks(tensors, count_small=False)[0]
+    return _largest_by_norm(tensors)
+
+
+def _largest_by_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """:func:`_largest` as one multi-tensor inf-norm (the GPU form; any device works)."""
     if 0 in map(torch.Tensor.numel, tensors):  # the inf-norm of an empty tensor is an error
         tensors = [t for t in tensors if t.numel()]
         if not tensors:
             return torch.zeros((), dtype=torch.float32)
-    norms = torch._foreach_norm(tensors, math.inf, dtype=torch.float32)
-    return norms[0] if len(norms) == 1 else torch.stack(norms).amax()
+    found = norms(tensors, math.inf)
+    value = found[0] if len(found) == 1 else torch.stack(found).amax()
+    # fp64 grads' max is rounded to fp32 afterwards, as the CPU form does.
+    return value.float() if value.dtype == torch.float64 else value
 
 
 def _chunks(

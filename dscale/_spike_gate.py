@@ -55,7 +55,7 @@ from typing import Any
 
 import torch
 
-from dscale import _spike_state
+from dscale import _spike_state, _unscale
 from dscale._spike_state import ENTRIES, FACTORS, ONES, SPIKES
 
 #: The values the gate can watch, in their order in the agreement vector and the window.
@@ -221,7 +221,7 @@ class SpikeGate:
         if grads:
             grouped = torch._C._group_tensors_by_device_and_dtype([list(grads)], False)
             for lists, _ in grouped.values():
-                found = torch._foreach_norm(lists[0], 2, dtype=torch.float32)  # type: ignore[arg-type]
+                found = _unscale.norms(lists[0], 2)  # type: ignore[arg-type]
                 if found[0].device == device:
                     norms.extend(found)
                 else:  # a group on another device: one stacked copy of its norms

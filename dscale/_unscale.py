@@ -112,6 +112,24 @@ def check_and_unscale_(
             torch.maximum(found, copy_to(here, found.device), out=found)
 
 
+def norms(tensors: list[torch.Tensor], ord: float) -> tuple[torch.Tensor, ...]:
+    """``torch._foreach_norm`` accumulated in fp32 (an fp16 norm overflows near 65504); fp64
+    tensors keep their fp64 norm, since torch refuses to narrow them to an fp32 accumulator.
+
+    One multi-tensor kernel for a list of one dtype (fp64 included); a list mixing fp64 with
+    other dtypes takes a call per tensor.
+    """
+    try:
+        return tuple(torch._foreach_norm(tensors, ord, dtype=torch.float32))
+    except RuntimeError:
+        wide = [t.dtype == torch.float64 for t in tensors]
+        if all(wide):
+            return tuple(torch._foreach_norm(tensors, ord))
+        if not any(wide):
+            raise
+        return tuple(norms([t], ord)[0] for t in tensors)
+
+
 def copy_to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     """``tensor`` on ``device``, safe to read on the host as soon as this returns.
 

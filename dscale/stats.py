@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from dscale import _unscale
+
 logger = logging.getLogger(__name__)
 
 #: fp16's smallest normal number. Scaled grads below it lose precision (subnormal) or flush to 0.
@@ -151,9 +153,7 @@ class NumericsStats:
             self._state = _DeviceState(grads[0].device, len(self._params))
         st = self._state
         # fp32 accumulation: an fp16 grad with finite values near 65504 would overflow an fp16 norm.
-        norms = torch.stack(
-            [n.to(st.device) for n in torch._foreach_norm(grads, 2, dtype=torch.float32)]
-        )
+        norms = torch.stack([n.to(st.device) for n in _unscale.norms(grads, 2)])
         st.sq_sum += norms.square().sum()
         st.inv_scale.copy_(scale.detach().reciprocal())
         st.pending_nonfinite.index_add_(
