@@ -111,11 +111,12 @@ def check(
             check_and_unscale_(groups, inv_scale, flag, None if unscale else checked)
         # 5. signals
         _fold_flags(scaler, vector, layout, flag, bool(groups), (report.flag, state.user_found))
+        fields = _field_values(scaler, optimizer)  # before the gate's, in the vector's order
         spike = None
         if scaler._spike is not None:  # every grad this rank holds, hooked ones too
             every = optimizer_grads(optimizer) if report.covered else grads
             spike = _spike_values(scaler, every, None if unscale else scale, device, group)
-        vector, layout = layout.append(vector, _field_values(scaler, optimizer), spike)
+        vector, layout = layout.append(vector, fields, spike)
     state.agreed, state.layout = vector, layout
     # 6. agree
     state.over_group = group is not None

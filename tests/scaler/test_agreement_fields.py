@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 
 import dscale
@@ -98,3 +99,61 @@ def test_each_registered_field_reads_the_max_over_the_ranks_and_changes_no_decis
             assert got["fields"]["scales"] == plain["scales"], (rank, name)
             assert torch.equal(got["fields"]["weight"], plain["weight"]), (rank, name)
             assert plain["applied"][5] is False  # the overflow on rank 1 skipped both ranks
+
+
+def test_fields_are_asked_for_their_values_before_the_spike_gate_reads_the_grads() -> None:
+    """The order observers and fields see, as at 0010076: the grads' observers, then each field's
+    values() in registration order, then the spike gate's tail (the vector's order). 1db0beb ran
+    the gate first, so a gate that raised (no loss given to scale()) left the fields unasked."""
+    calls: list[str] = []
+
+    class Logged:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def values(self, optimizer: Any) -> torch.Tensor:
+            calls.append(f"values {self.name}")
+            return torch.ones(1)
+
+        def agreed(self, slots: torch.Tensor) -> None:
+            calls.append(f"agreed {self.name}")
+
+    class Observer:
+        def on_grads(self, optimizer: Any, grads: Any, scale: torch.Tensor) -> None:
+            calls.append("on_grads")
+
+        def on_update(self, scaler: Any, found: Any) -> None:
+            calls.append("on_update")
+
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = dscale.StepGuard("cpu", spike_signals=("loss",))
+    guard.add_observer(Observer())
+    for name in ("a", "b"):
+        guard.add_agreement_field(Logged(name))
+    gate = guard._spike
+    tail = gate.tail
+
+    def logged_tail(*args: Any, **kwargs: Any) -> torch.Tensor:
+        calls.append("spike tail")
+        return tail(*args, **kwargs)
+
+    gate.tail = logged_tail
+    guard.scale(model(torch.ones(3, 4)).sum()).backward()
+    guard.step(opt)
+    guard.update()
+    assert calls == [
+        "on_grads",
+        "values a",
+        "values b",
+        "spike tail",
+        "agreed a",
+        "agreed b",
+        "on_update",
+    ]
+    calls.clear()
+    opt.zero_grad()
+    model(torch.ones(3, 4)).sum().backward()  # no loss given to scale(): the gate raises
+    with pytest.raises(RuntimeError, match="no loss was passed to scale"):
+        guard.step(opt)
+    assert calls == ["on_grads", "values a", "values b", "spike tail"]
