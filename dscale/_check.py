@@ -86,11 +86,8 @@ def check(
     # 2. observe
     for observer in scaler._observers:
         observer.on_grads(optimizer, grads, scale)
-    if report.is_global and scaler._spike is None and state.user_found is None:
-        # DDP's own all-reduce over a group covering ours made the flag global. (The spike
-        # gate still needs the loss and grad norm of every rank, and a flag written by
-        # torch-shaped code is this rank's own: they keep the collective. Every rank runs the
-        # same code, so every rank writes one, whatever its value.)
+    if report.is_global and not _keeps_the_collective(scaler, state):
+        # DDP's own all-reduce over a group covering ours made the flag global.
         group = None
     device = scale.device if group is None else _dist.flag_device(group, scale.device)
     host = scaler._book.host
@@ -151,6 +148,17 @@ def _hooks_report(
         state.stage = Stage.READY  # the next iteration's code says it again, or not
         raise twice
     return report
+
+
+def _keeps_the_collective(scaler: GradScaler, state: OptimizerState) -> bool:
+    """Whether the agreement runs where attach()'s hooks made the overflow flag global.
+
+    The spike gate needs every rank's loss and grad norm, registered fields the MAX of every
+    rank's values (dscale.fp8's activation amaxes differ by rank under DDP), and a flag written
+    by torch-shaped code is this rank's own (every rank runs the same code, so every rank writes
+    one, whatever its value). Each holds on every rank alike.
+    """
+    return scaler._spike is not None or bool(scaler._fields) or state.user_found is not None
 
 
 def _unscales_for_fused(scaler: GradScaler, scale: torch.Tensor, groups: GradGroups) -> bool:
@@ -237,11 +245,10 @@ def _join_peers_refusing(
 ) -> bool:
     """Join the agreement the peers run with an overflowed vector; True when deferred.
 
-    The peers run it where the flag is not global, and also where a spike gate or a flag
-    written by torch-shaped code keeps it: joined with a refusal, they skip rather than wait.
+    The peers run it where the flag is not global, and also where :func:`_keeps_the_collective`:
+    joined with a refusal, they skip rather than wait.
     """
-    kept = scaler._spike is not None or state.user_found is not None
-    if not (exc.peers_agree or kept) or group is None:
+    if not (exc.peers_agree or _keeps_the_collective(scaler, state)) or group is None:
         return False
     device = _dist.flag_device(group, scale.device)
     layout = Layout.leading(scaler._carries_range(), scaler._predictive is not None)
