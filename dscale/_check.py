@@ -91,7 +91,7 @@ def check(
         group = None
     device = scale.device if group is None else _dist.flag_device(group, scale.device)
     host = scaler._book.host
-    layout = Layout.leading(scaler._carries_range(), scaler._predictive is not None)
+    layout = _leading_layout(scaler)
     with _unscale.NoGrad():
         vector = layout.blank(scale, None if host is None else host.scale, device)
         state.agreed, state.layout = vector, layout  # the flag so far, should a stage raise
@@ -148,6 +148,11 @@ def _hooks_report(
         state.stage = Stage.READY  # the next iteration's code says it again, or not
         raise twice
     return report
+
+
+def _leading_layout(scaler: GradScaler) -> Layout:
+    """This iteration's leading fields, for the check and a refusal alike (the peers' length)."""
+    return Layout.leading(scaler._carries_range(), scaler._predictive is not None)
 
 
 def _keeps_the_collective(scaler: GradScaler, state: OptimizerState) -> bool:
@@ -251,7 +256,7 @@ def _join_peers_refusing(
     if not (exc.peers_agree or _keeps_the_collective(scaler, state)) or group is None:
         return False
     device = _dist.flag_device(group, scale.device)
-    layout = Layout.leading(scaler._carries_range(), scaler._predictive is not None)
+    layout = _leading_layout(scaler)
     blank = None
     if scaler._spike is not None:  # as long as the peers' (our slots: -inf)
         width = len(scaler._spike.signals) * _dist.world_size(group)
