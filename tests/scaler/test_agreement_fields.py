@@ -187,7 +187,7 @@ def _attached_fields(rank: int, world: int) -> dict[str, Any]:
     from tests.scaler._setup import batch, tiny_model
 
     out: dict[str, Any] = {}
-    for name in ("attach", "plain", "attach_refused"):
+    for name in ("attach", "plain", "attach_refused", "attach_backward_since_unscale"):
         model = DDP(tiny_model())
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         scaler = dscale.GradScaler("cpu", init_scale=2.0**8)
@@ -203,6 +203,10 @@ def _attached_fields(rank: int, world: int) -> dict[str, Any]:
             scaler.scale(model(batch(rank, step)).square().mean()).backward()
             if name == "attach_refused" and step == 1 and rank == 1:
                 model.module[0].weight.grad.mul_(0.5)  # written after the hooks checked it
+            if name == "attach_backward_since_unscale":
+                scaler.unscale_(opt)  # the agreement waits for the flag's first read
+                if step == 1 and rank == 1:  # a backward outside the reduction, rank 1 only
+                    scaler.scale(model.module(batch(rank, 9)).sum()).backward()
             try:
                 scaler.step(opt)
                 applied.append(scaler.step_applied(opt))
@@ -221,8 +225,9 @@ def test_registered_fields_read_the_max_over_the_ranks_under_attach() -> None:
     """Under attach() DDP's reduction makes the overflow flag global, so the scaler dropped its
     collective: a registered field then read its rank-local values (rank 0 read 0, 1, 2, 3
     where the MAX is 1, 2, inf, 4), and Float8Numerics' amaxes differed by rank. Registered fields
-    keep the collective (as the spike gate does), and a rank that refuses its step joins it, so
-    that its peer skips rather than waits. Oracle: the same run without attach()."""
+    keep the collective (as the spike gate does), and a rank that refuses its step (a grad
+    written after the hooks; a backward after unscale_()) joins it, so that its peer skips
+    instead of stepping alone. Oracle: the same run without attach()."""
     results = run_ranks(_attached_fields, world_size=2)
     want = [[1.0, 0.0], [2.0, 0.0], [float("inf"), 0.0], [4.0, 0.0]]
     for rank, got in results.items():
@@ -234,3 +239,9 @@ def test_registered_fields_read_the_max_over_the_ranks_under_attach() -> None:
     assert refused[1]["applied"] == [True, None, True, True]
     assert len(refused[1]["errors"]) == 1 and refused[1]["errors"][0].startswith("attach(): ")
     assert refused[1]["read"] == [want[0], want[2], want[3]]  # no step callback when refused
+    # The same after unscale_(), for a backward on rank 1 alone: it joins the deferred agreement.
+    since = [results[r]["attach_backward_since_unscale"] for r in (0, 1)]
+    assert since[0] == refused[0]
+    assert since[1]["applied"] == [True, None, True, True]
+    assert len(since[1]["errors"]) == 1 and since[1]["errors"][0].startswith("attach(): ")
+    assert since[1]["read"] == [want[0], want[2], want[3]]
