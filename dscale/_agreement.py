@@ -31,9 +31,8 @@ import torch.distributed as dist
 
 from dscale._unscale import copy_to
 
-#: The leading fields, in order: the flag, then the scale fields on range iterations, then
-#: policy="predictive"'s measurement. Appended parts follow them (:class:`Layout`).
-FIELDS = ("overflow", "scale", "neg_scale", "grad_max_abs", "underflow")
+#: Fixed indices of the leading fields (:class:`Layout` places the rest): the flag, then on
+#: range iterations the scale and its negation.
 OVERFLOW, SCALE, NEG_SCALE = range(3)
 #: The Layout key of the spike gate's slots (``_spike_gate``), always the last part.
 SPIKE = "spike"

@@ -86,15 +86,12 @@ def check(
     # 2. observe
     for observer in scaler._observers:
         observer.on_grads(optimizer, grads, scale)
-    if report.is_global and scaler._spike is None and state.user_found is None:
-        # DDP's own all-reduce over a group covering ours made the flag global. (The spike
-        # gate still needs the loss and grad norm of every rank, and a flag written by
-        # torch-shaped code is this rank's own: they keep the collective. Every rank runs the
-        # same code, so every rank writes one, whatever its value.)
+    if report.is_global and not _keeps_the_collective(scaler, state):
+        # DDP's own all-reduce over a group covering ours made the flag global.
         group = None
     device = scale.device if group is None else _dist.flag_device(group, scale.device)
     host = scaler._book.host
-    layout = Layout.leading(scaler._carries_range(), scaler._predictive is not None)
+    layout = _leading_layout(scaler)
     with _unscale.NoGrad():
         vector = layout.blank(scale, None if host is None else host.scale, device)
         state.agreed, state.layout = vector, layout  # the flag so far, should a stage raise
@@ -111,11 +108,12 @@ def check(
             check_and_unscale_(groups, inv_scale, flag, None if unscale else checked)
         # 5. signals
         _fold_flags(scaler, vector, layout, flag, bool(groups), (report.flag, state.user_found))
+        fields = _field_values(scaler, optimizer)  # before the gate's, in the vector's order
         spike = None
         if scaler._spike is not None:  # every grad this rank holds, hooked ones too
             every = optimizer_grads(optimizer) if report.covered else grads
             spike = _spike_values(scaler, every, None if unscale else scale, device, group)
-        vector, layout = layout.append(vector, _field_values(scaler, optimizer), spike)
+        vector, layout = layout.append(vector, fields, spike)
     state.agreed, state.layout = vector, layout
     # 6. agree
     state.over_group = group is not None
@@ -150,6 +148,22 @@ def _hooks_report(
         state.stage = Stage.READY  # the next iteration's code says it again, or not
         raise twice
     return report
+
+
+def _leading_layout(scaler: GradScaler) -> Layout:
+    """This iteration's leading fields, for the check and a refusal alike (the peers' length)."""
+    return Layout.leading(scaler._carries_range(), scaler._predictive is not None)
+
+
+def _keeps_the_collective(scaler: GradScaler, state: OptimizerState) -> bool:
+    """Whether the agreement runs where attach()'s hooks made the overflow flag global.
+
+    The spike gate needs every rank's loss and grad norm, registered fields the MAX of every
+    rank's values (dscale.fp8's activation amaxes differ by rank under DDP), and a flag written
+    by torch-shaped code is this rank's own (every rank runs the same code, so every rank writes
+    one, whatever its value). Each holds on every rank alike.
+    """
+    return scaler._spike is not None or bool(scaler._fields) or state.user_found is not None
 
 
 def _unscales_for_fused(scaler: GradScaler, scale: torch.Tensor, groups: GradGroups) -> bool:
@@ -236,14 +250,13 @@ def _join_peers_refusing(
 ) -> bool:
     """Join the agreement the peers run with an overflowed vector; True when deferred.
 
-    The peers run it where the flag is not global, and also where a spike gate or a flag
-    written by torch-shaped code keeps it: joined with a refusal, they skip rather than wait.
+    The peers run it where the flag is not global, and also where :func:`_keeps_the_collective`:
+    joined with a refusal, they skip rather than wait.
     """
-    kept = scaler._spike is not None or state.user_found is not None
-    if not (exc.peers_agree or kept) or group is None:
+    if not (exc.peers_agree or _keeps_the_collective(scaler, state)) or group is None:
         return False
     device = _dist.flag_device(group, scale.device)
-    layout = Layout.leading(scaler._carries_range(), scaler._predictive is not None)
+    layout = _leading_layout(scaler)
     blank = None
     if scaler._spike is not None:  # as long as the peers' (our slots: -inf)
         width = len(scaler._spike.signals) * _dist.world_size(group)

@@ -40,6 +40,7 @@ import bisect
 import itertools
 import math
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -227,6 +228,10 @@ class GradMeasure:
     def next_iteration(self) -> None:
         """Called by update(): the next step may be a sample."""
         self.iteration += 1
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.__dict__.setdefault("_scratch", {})  # pickled at 0010076 or before: none kept
 
 
 def mark_overflow(vector: torch.Tensor, at: int, flag: torch.Tensor) -> None:

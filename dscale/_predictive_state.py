@@ -175,7 +175,7 @@ class PredictiveScaling:
     ) -> None:
         """Take this iteration's agreed vectors (MAX over optimizers as over ranks).
 
-        ``at``: the index of the measurement in them (``_agreement.measured_at``). ``spiked``:
+        ``at``: the index of the measurement in them (``layout.start("measured")``). ``spiked``:
         the spike gate's decisions (> 0: skipped for a spike; ``spiked_on_host`` as known on
         the host), which make the step one that measured nothing.
         """

@@ -450,6 +450,20 @@ class SpikeGate:
         state["_zeros"] = torch.zeros(len(self.signals), dtype=torch.float64)
         return state
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """A fresh gate with the pickled one's settings, window and counters.
+
+        Only those are read from ``state``: a gate pickled by an earlier version (0010076 kept
+        a ring, not the matrix) lacks this one's other attributes, and holds its window in
+        ``_pending_load`` as a state dict, as this version's does.
+        """
+        self.__init__(  # type: ignore[misc]
+            state["signals"], sigma=state["sigma"], window=state["window"], warmup=state["warmup"]
+        )
+        self._pending_load = state.get("_pending_load")
+        if "_host" in state:
+            self._host = state["_host"]
+
 
 def tensors_in(outputs: Any) -> list[torch.Tensor]:
     if isinstance(outputs, torch.Tensor):

@@ -646,6 +646,9 @@ class GradScaler(TorchGradScalerSurface):
 
 
 GradScaler._optimizer_state_type = OptimizerState
+# Scalers pickled before the step path's split (0010076 and earlier) name the per-optimizer
+# state's type here (their empty OptimizerStates holds it): unpickling them must find it.
+_OptimizerState = OptimizerState
 
 
 def _is_torch_fused(optimizer: torch.optim.Optimizer) -> bool:

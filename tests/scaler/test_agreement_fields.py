@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 
 import dscale
@@ -98,3 +99,149 @@ def test_each_registered_field_reads_the_max_over_the_ranks_and_changes_no_decis
             assert got["fields"]["scales"] == plain["scales"], (rank, name)
             assert torch.equal(got["fields"]["weight"], plain["weight"]), (rank, name)
             assert plain["applied"][5] is False  # the overflow on rank 1 skipped both ranks
+
+
+def test_fields_are_asked_for_their_values_before_the_spike_gate_reads_the_grads() -> None:
+    """The order observers and fields see, as at 0010076: the grads' observers, then each field's
+    values() in registration order, then the spike gate's tail (the vector's order). 1db0beb ran
+    the gate first, so a gate that raised (no loss given to scale()) left the fields unasked."""
+    calls: list[str] = []
+
+    class Logged:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def values(self, optimizer: Any) -> torch.Tensor:
+            calls.append(f"values {self.name}")
+            return torch.ones(1)
+
+        def agreed(self, slots: torch.Tensor) -> None:
+            calls.append(f"agreed {self.name}")
+
+    class Observer:
+        def on_grads(self, optimizer: Any, grads: Any, scale: torch.Tensor) -> None:
+            calls.append("on_grads")
+
+        def on_update(self, scaler: Any, found: Any) -> None:
+            calls.append("on_update")
+
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = dscale.StepGuard("cpu", spike_signals=("loss",))
+    guard.add_observer(Observer())
+    for name in ("a", "b"):
+        guard.add_agreement_field(Logged(name))
+    gate = guard._spike
+    tail = gate.tail
+
+    def logged_tail(*args: Any, **kwargs: Any) -> torch.Tensor:
+        calls.append("spike tail")
+        return tail(*args, **kwargs)
+
+    gate.tail = logged_tail
+    guard.scale(model(torch.ones(3, 4)).sum()).backward()
+    guard.step(opt)
+    guard.update()
+    assert calls == [
+        "on_grads",
+        "values a",
+        "values b",
+        "spike tail",
+        "agreed a",
+        "agreed b",
+        "on_update",
+    ]
+    calls.clear()
+    opt.zero_grad()
+    model(torch.ones(3, 4)).sum().backward()  # no loss given to scale(): the gate raises
+    with pytest.raises(RuntimeError, match="no loss was passed to scale"):
+        guard.step(opt)
+    assert calls == ["on_grads", "values a", "values b", "spike tail"]
+
+
+class _LocalField:
+    """Sends this rank's own number per step (NaN from rank 1 on step 2), as dscale.fp8's
+    Float8Numerics sends the activations' amaxes, which differ by rank under DDP."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank, self.step = rank, 0
+        self.slots: torch.Tensor | None = None
+        self.read: list[list[float] | None] = []
+
+    def values(self, optimizer: Any) -> torch.Tensor:
+        if self.rank == 1 and self.step == 2:
+            return torch.tensor([float("nan"), -1.0])
+        return torch.tensor([float(self.rank + self.step), -float(self.rank)])
+
+    def agreed(self, slots: torch.Tensor) -> None:
+        self.slots = slots
+
+    def after_step(self, optimizer: Any, applied: bool) -> None:
+        self.read.append(None if self.slots is None else self.slots.tolist())
+        self.slots = None
+
+
+def _attached_fields(rank: int, world: int) -> dict[str, Any]:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from tests.scaler._setup import batch, tiny_model
+
+    out: dict[str, Any] = {}
+    for name in ("attach", "plain", "attach_refused", "attach_backward_since_unscale"):
+        model = DDP(tiny_model())
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler = dscale.GradScaler("cpu", init_scale=2.0**8)
+        field = _LocalField(rank)
+        scaler.add_agreement_field(field)
+        scaler.register_step_callback(field.after_step)
+        if name != "plain":
+            scaler.attach(model)
+        applied, errors = [], []
+        for step in range(4):
+            field.step = step
+            opt.zero_grad()
+            scaler.scale(model(batch(rank, step)).square().mean()).backward()
+            if name == "attach_refused" and step == 1 and rank == 1:
+                model.module[0].weight.grad.mul_(0.5)  # written after the hooks checked it
+            if name == "attach_backward_since_unscale":
+                scaler.unscale_(opt)  # the agreement waits for the flag's first read
+                if step == 1 and rank == 1:  # a backward outside the reduction, rank 1 only
+                    scaler.scale(model.module(batch(rank, 9)).sum()).backward()
+            try:
+                scaler.step(opt)
+                applied.append(scaler.step_applied(opt))
+            except RuntimeError as exc:
+                errors.append(str(exc)[:40])
+                applied.append(None)
+            try:
+                scaler.update()
+            except RuntimeError as exc:  # without the collective: "the ranks' weights may differ"
+                errors.append(str(exc)[:40])
+        out[name] = {"read": field.read, "applied": applied, "errors": errors}
+    return out
+
+
+def test_registered_fields_read_the_max_over_the_ranks_under_attach() -> None:
+    """Under attach() DDP's reduction makes the overflow flag global, so the scaler dropped its
+    collective: a registered field then read its rank-local values (rank 0 read 0, 1, 2, 3
+    where the MAX is 1, 2, inf, 4), and Float8Numerics' amaxes differed by rank. Registered fields
+    keep the collective (as the spike gate does), and a rank that refuses its step (a grad
+    written after the hooks; a backward after unscale_()) joins it, so that its peer skips
+    instead of stepping alone. Oracle: the same run without attach()."""
+    results = run_ranks(_attached_fields, world_size=2)
+    want = [[1.0, 0.0], [2.0, 0.0], [float("inf"), 0.0], [4.0, 0.0]]
+    for rank, got in results.items():
+        assert got["plain"]["read"] == want, rank
+        assert got["attach"]["read"] == want, rank
+        assert got["attach"]["applied"] == got["plain"]["applied"] == [True] * 4, rank
+    refused = [results[r]["attach_refused"] for r in (0, 1)]
+    assert refused[0] == {"read": want, "applied": [True, False, True, True], "errors": []}
+    assert refused[1]["applied"] == [True, None, True, True]
+    assert len(refused[1]["errors"]) == 1 and refused[1]["errors"][0].startswith("attach(): ")
+    assert refused[1]["read"] == [want[0], want[2], want[3]]  # no step callback when refused
+    # The same after unscale_(), for a backward on rank 1 alone: it joins the deferred agreement.
+    since = [results[r]["attach_backward_since_unscale"] for r in (0, 1)]
+    assert since[0] == refused[0]
+    assert since[1]["applied"] == [True, None, True, True]
+    assert len(since[1]["errors"]) == 1 and since[1]["errors"][0].startswith("attach(): ")
+    assert since[1]["read"] == [want[0], want[2], want[3]]

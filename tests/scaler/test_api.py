@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import base64
 import copy
+import importlib.util
+import json
 import pickle
+from pathlib import Path
 
 import pytest
 import torch
@@ -202,6 +206,34 @@ def test_pickle_and_deepcopy_keep_the_state_and_refuse_mid_iteration() -> None:
     scaler.unscale_(opt)
     with pytest.raises(RuntimeError, match="pickled"):
         pickle.dumps(scaler)
+
+
+def _old_pickles():
+    """``data/record_old_pickles.py`` and what it recorded at 0010076 (before the step path's
+    split into stage modules)."""
+    data = Path(__file__).parent / "data"
+    spec = importlib.util.spec_from_file_location(
+        "record_old_pickles", data / "record_old_pickles.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module, json.loads((data / "old_pickles.json").read_text())
+
+
+@pytest.mark.filterwarnings("ignore:dscale.StepGuard.*:UserWarning")
+def test_a_scaler_pickled_by_0010076_unpickles_and_goes_on_as_it_did_there() -> None:
+    """Oracle: the same pickle unpickled at 0010076 and trained on (recorded: decisions,
+    snapshots, state dict, weights). The split moved the per-optimizer state's type out of
+    scaler.py (pickles name it), and the spike gate and predictive's measurement gained
+    attributes an old pickle lacks: unpickling or the first step failed."""
+    record, recorded = _old_pickles()
+    assert set(recorded) == set(record.RUNS)
+    for name, run in recorded.items():
+        scaler = pickle.loads(base64.b64decode(run["pickle"]))
+        assert record.train(scaler, 12, 1) == run["after"], name
+        # The current code's pickle of it goes on alike too.
+        again = pickle.loads(base64.b64decode(run["pickle"]))
+        assert record.train(pickle.loads(pickle.dumps(again)), 12, 1) == run["after"], name
 
 
 def test_fp16_grads_are_unscaled_in_fp32_math() -> None:
