@@ -72,7 +72,9 @@ def check(
         report = _hooks_report(scaler, optimizer, state, group, scale, unscaled_by_caller)
     except AttachRefusal as exc:
         if _join_peers_refusing(scaler, optimizer, state, exc, group, scale, defer):
-            return True  # unscale_(): raised at the flag's first read, once joined
+            # unscale_(): the refusal is raised at the flag's first read, once this rank has
+            # joined the peers' agreement; until then unscale_() returns as if it had checked.
+            return True
         raise
     state.backwards = report.backwards
     # Nothing left for this rank's pass where the hooks checked every grad.
@@ -248,7 +250,10 @@ def _join_peers_refusing(
     scale: torch.Tensor,
     defer: bool,
 ) -> bool:
-    """Join the agreement the peers run with an overflowed vector; True when deferred.
+    """Join the agreement the peers run with an overflowed vector.
+
+    Returns True when the joining is left to the flag's first read (``defer``: unscale_()), so
+    that the caller returns instead of raising now; False when it ran here, or no peer waits.
 
     The peers run it where the flag is not global, and also where :func:`_keeps_the_collective`:
     joined with a refusal, they skip rather than wait.

@@ -78,7 +78,11 @@ def overflow_flag(scaler: GradScaler, state: OptimizerState) -> torch.Tensor:
 
 def skip_flag(scaler: GradScaler, state: OptimizerState) -> torch.Tensor:
     """The flag the step obeys (> 0: skip): the overflow flag, or with the spike gate on the
-    larger of it and the gate's decision (0 or 1 either way: fused kernels test == 1)."""
+    larger of it and the gate's decision (0 or 1 either way: fused kernels test == 1).
+
+    With the gate, the first call decides (its window statistics) and writes the skip flag into
+    the last spike slot of the agreed vector; later calls return the same flag.
+    """
     vector = agreed(scaler, state)
     flag = vector[_agreement.OVERFLOW]
     if scaler._spike is None:
@@ -99,6 +103,8 @@ def decide_on_host(scaler: GradScaler, state: OptimizerState) -> bool:
     """
     vector = agreed(scaler, state)
     if scaler._spike is not None:
+        # The gate decides first: it writes the step's skip flag into its last slot of
+        # ``vector``, so that the one read below brings the decision with the rest.
         skip_flag(scaler, state)
     state.host_agreed = values = vector.tolist()
     state.overflowed = values[_agreement.OVERFLOW] > 0

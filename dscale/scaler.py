@@ -488,9 +488,17 @@ class GradScaler(TorchGradScalerSurface):
                 "update() found no inf checks since the last update(): call "
                 "scaler.step(optimizer) (or scaler.unscale_(optimizer)) before scaler.update()"
             )
-        if any(
-            s.agreed is None and s.user_found is None and s.stage is Stage.READY for s in states
-        ):
+        unchecked = [s for s in states if s.agreed is None and s.stage is Stage.READY]
+        if any(s.user_found is not None for s in unchecked):
+            # torch's update() reads such a flag as it is; dscale agrees on it in the check.
+            self._end_iteration(counted=False)
+            raise RuntimeError(
+                "update(): found_inf_per_device was written for an optimizer that no step() or "
+                "unscale_() checked in this iteration (or whose check raised), so no rank agreed "
+                "on it and the scale is left as it was. The flag joins the agreement in the "
+                "check: call scaler.step(optimizer) or scaler.unscale_(optimizer) before update()"
+            )
+        if unchecked:
             # A check that raised before it made a flag, with no agreement to join (attach()'s
             # refusal where DDP's reduction made the flag global): the peers went on.
             self._end_iteration(counted=False)

@@ -217,6 +217,24 @@ def test_a_flag_written_once_the_ranks_agreed_raises_at_once_and_changes_nothing
     assert scaler.get_scale() == 2.0**8
 
 
+def test_a_flag_written_with_no_check_before_update_is_a_clear_error_that_keeps_the_scale() -> None:
+    """torch's update() reads such a flag as it is; dscale agrees on flags in the check, so it
+    says so (an AssertionError from inside update() before) and the next iteration runs."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = dscale.GradScaler("cpu", init_scale=2.0**8)
+    scaler.scale(_loss(model, 0, False)).backward()
+    flag = torch.tensor(1.0)
+    scaler._per_optimizer_states[id(opt)]["found_inf_per_device"] = {flag.device: flag}
+    with pytest.raises(RuntimeError, match=r"no step\(\) or unscale_\(\) checked"):
+        scaler.update()
+    assert scaler.get_scale() == 2.0**8
+    scaler.scale(_loss(model, 1, False)).backward()
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.step_applied(opt)
+
+
 def test_found_inf_per_device_between_unscale_and_step_reads_this_ranks_flag_as_torch() -> None:
     # A read between unscale_() and step() starts no agreement (it may come from one rank only,
     # see test_attach_iterations): it gives this rank's flag, and a flag written after it still
