@@ -102,7 +102,10 @@ class Job:
             raise AssertionError(f"{exc}\n{self.report()}") from None
 
     def summary(self) -> dict:
-        return json.loads((self.run_dir / "summary.json").read_text())
+        path = self.run_dir / "summary.json"
+        if not path.exists():  # say what the job did, not only which file is missing
+            raise AssertionError(f"{path} was not written" + self.report())
+        return json.loads(path.read_text())
 
     def saved_steps(self) -> list[int]:
         return sorted(
