@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
@@ -12,8 +13,8 @@ from torch import nn
 def wrap_model(model: nn.Module, strategy: str, device: torch.device) -> nn.Module:
     """Move ``model`` to ``device`` and wrap it: DDP, FSDP2 ``fully_shard``, or not at all.
 
-    FSDP2 shards each module of ``model.blocks()`` (when the model has that method), then the
-    root, so each block's parameters are gathered only while that block runs.
+    FSDP2 shards each of the model's blocks (:func:`fsdp_blocks`), then the root, so each
+    block's parameters are gathered only while that block runs.
     """
     model = model.to(device)
     if strategy == "ddp":
@@ -28,9 +29,41 @@ def wrap_model(model: nn.Module, strategy: str, device: torch.device) -> nn.Modu
         # The demo's loop never modifies the logits in place, which is what this warns about.
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view")
         mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-        blocks = getattr(model, "blocks", None)
-        for block in blocks() if callable(blocks) else []:
+        for block in fsdp_blocks(model):
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
         return model
     return model
+
+
+def fsdp_blocks(model: nn.Module) -> list[nn.Module]:
+    """The modules FSDP2 shards one by one: ``model.blocks``, in either of two forms.
+
+    An attribute that is an ``nn.ModuleList`` or ``nn.Sequential`` (its modules) or an
+    ``nn.ModuleDict`` (its values), as in ``self.blocks = nn.ModuleList(...)``; or a method
+    ``blocks()`` returning an iterable of modules. No ``blocks``: [] (only the root is sharded).
+    Anything else is a ValueError saying what is expected (a container module is callable:
+    calling it ran its missing ``forward``).
+    """
+    blocks = getattr(model, "blocks", None)
+    if blocks is None:
+        return []
+    if isinstance(blocks, nn.ModuleDict):
+        return list(blocks.values())
+    if isinstance(blocks, (nn.ModuleList, nn.Sequential)):
+        return list(blocks)
+    if callable(blocks) and not isinstance(blocks, nn.Module):
+        found = blocks()
+        if isinstance(found, Iterable) and not isinstance(found, nn.Module):
+            modules = list(found)
+            if all(isinstance(m, nn.Module) for m in modules):
+                return modules
+        what = f"a method returning {type(found).__name__} {found!r:.60}"
+    else:
+        what = f"{type(blocks).__name__} {blocks!r:.60}"
+    raise ValueError(
+        f"parallel=fsdp shards each module of {type(model).__name__}.blocks, but it is {what}; "
+        "make it an nn.ModuleList attribute (self.blocks = nn.ModuleList([...])) or a method "
+        "returning the modules (def blocks(self): return [...]), or give it another name if "
+        "it is not the model's blocks"
+    )

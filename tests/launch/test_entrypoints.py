@@ -151,3 +151,26 @@ def test_a_script_without_the_context_is_told_that_fault_keys_did_nothing(tmp_pa
         proc.stdout + proc.stderr
     ), output(proc)
     assert [r["rank"] for r in summary(tmp_path)["ranks"]] == [0, 1]
+
+
+def test_fsdp_shards_blocks_given_as_a_module_list_attribute_or_a_method(tmp_path: Path) -> None:
+    """``self.blocks = nn.ModuleList(...)`` (docs/fp8.md's idiom) is sharded block by block, as
+    ``def blocks(self)`` is: the same model in both forms trains to the same losses, bit for bit.
+
+    Old code called ``model.blocks()``, so the attribute form failed on every rank with
+    "Module [ModuleList] is missing the required "forward" function". Any other ``blocks`` is
+    refused with what is expected.
+    """
+    proc = launch(
+        tmp_path, "entrypoint=user_entrypoints:fsdp_block_forms", "parallel=fsdp", *OFF, cwd=HERE
+    )
+    assert proc.returncode == 0, output(proc)
+    for r in summary(tmp_path)["ranks"]:
+        got = r["result"]
+        assert got["attribute"]["sharded"] == got["method"]["sharded"] == [True] * 3, got
+        assert got["attribute"]["losses"] == got["method"]["losses"], got  # the oracle
+        assert got["wrong"] is not None, "a Linear as model.blocks was accepted"
+        assert got["wrong"].startswith(
+            "parallel=fsdp shards each module of Wrong.blocks, but it is Linear "
+        ), got["wrong"]
+        assert "nn.ModuleList attribute" in got["wrong"] and "def blocks(self)" in got["wrong"]

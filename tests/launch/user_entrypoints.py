@@ -47,3 +47,65 @@ def step_twice_on_rank_1(ctx) -> None:
         ctx.scaler.step(opt)
     ctx.scaler.update()
     dist.barrier()
+
+
+def fsdp_block_forms(ctx) -> dict:
+    """One model in three forms of ``blocks`` under ``ctx.parallelize`` (parallel=fsdp).
+
+    ``attribute``: ``self.blocks = nn.ModuleList(...)`` (docs/fp8.md's idiom); ``method``:
+    ``def blocks(self)`` (the demo's); ``wrong``: ``blocks`` a Linear, which must be refused with
+    what is expected. The first two train three steps from the same seed and data; their losses
+    and which submodules FSDP2 sharded are returned.
+    """
+    import torch
+    from torch import nn
+    from torch.distributed.fsdp import FSDPModule
+
+    class Body(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+            self.head = nn.Linear(8, 1)
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = torch.relu(layer(x))
+            return self.head(x)
+
+    class AsAttribute(Body):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = self.layers
+
+    class AsMethod(Body):
+        def blocks(self):
+            return list(self.layers)
+
+    class Wrong(Body):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = self.head
+
+    out: dict = {}
+    for name, cls in (("attribute", AsAttribute), ("method", AsMethod)):
+        model = ctx.parallelize(cls())
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses = []
+        for step in range(3):
+            g = torch.Generator().manual_seed(100 * step + ctx.rank)
+            loss = model(torch.randn(4, 8, generator=g).to(ctx.device)).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        out[name] = {
+            "losses": losses,
+            "sharded": [isinstance(m, FSDPModule) for m in model.layers],
+        }
+    try:
+        ctx.parallelize(Wrong())
+        out["wrong"] = None
+    except ValueError as exc:
+        out["wrong"] = str(exc)
+    return out
