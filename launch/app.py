@@ -30,6 +30,7 @@ from launch.elastic import (
     worker_env,
 )
 from launch.failures import explain_failure
+from launch.hydra_record import save_hydra_record
 from launch.preemption import PREEMPTED_EXIT_CODE, failures_were_preemption
 from launch.rerun import check_same_job, nothing_to_train, resume_advice, world_size_change
 from launch.schema import JobConfig, register
@@ -106,6 +107,7 @@ def run_job(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
     resized = world_size_change(plain, nproc * max_nodes) if min_nodes == max_nodes else None
     if resized:
         logger.warning("%s", resized)
+    save_hydra_record(cfg, run_dir)  # only now: a run that stops above writes nothing
     (run_dir / "config.resolved.yaml").write_text(OmegaConf.to_yaml(plain))
     if job.script:  # an earlier run's records in this folder are not this run's
         for stale in run_dir.glob("logs/rank*.report.json"):

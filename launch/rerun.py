@@ -145,8 +145,9 @@ def nothing_to_train(config: Mapping[str, Any]) -> str | None:
         return None
     where = "at" if step == max_steps else "past"
     return (
-        f"dscale-launch: step {step} ({latest}) is already {where} trainer.max_steps={max_steps}: "
-        "nothing to train; to train further raise trainer.max_steps, to train a new run add "
+        f"dscale-launch: the run is complete: step {step} ({latest}) is already {where} "
+        f"trainer.max_steps={max_steps}: nothing to train; nothing was written (the run folder "
+        "is as it was); to train further raise trainer.max_steps, to train a new run add "
         "hydra.job.name=<name>"
     )
 

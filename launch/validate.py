@@ -212,13 +212,17 @@ def _checkpoint(job: JobConfig) -> None:
         ) from exc
     if isinstance(target, Path):
         c.resume = str(target.expanduser().resolve())  # workers may start elsewhere
+    latest = CheckpointManager(c.dir).latest()
+    # A complete run (launch/rerun.py's nothing_to_train) writes nothing, so it is not probed:
+    # the probe's file would change the folder.
+    complete = target == "auto" and latest is not None and _step(latest) >= job.trainer.max_steps
     try:
-        CheckpointManager.check_directory(c.dir)  # creates the folder, like the first save
+        if not complete:
+            CheckpointManager.check_directory(c.dir)  # creates the folder, like the first save
     except CheckpointSaveError as exc:
         raise ConfigError(
             f"checkpoint.dir={c.dir}: {exc}; choose it with checkpoint.dir=PATH"
         ) from None
-    latest = CheckpointManager(c.dir).latest()
     _need(
         target is not None or latest is None,
         f"checkpoint.resume={c.resume!r} starts fresh, but checkpoint.dir={c.dir} already holds "
@@ -232,6 +236,11 @@ def _checkpoint(job: JobConfig) -> None:
         PreemptionGuard(c.save_on_signals)  # the library's own check; installs nothing
     except ValueError as exc:
         raise ConfigError(f"checkpoint.save_on_signals={c.save_on_signals}: {exc}") from None
+
+
+def _step(checkpoint: Path) -> int:
+    """N of a published ``step-N`` folder."""
+    return int(checkpoint.name[len("step-") :])
 
 
 def _entry(job: JobConfig) -> None:

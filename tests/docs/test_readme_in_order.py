@@ -92,12 +92,10 @@ def _check_figures(shown: str, printed: str, clone: Path) -> list[str]:
 
 
 def _files(folder: Path) -> dict[str, int]:
-    """Every file's mtime but Hydra's record of the latest command (``.hydra/``), which Hydra
-    writes before the launcher runs."""
+    """Every file's mtime, Hydra's record of the command that trained (``.hydra/``) included:
+    the launcher writes it only when it starts workers."""
     return {
-        str(p.relative_to(folder)): p.stat().st_mtime_ns
-        for p in folder.rglob("*")
-        if p.is_file() and p.relative_to(folder).parts[0] != ".hydra"
+        str(p.relative_to(folder)): p.stat().st_mtime_ns for p in folder.rglob("*") if p.is_file()
     }
 
 

@@ -175,3 +175,47 @@ def test_a_new_args_key_on_resume_is_refused_as_a_changed_setting(tmp_path: Path
     with pytest.raises(ConfigError, match=r"args\.wd: '\(absent\)' -> 0"):
         check_same_job(tmp_path, now)  # old code: a key only one run has was not compared
     check_same_job(tmp_path, earlier)  # the same settings continue
+
+
+def _folder_state(run_dir: Path) -> dict[str, tuple[int, bytes | None]]:
+    """Every path under ``run_dir``, itself included: its mtime (ns) and, for a file, its bytes."""
+    state: dict[str, tuple[int, bytes | None]] = {}
+    for path in [run_dir, *sorted(run_dir.rglob("*"))]:
+        info = path.lstat()
+        state[str(path.relative_to(run_dir))] = (
+            info.st_mtime_ns,
+            path.read_bytes() if path.is_file() else None,
+        )
+    return state
+
+
+@pytest.mark.slow
+def test_a_rerun_of_a_complete_run_writes_nothing_and_says_the_run_is_complete(
+    tmp_path: Path,
+) -> None:
+    """A run already at ``trainer.max_steps`` leaves its folder byte for byte and mtime for mtime.
+
+    Old code exited 0 but Hydra had already rewritten ``.hydra/config.yaml``, ``hydra.yaml`` and
+    ``overrides.yaml`` (the record then named a command that trained nothing), and the check of
+    the checkpoint folder created and removed a file in it.
+    """
+    from launch_helpers import launch
+
+    run_dir = tmp_path / "run"
+    job = [*JOB, "trainer.max_steps=3"]
+    first = launch(run_dir, *job, timeout_s=300)
+    assert first.returncode == 0, output(first)
+    assert (run_dir / ".hydra" / "overrides.yaml").is_file()  # the run that trained is recorded
+    recorded = (run_dir / ".hydra" / "overrides.yaml").read_text()
+    assert "trainer.max_steps=3" in recorded, recorded
+    before = _folder_state(run_dir)
+    # The same command, then one asking for fewer steps (and other figures of its own).
+    for again in (job, [*job, "trainer.max_steps=2", "trainer.log_every=7"]):
+        proc = launch(run_dir, *again, timeout_s=120)
+        assert proc.returncode == 0, output(proc)
+        after = _folder_state(run_dir)
+        assert sorted(after) == sorted(before), output(proc)
+        changed = [p for p in before if before[p] != after[p]]
+        assert changed == [], (changed, output(proc))
+        assert "the run is complete" in proc.stdout, output(proc)
+        assert "nothing to train" in proc.stdout, output(proc)
