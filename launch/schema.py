@@ -7,6 +7,9 @@ take plain arguments, never these objects' Hydra wrappers.
 
 from __future__ import annotations
 
+import signal
+import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -14,9 +17,33 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+import dscale
+import dscale.fp8
+
 # Choice fields are Enums: Hydra refuses any other value while composing, naming the key and
 # listing the choices ("Invalid value 'fp8', expected one of [fp16, bf16, fp32]"). Member names
 # equal their values, so the workers receive the plain strings.
+#
+# A str (or list[str]) field with a fixed set of values says so with ``metadata=choices(...)``:
+# launch/choices.py reads both kinds from here, and every one of them is checked before any
+# worker starts, with the nearest valid value named (tests/launch/test_choices.py covers each).
+
+
+def choices(values: tuple[str, ...]) -> dict[str, tuple[str, ...]]:
+    """Field metadata: the value (or, for a list, each element) must be one of ``values``."""
+    return {"choices": values}
+
+
+def library_choices(function: Callable[..., Any], argument: str) -> tuple[str, ...]:
+    """The values of a ``Literal[...]`` argument of a dscale function: the library's own list."""
+    values = typing.get_args(typing.get_type_hints(function)[argument])
+    if not values:
+        raise TypeError(f"{function.__qualname__}({argument}=...) is not a Literal")
+    return tuple(str(v) for v in values)
+
+
+#: Signal names a PreemptionGuard can handle (as ``checkpoint.save_on_signals`` spells them).
+SIGNAL_NAMES = tuple(s.name for s in signal.Signals if s not in (signal.SIGKILL, signal.SIGSTOP))
 
 
 class StartMethod(str, Enum):
@@ -66,7 +93,10 @@ class LauncherConfig:
     nproc_per_node: str = "auto"  # N, or auto (one per GPU, else 2), cpu, gpu
     nnodes: str = "1"  # N or MIN:MAX
     node_rank: int = 0  # only used by the static backend, as in torchrun
-    rdzv_backend: str = "static"  # static + one node + no endpoint = c10d on 127.0.0.1:0
+    # static + one node + no endpoint = c10d on 127.0.0.1:0
+    rdzv_backend: str = field(
+        default="static", metadata=choices(("static", "c10d", "etcd", "etcd-v2"))
+    )
     rdzv_endpoint: str = ""
     rdzv_id: str = "none"
     rdzv_conf: str = ""  # k=v,k=v as torchrun's --rdzv-conf
@@ -155,14 +185,23 @@ class ScalerConfig:
     min_scale: float | None = None
     max_scale: float | None = None
     hysteresis: int = 1
-    hysteresis_refill: str = "on_growth"
-    on_stuck_at_min: str = "warn"
+    hysteresis_refill: str = field(
+        default="on_growth",
+        metadata=choices(library_choices(dscale.GradScaler.__init__, "hysteresis_refill")),
+    )
+    on_stuck_at_min: str = field(
+        default="warn",
+        metadata=choices(library_choices(dscale.GradScaler.__init__, "on_stuck_at_min")),
+    )
     stuck_patience: int = 100
     sync_free: bool = False
-    policy: str = "dynamic"  # or "predictive": the scale from the measured gradient range
+    # or "predictive": the scale from the measured gradient range
+    policy: str = field(
+        default="dynamic", metadata=choices(library_choices(dscale.GradScaler.__init__, "policy"))
+    )
     predictive_window: int | None = None  # predictive: steps of measurements (None: 8)
     # The spike gate, off while spike_signals is empty; e.g. scaler.spike_signals=[loss,grad_norm]
-    spike_signals: list[str] = field(default_factory=list)
+    spike_signals: list[str] = field(default_factory=list, metadata=choices(("loss", "grad_norm")))
     spike_sigma: float = 6.0
     spike_window: int = 128
     spike_warmup: int = 64
@@ -195,12 +234,15 @@ class FP8Config:
     ``fallback_samples`` (needs the numerics). Their state goes into the job's checkpoints.
     """
 
-    recipe: str = "tensorwise"
+    recipe: str = field(
+        default="tensorwise",
+        metadata=choices(library_choices(dscale.fp8.convert_to_float8, "recipe")),
+    )
     keep_high_precision: list[str] = field(default_factory=lambda: ["head"])
-    emulate: str = "auto"
+    emulate: str = field(default="auto", metadata=choices(("auto", "true", "false")))
     numerics_every: int | None = None
     float8_all_gather: bool = False
-    predict: str = "bound"
+    predict: str = field(default="bound", metadata=choices(("bound", "exact")))
     fallback: bool = False
     fallback_threshold: float = 0.01
     fallback_samples: int = 3
@@ -234,7 +276,9 @@ class CheckpointConfig:
     every: int = 100
     keep: int = 2
     resume: str = "auto"
-    save_on_signals: list[str] = field(default_factory=lambda: ["SIGTERM"])
+    save_on_signals: list[str] = field(
+        default_factory=lambda: ["SIGTERM"], metadata=choices(SIGNAL_NAMES)
+    )
     async_save: bool = False
 
 

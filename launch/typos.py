@@ -1,9 +1,11 @@
 """Did-you-mean for a mistyped key on the command line, before Hydra's own advice.
 
 Hydra refuses ``trainer.max_stepz=10`` with "To append to your config use +trainer.max_stepz=10",
-which only leads to the launcher's refusal of an unknown key. Before Hydra runs, the overrides
-are composed once here; when a key is missing from its config node and a key of that node is
-close to it, the launcher names that key instead. Anything else is left to Hydra's messages.
+which only leads to the launcher's refusal of an unknown key, and ``trainer.precision=fp4`` with
+the choices but not the nearest one. Before Hydra runs, the overrides are composed once here;
+when a key is missing from its config node and a key of that node is close to it, the launcher
+names that key instead, and a value outside an Enum's choices is named with the nearest one
+(``launch/choices.py``'s words). Anything else is left to Hydra's messages.
 """
 
 from __future__ import annotations
@@ -17,6 +19,9 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import OverrideType
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ValidationError
+
+from launch.choices import choice_keys, not_one_of
 
 # Flags that change which configs are read; with them, Hydra's own message stands.
 _OTHER_CONFIGS = ("--config-dir", "-cd", "--config-path", "-cp")
@@ -62,6 +67,9 @@ def misspelt_key(argv: Sequence[str], config_dir: str, config_name: str) -> str 
             compose(name, overrides=overrides)
             return None
         except Exception as exc:
+            choice = _outside_an_enum(exc)
+            if choice:
+                return choice
             found = _REFUSED.search(str(exc))
         key = found.group(1) if found else None
         if key is None or key not in changed:
@@ -78,3 +86,16 @@ def misspelt_key(argv: Sequence[str], config_dir: str, config_name: str) -> str 
     if not close:
         return None
     return f"{key} is not a config key; did you mean {parent}{dot}{close[0]}?"
+
+
+def _outside_an_enum(exc: Exception) -> str | None:
+    """Hydra's refusal of a value outside an Enum field's choices, in launch/choices.py's words
+    (the nearest value named); None for any other error."""
+    cause = exc.__cause__
+    if not isinstance(cause, ValidationError):
+        return None
+    key, value = getattr(cause, "full_key", None), getattr(cause, "value", None)
+    values = choice_keys().get(str(key))
+    if values is None or value is None or str(value) in values:
+        return None
+    return not_one_of(str(key), value, values)

@@ -27,6 +27,7 @@ from torch.distributed.run import parse_min_max_nnodes
 
 from dscale import GradScaler
 from dscale.checkpoint import CheckpointManager, CheckpointSaveError, PreemptionGuard
+from launch.choices import bad_choice
 from launch.entrypoint import EntrypointError, load_entrypoint
 from launch.schema import DEMO_ENTRYPOINT, Device, JobConfig
 
@@ -334,6 +335,7 @@ def check_known_keys(cfg: DictConfig, prefix: str = "") -> None:
 
 def validate(job: JobConfig) -> int:
     """Check ``job`` in place (paths made absolute); return the resolved ``nproc_per_node``."""
+    _choices(job)
     _entry(job)
     nproc = _launcher(job)
     _, max_nodes = parse_min_max_nnodes(job.launcher.nnodes)
@@ -396,3 +398,9 @@ def scaler_parameters() -> list[str]:
     """``dscale.GradScaler``'s keyword parameters that are config keys (all but device, group)."""
     params = inspect.signature(GradScaler).parameters
     return [name for name in params if name not in ("self", "device", "process_group")]
+
+
+def _choices(job: JobConfig) -> None:
+    """Every key with a fixed set of values (launch/choices.py), with the nearest one named."""
+    problem = bad_choice(job)
+    _need(problem is None, problem or "")
