@@ -92,7 +92,7 @@ def run_job(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
     the run's checkpoint is already at ``trainer.max_steps`` (nothing is launched then)."""
     check_known_keys(cfg)
     job = cast(JobConfig, OmegaConf.to_object(cfg))  # Hydra built it from launch/schema.py
-    nproc = validate(job)
+    nproc = validate(job, typed=HydraConfig.get().overrides.task)
     # A plain dict crosses into the workers: picklable, fully resolved, no Hydra needed there.
     plain = cast(
         dict[str, Any],

@@ -16,7 +16,7 @@ import inspect
 import os
 import re
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -27,6 +27,7 @@ from torch.distributed.run import parse_min_max_nnodes
 
 from dscale import GradScaler
 from dscale.checkpoint import CheckpointManager, CheckpointSaveError, PreemptionGuard
+from launch.applies import unused_keys
 from launch.choices import bad_choice
 from launch.entrypoint import EntrypointError, load_entrypoint
 from launch.schema import DEMO_ENTRYPOINT, Device, JobConfig
@@ -333,9 +334,14 @@ def check_known_keys(cfg: DictConfig, prefix: str = "") -> None:
             check_known_keys(node, f"{prefix}{key}.")
 
 
-def validate(job: JobConfig) -> int:
-    """Check ``job`` in place (paths made absolute); return the resolved ``nproc_per_node``."""
+def validate(job: JobConfig, typed: Iterable[str] = ()) -> int:
+    """Check ``job`` in place (paths made absolute); return the resolved ``nproc_per_node``.
+
+    ``typed``: the overrides of the command line (Hydra's task overrides); a key among them
+    that this job would not read is refused (launch/applies.py).
+    """
     _choices(job)
+    _need(not (unused := unused_keys(job, typed)), unused or "")
     _entry(job)
     nproc = _launcher(job)
     _, max_nodes = parse_min_max_nnodes(job.launcher.nnodes)
