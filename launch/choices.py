@@ -2,8 +2,9 @@
 
 Both kinds are read from ``launch/schema.py``: Enum fields (Hydra refuses another value while
 composing; ``launch/typos.py`` words that refusal with :func:`not_one_of`) and str or list[str]
-fields declared with ``schema.choice(...)`` (checked here, before any worker starts). The
-message names the key, the value typed and the nearest valid one:
+fields declared with ``metadata=choices(...)`` (checked here, before any worker starts); besides
+them ``model.name``, ``data.name`` (the group's options) and ``launcher.nproc_per_node``'s words.
+The message names the key, the value typed and the nearest valid one:
 ``fp8.recipe=tensorwis is not one of tensorwise, rowwise; did you mean fp8.recipe=tensorwise?``
 """
 
@@ -17,7 +18,7 @@ from typing import Any
 
 from launch.schema import DataConfig, JobConfig, ModelConfig
 
-# Values accepted besides the listed ones, and how a value is spelt before it is compared.
+# What a key accepts besides its listed values.
 _ALSO = {"launcher.nproc_per_node": "a positive integer"}
 # The groups whose node says which option was picked (``model=mlp`` sets ``model.name``).
 _GROUPS = {"model": ModelConfig, "data": DataConfig}
