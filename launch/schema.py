@@ -19,7 +19,17 @@ from omegaconf import MISSING
 # equal their values, so the workers receive the plain strings.
 
 
-class StartMethod(str, Enum):
+class Choice(str, Enum):
+    """A fixed-value key: prints as the value typed (``ddp``), never as ``Strategy.ddp``."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
+
+
+class StartMethod(Choice):
     """How torchelastic starts the local ranks (``--start-method``)."""
 
     spawn = "spawn"
@@ -27,7 +37,7 @@ class StartMethod(str, Enum):
     forkserver = "forkserver"
 
 
-class Strategy(str, Enum):
+class Strategy(Choice):
     """How ``ctx.parallelize(model)`` spreads the model over ranks."""
 
     single = "single"  # one process, no wrapper
@@ -35,7 +45,7 @@ class Strategy(str, Enum):
     fsdp = "fsdp"  # FSDP2 fully_shard per block, then the root
 
 
-class Precision(str, Enum):
+class Precision(Choice):
     """The autocast dtype; fp16 gets a loss scaler, bf16 and fp32 a StepGuard (no scaling).
 
     fp8: bf16 autocast, the model's linears as torchao float8 ones (``fp8.*``), a StepGuard.
@@ -47,7 +57,7 @@ class Precision(str, Enum):
     fp8 = "fp8"
 
 
-class Device(str, Enum):
+class Device(Choice):
     """Where each rank runs: ``auto`` is the rank's GPU when CUDA is there, else the CPU."""
 
     auto = "auto"

@@ -355,7 +355,7 @@ def _fp8(job: JobConfig) -> None:
     _need(
         not f.float8_all_gather or job.parallel.strategy == "fsdp",
         "fp8.float8_all_gather=true all-gathers FSDP2's weight shards in float8: it needs "
-        f"parallel=fsdp (this job has parallel.strategy={job.parallel.strategy})",
+        f"parallel=fsdp (this job has parallel={job.parallel.strategy})",
     )
     _need(
         not f.float8_all_gather or f.recipe == "tensorwise",
