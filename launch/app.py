@@ -31,7 +31,13 @@ from launch.elastic import (
 )
 from launch.failures import explain_failure
 from launch.preemption import PREEMPTED_EXIT_CODE, failures_were_preemption
-from launch.rerun import check_same_job, nothing_to_train, resume_advice, world_size_change
+from launch.rerun import (
+    check_same_job,
+    discard_refused_run_dir,
+    nothing_to_train,
+    resume_advice,
+    world_size_change,
+)
 from launch.schema import JobConfig, register
 from launch.summary import build_summary, format_summary, write_summary
 from launch.targets import remove_targets, scrape_host
@@ -165,6 +171,7 @@ def _hydra_main(cfg: DictConfig) -> None:
         run_job(cfg, run_dir)
     except ConfigError as exc:
         print(f"dscale-launch: bad config: {exc}", file=sys.stderr)
+        discard_refused_run_dir(run_dir)  # nothing ran: no folder that looks like a run
         sys.exit(2)
     except SignalException as exc:
         print(

@@ -24,6 +24,7 @@ from launch.validate import ConfigError
 
 __all__ = [
     "check_same_job",
+    "discard_refused_run_dir",
     "nothing_to_train",
     "rerun_command",
     "resume_advice",
@@ -78,6 +79,41 @@ def resume_advice(checkpoint: Mapping[str, Any]) -> str:
         f"to resume from {where}, run the same command again:\n  {command}\n"
         f"to start fresh instead, add {FRESH_START}"
     )
+
+
+def discard_refused_run_dir(run_dir: Path) -> bool:
+    """Remove the folder Hydra made for a command the launcher refused; True if it did.
+
+    Hydra creates the run folder (``.hydra/`` and ``<job name>.log``) before the launcher sees
+    the config, so a refused command would leave a folder that looks like a run. Only a folder
+    holding nothing else is removed (with an ``outputs/`` above it left empty); an earlier run's
+    folder, or any folder with other files, is kept as it is.
+    """
+    hydra_files = {".hydra", f"{run_dir.name}.log"}
+    try:
+        entries = {p.name for p in run_dir.iterdir()}
+    except OSError:
+        return False
+    if not entries <= hydra_files | {p.name for p in run_dir.glob("*.log")}:
+        return False
+    for name in entries:
+        path = run_dir / name
+        if path.is_dir() and not path.is_symlink():
+            for inner in path.iterdir():
+                if inner.is_dir() and not inner.is_symlink():
+                    return False  # not Hydra's three files: leave it
+            for inner in path.iterdir():
+                inner.unlink()
+            path.rmdir()
+        else:
+            path.unlink()
+    run_dir.rmdir()
+    if run_dir.parent.name == "outputs":
+        try:
+            run_dir.parent.rmdir()  # only if empty
+        except OSError:
+            pass
+    return True
 
 
 def _flat(node: Any, prefix: str = "") -> dict[str, Any]:

@@ -181,7 +181,8 @@ def _metrics(job: JobConfig, nproc: int) -> None:
     _need(
         not m.tensorboard or importlib.util.find_spec("tensorboard") is not None,
         "metrics.tensorboard=true needs TensorBoard, which is not installed here: pip install "
-        "tensorboard (held to your torch), or metrics.tensorboard=false",
+        "-e '.[tensorboard]' (in a clone; pip install 'dscale[tensorboard]' otherwise), or "
+        "metrics.tensorboard=false",
     )
     _need(
         m.check_agreement_every >= 0,
