@@ -97,3 +97,34 @@ def test_a_guard_runs_summary_says_no_loss_scaling_instead_of_final_scale_1() ->
     fp16 = [_rank(r, final_scale=16384.0, loss_scaling=True) for r in (0, 1)]
     text = format_summary(build_summary(fp16, run_dir=Path("/r"), what={"entrypoint": "m:f"}))
     assert "rank 0: final scale 16384, 2 skipped steps [10, 30]" in text, text
+
+
+@pytest.mark.slow
+def test_a_bf16_job_prints_skips_spikes_and_grad_norm_and_its_report_has_no_scale_panel(
+    tmp_path: Path,
+) -> None:
+    """docs/bf16.md's launcher line, end to end: 2 ranks, an inf on rank 1 at step 4."""
+    from launch_helpers import FAST, free_port_pair, launch, output, summary
+
+    from dscale.report import figure
+
+    proc = launch(
+        tmp_path,
+        *FAST,
+        "trainer.precision=bf16",
+        "scaler.spike_signals=[loss]",
+        "model=mlp",
+        "trainer.max_steps=10",
+        "fault.inf_steps=[4]",
+        "fault.inf_rank=1",
+        f"metrics.port={free_port_pair()}",
+    )
+    assert proc.returncode == 0, output(proc)
+    printed = proc.stdout + proc.stderr
+    assert "scale 1" not in printed and "final scale" not in printed, output(proc)
+    assert "step 10/10 loss " in printed and " skipped 1 spikes 0 grad norm " in printed, printed
+    assert "rank 1: 1 skipped steps [4] (0 of them spikes), no loss scaling" in printed, printed
+    s = summary(tmp_path)
+    assert [(r["loss_scaling"], r["skipped_steps"]) for r in s["ranks"]] == [(False, [4])] * 2
+    labels = [ax.get_ylabel().split("\n")[0] for ax in figure(tmp_path).axes]
+    assert "loss scale" not in labels and "grad norm" in labels, labels
