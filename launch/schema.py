@@ -15,7 +15,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 # Choice fields are Enums: Hydra refuses any other value while composing, naming the key and
-# listing the choices ("Invalid value 'fp8', expected one of [fp16, bf16, fp32]"). Member names
+# listing the choices ("Invalid value 'fp4', expected one of [fp16, bf16, fp32, fp8]"). Member names
 # equal their values, so the workers receive the plain strings.
 
 
