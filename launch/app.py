@@ -194,10 +194,11 @@ def _hydra_main(cfg: DictConfig) -> None:
         # with every rank's traceback goes to a file this names.
         report = run_dir / "torchelastic" / "failure.txt"
         report.write_text(exc.format_msg() + "\n")  # type: ignore[no-untyped-call]
+        cause = explain_failure(exc)
         print(
-            f"dscale-launch: {explain_failure(exc)}\n"
+            f"dscale-launch: {cause}\n"
             f"  logs: {run_dir}/logs/rank<R>.log; torchelastic's report: {report}\n"
-            f"after fixing the cause, {resume_advice(cfg.checkpoint)}",
+            f"after fixing the cause, {resume_advice(cfg.checkpoint, failure=cause)}",
             file=sys.stderr,
         )
         sys.exit(1)
