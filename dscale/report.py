@@ -92,7 +92,11 @@ def _fp8_value(key: str, stats: dict[str, float], view: str) -> float:
         return float(stats[view])
     scaled = float(stats["amax"]) * float(stats["scale"])
     top = _FP8_MAX["e5m2" if key.endswith("/grad_output") else "e4m3fn"]
-    return math.log2(top / scaled) if scaled > 0 and math.isfinite(scaled) else math.nan
+    if not (scaled > 0 and math.isfinite(scaled)):
+        return math.nan
+    # Rounded: dynamic scales put amax at the format's max, and 1e-16 of float noise around 0
+    # would set the colour scale.
+    return round(math.log2(top / scaled), 6) + 0.0
 
 
 def read_fp8_log(
