@@ -17,7 +17,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -c "import torch; print('torch==' + torch.__version__)" > $(TORCH_PIN)
-	$(PY) -m pip install -q -c $(TORCH_PIN) -e ".[test,dev,fp8]"
+	$(PY) -m pip install -q -c $(TORCH_PIN) -e ".[test,dev,fp8,tensorboard]"
 	$(PY) -m pip install -q --no-deps "$(TIMM_SPEC)"
 	touch $@ $(VENV)/.installed-run
 

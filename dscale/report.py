@@ -3,9 +3,13 @@
 For people without Grafana: the loss (per step when the loop gave it to ``MetricsLog.note_loss``,
 else at its log lines), the scale sawtooth (log2 axis), the skipped steps and the grad norm, one
 line style per rank, skipped steps marked x and resumes marked by a dashed line, read from
-``RUN_DIR/metrics/rank*.jsonl`` and ``loss-rank*.jsonl`` (``MetricsLog``); for an FP8 run that
-sampled ``dscale.fp8.Float8Numerics`` (``fp8-rank*.jsonl``), a per-layer heatmap of the share
-flushed to zero over the sampled steps.
+``RUN_DIR/metrics/rank*.jsonl`` and ``loss-rank*.jsonl`` (``MetricsLog``). A StepGuard's run
+(bf16, fp32, FP8: no loss scale) has no scale or skip-count panels: its loss and grad norm, the
+skipped steps marked on both, and, with a spike gate, the band its rule allows (mean to mean +
+sigma x std of the last ``window`` applied values). An FP8 run that sampled
+``dscale.fp8.Float8Numerics`` (``fp8-rank*.jsonl``) gets per-layer heatmaps over the sampled
+steps: the shares flushed to zero, subnormal and saturated, and the amax headroom
+(``--fp8`` picks which).
 """
 
 from __future__ import annotations
@@ -14,7 +18,9 @@ import argparse
 import glob
 import json
 import logging
+import math
 import os
+from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -66,14 +72,45 @@ def read_loss_log(run_dir: str | os.PathLike[str]) -> dict[int, list[dict[str, A
     return by_rank
 
 
+# The largest finite values of torchao's float8 formats: e4m3fn for inputs and weights, e5m2
+# for the gradients of the outputs (torch.finfo(torch.float8_e4m3fn).max, ...e5m2).
+_FP8_MAX = {"e4m3fn": 448.0, "e5m2": 57344.0}
+
+#: The FP8 views ``python -m dscale.report --fp8`` can draw, each a heatmap of layer x step.
+FP8_VIEWS = ("flushed", "subnormal", "saturated", "headroom")
+_FP8_LABELS = {
+    "flushed": "FP8 flushed\nto zero (share)",
+    "subnormal": "FP8 subnormal\n(share)",
+    "saturated": "FP8 saturated\n(share)",
+    "headroom": "FP8 amax headroom\n(binades)",
+}
+
+
+def _fp8_value(key: str, stats: dict[str, float], view: str) -> float:
+    """A share as logged, or the headroom: log2(format max / (amax x scale)), < 0 saturates."""
+    if view != "headroom":
+        return float(stats[view])
+    scaled = float(stats["amax"]) * float(stats["scale"])
+    top = _FP8_MAX["e5m2" if key.endswith("/grad_output") else "e4m3fn"]
+    if not (scaled > 0 and math.isfinite(scaled)):
+        return math.nan
+    # Rounded: dynamic scales put amax at the format's max, and 1e-16 of float noise around 0
+    # would set the colour scale.
+    return round(math.log2(top / scaled), 6) + 0.0
+
+
 def read_fp8_log(
     run_dir: str | os.PathLike[str], share: str = "flushed"
 ) -> tuple[list[int], list[str], list[list[float]]] | None:
     """The FP8 numerics samples (``metrics/fp8-rank*.jsonl``) as ``(steps, keys, values)``.
 
-    ``values[k][i]`` is ``share`` of ``keys[k]`` ("layer/tensor") at ``steps[i]``, the largest
-    over ranks (ranks log the same agreed sample); None when the run logged no FP8 numerics.
+    ``values[k][i]`` is ``share`` of ``keys[k]`` ("layer/tensor") at ``steps[i]``: one of
+    :data:`FP8_VIEWS`, the worst over ranks (the largest share, the smallest headroom; ranks log
+    the same agreed sample); None when the run logged no FP8 numerics.
     """
+    if share not in FP8_VIEWS:
+        raise ValueError(f"share={share!r} is not one of {', '.join(FP8_VIEWS)}")
+    worst = min if share == "headroom" else max
     by_step: dict[int, dict[str, float]] = {}
     for path in sorted(glob.glob(os.path.join(os.fspath(run_dir), "metrics", "fp8-rank*.jsonl"))):
         with open(path, encoding="utf-8") as f:
@@ -82,23 +119,69 @@ def read_fp8_log(
                     row = json.loads(line)
                     seen = by_step.setdefault(int(row["step"]), {})
                     for key, stats in row["layers"].items():
-                        seen[key] = max(seen.get(key, 0.0), float(stats[share]))
+                        value = _fp8_value(key, stats, share)
+                        seen[key] = worst(seen[key], value) if key in seen else value
     if not by_step:
         return None
     steps = sorted(by_step)
     keys = sorted({k for rows in by_step.values() for k in rows})
-    return steps, keys, [[by_step[s].get(k, 0.0) for s in steps] for k in keys]
+    return steps, keys, [[by_step[s].get(k, math.nan) for s in steps] for k in keys]
 
 
-def _fp8_heatmap(ax: Any, fp8: tuple[list[int], list[str], list[list[float]]]) -> None:
-    """Per-layer flushed-to-zero share over the sampled steps (each column until the next)."""
+def _fp8_heatmap(ax: Any, fp8: tuple[list[int], list[str], list[list[float]]], view: str) -> None:
+    """One view per layer over the sampled steps (each column until the next sample)."""
     steps, keys, values = fp8
     width = steps[-1] - steps[-2] if len(steps) > 1 else 1
     edges = [*steps, steps[-1] + width]
     mesh = ax.pcolormesh(edges, range(len(keys) + 1), values, cmap="viridis", shading="flat")
     ax.set_yticks([i + 0.5 for i in range(len(keys))], keys, fontsize="x-small")
-    ax.set_ylabel("FP8 flushed\nto zero (share)")
+    ax.set_ylabel(_FP8_LABELS[view])
     ax.figure.colorbar(mesh, ax=ax, pad=0.01)
+
+
+def is_step_guard_run(by_rank: dict[int, list[dict[str, Any]]]) -> bool:
+    """Whether the log is a StepGuard's (no loss scale): rows marked so, or a scale fixed at 1."""
+    rows = [r for rows in by_rank.values() for r in rows]
+    if any(r.get("loss_scaling") is False for r in rows):
+        return True
+    return all(r["scale"] == 1.0 and not r["growths"] and not r["backoffs"] for r in rows)
+
+
+def spike_settings(by_rank: dict[int, list[dict[str, Any]]]) -> dict[str, Any] | None:
+    """The spike gate's signals, sigma, window and warmup as the log recorded them, or None."""
+    for rows in by_rank.values():
+        for r in rows:
+            if "spike" in r:
+                return dict(r["spike"])
+    return None
+
+
+def spike_band(
+    rows: Sequence[dict[str, Any]], key: str, *, sigma: float, window: int, warmup: int
+) -> list[tuple[int, float, float]]:
+    """``(step, mean, mean + sigma x std)`` of the gate's rule over the logged ``key`` values.
+
+    The rule of dscale's spike gate: the last ``window`` values of applied steps, once
+    ``warmup`` of them (and at least 2) are in; the sample standard deviation. A step above the
+    upper edge is skipped as a spike.
+    """
+    kept: deque[float] = deque()
+    total = squares = 0.0
+    band = []
+    for r in rows:
+        n = len(kept)
+        if n >= max(warmup, 2):
+            mean = total / n
+            std = math.sqrt(max(squares - n * mean * mean, 0.0) / (n - 1))
+            band.append((int(r["step"]), mean, mean + sigma * std))
+        value = r.get(key)
+        if not r["skipped"] and value is not None and math.isfinite(value):
+            kept.append(value)
+            total, squares = total + value, squares + value * value
+            if len(kept) > window:
+                old = kept.popleft()
+                total, squares = total - old, squares - old * old
+    return band
 
 
 # Ranks usually agree on the scale, so their lines coincide: each rank gets its own colour and dash
@@ -115,9 +198,14 @@ def _style(index: int, count: int) -> dict[str, Any]:
     }
 
 
-def render(run_dir: str | os.PathLike[str], out: str | os.PathLike[str] | None = None) -> str:
+def render(
+    run_dir: str | os.PathLike[str],
+    out: str | os.PathLike[str] | None = None,
+    *,
+    fp8: Sequence[str] = FP8_VIEWS,
+) -> str:
     """Write the PNG of :func:`figure` and return its path (default ``RUN_DIR/metrics.png``)."""
-    fig = figure(run_dir)  # selects the Agg backend before pyplot is imported here
+    fig = figure(run_dir, fp8=fp8)  # selects the Agg backend before pyplot is imported here
     import matplotlib.pyplot as plt
 
     path = os.fspath(out) if out is not None else os.path.join(os.fspath(run_dir), "metrics.png")
@@ -126,11 +214,20 @@ def render(run_dir: str | os.PathLike[str], out: str | os.PathLike[str] | None =
     return path
 
 
-def figure(run_dir: str | os.PathLike[str]) -> Any:
+def _mark_skips(ax: Any, rows: Sequence[dict[str, Any]], key: str, skipped: set[int]) -> None:
+    marks = [r for r in rows if r["step"] in skipped and r.get(key) is not None]
+    ax.scatter(
+        [r["step"] for r in marks], [r[key] for r in marks], marker="x", color="red", zorder=20
+    )
+
+
+def figure(run_dir: str | os.PathLike[str], *, fp8: Sequence[str] = FP8_VIEWS) -> Any:
     """The report's matplotlib Figure.
 
-    Panels: the loss (when the run logged one with ``MetricsLog.log_loss``), the scale (log2 axis,
-    x = skipped), the cumulative skipped steps and the grad norm; one line style per rank.
+    Panels: the loss (when the run logged one), then under a loss scaler the scale (log2 axis,
+    x = skipped) and the cumulative skipped steps, then the grad norm (x = skipped; with a
+    StepGuard's spike gate, its band); one line style per rank. An FP8 run adds one heatmap per
+    view in ``fp8`` (:data:`FP8_VIEWS`). Resumes are dashed lines on every panel.
     """
     import matplotlib
 
@@ -138,85 +235,88 @@ def figure(run_dir: str | os.PathLike[str]) -> Any:
     import matplotlib.pyplot as plt
     from matplotlib.ticker import FuncFormatter, MaxNLocator
 
+    unknown = [v for v in fp8 if v not in FP8_VIEWS]
+    if unknown:
+        raise ValueError(f"fp8 views {unknown} are not among {', '.join(FP8_VIEWS)}")
     by_rank = read_metrics_log(run_dir)
+    guard = is_step_guard_run(by_rank)
+    spike = spike_settings(by_rank) if guard else None
     # Per-step losses (MetricsLog.note_loss) when the run logged them, else the progress lines'.
     per_step = {
         rank: [{"step": r["step"], "loss": r["loss"]} for r in rows if r.get("loss") is not None]
         for rank, rows in by_rank.items()
     }
     losses = {r: rows for r, rows in per_step.items() if rows} or read_loss_log(run_dir)
-    fp8 = read_fp8_log(run_dir)
-    rows_n = (4 if losses else 3) + (1 if fp8 else 0)
+    heatmaps = [(v, m) for v in fp8 if (m := read_fp8_log(run_dir, v)) is not None]
+    names = (["loss"] if losses else []) + ([] if guard else ["scale", "skip"]) + ["norm"]
+    rows_n = len(names) + len(heatmaps)
     fig, all_axes = plt.subplots(rows_n, 1, figsize=(10, 2.4 * rows_n + 1), sharex=True)
-    axes = all_axes[:-1] if fp8 else all_axes
-    ax_loss = axes[0] if losses else None
-    ax_scale, ax_skip, ax_norm = axes[-3:]
-    if fp8:
-        _fp8_heatmap(all_axes[-1], fp8)
+    all_axes = list(all_axes) if rows_n > 1 else [all_axes]
+    panel = dict(zip(names, all_axes, strict=False))
+    axes = all_axes[: len(names)]
+    ax_loss, ax_norm = panel.get("loss"), panel["norm"]
+    ax_scale, ax_skip = panel.get("scale"), panel.get("skip")
+    for (view, data), ax in zip(heatmaps, all_axes[len(names) :], strict=True):
+        _fp8_heatmap(ax, data, view)
+    if heatmaps:
         all_axes[-1].set_xlabel("optimizer step (FP8 samples)")
     ranks = sorted(set(by_rank) | set(losses))
     for i, rank in enumerate(ranks):
         style = _style(i, len(ranks))
         label = f"rank {rank}"
-        if ax_loss is not None and rank in losses:
-            rows = losses[rank]
-            ax_loss.plot([r["step"] for r in rows], [r["loss"] for r in rows], label=label, **style)
-            skipped_steps = {r["step"] for r in by_rank.get(rank, []) if r["skipped"]}
-            marks = [r for r in rows if r["step"] in skipped_steps]
-            ax_loss.scatter(
-                [r["step"] for r in marks],
-                [r["loss"] for r in marks],
-                marker="x",
-                color="red",
-                zorder=20,
-            )
         rows = by_rank.get(rank, [])
+        skipped_steps = {r["step"] for r in rows if r["skipped"]}
+        if ax_loss is not None and rank in losses:
+            lrows = losses[rank]
+            ax_loss.plot(
+                [r["step"] for r in lrows], [r["loss"] for r in lrows], label=label, **style
+            )
+            _mark_skips(ax_loss, lrows, "loss", skipped_steps)
+            if spike and "loss" in spike["signals"] and i == 0:
+                _draw_band(ax_loss, rows, "loss", spike)  # per-step losses, with skips
         if not rows:
             continue
         steps = [r["step"] for r in rows]
-        ax_scale.step(steps, [r["scale"] for r in rows], where="post", label=label, **style)
-        skipped = [r for r in rows if r["skipped"]]
-        ax_scale.scatter(
-            [r["step"] for r in skipped],
-            [r["scale"] for r in skipped],
-            marker="x",
-            color="red",
-            zorder=20,
-        )
-        cumulative, total = [], 0
-        for r in rows:
-            total += int(r["skipped"])
-            cumulative.append(total)
-        ax_skip.step(steps, cumulative, where="post", label=label, **style)
+        if ax_scale is not None and ax_skip is not None:
+            ax_scale.step(steps, [r["scale"] for r in rows], where="post", label=label, **style)
+            _mark_skips(ax_scale, rows, "scale", skipped_steps)
+            cumulative, total = [], 0
+            for r in rows:
+                total += int(r["skipped"])
+                cumulative.append(total)
+            ax_skip.step(steps, cumulative, where="post", label=label, **style)
         norms = [(r["step"], r["grad_norm"]) for r in rows if r.get("grad_norm") is not None]
         if norms:
             ax_norm.plot(*zip(*norms, strict=True), label=label, **style)
+            if guard:
+                _mark_skips(ax_norm, rows, "grad_norm", skipped_steps)
+            if spike and "grad_norm" in spike["signals"] and i == 0:
+                _draw_band(ax_norm, rows, "grad_norm", spike)
     if ax_loss is not None:
         ax_loss.set_ylabel("loss\n(x = skipped step)")
-    ax_scale.set_yscale("log", base=2)
-    ax_scale.set_ylabel("loss scale\n(x = skipped step)")
-    ax_skip.set_ylabel("skipped steps\n(cumulative)")
-    ax_norm.set_ylabel("grad norm\n(unscaled)")
-    ax_skip.yaxis.set_major_locator(MaxNLocator(integer=True))
-    most = max((sum(bool(r["skipped"]) for r in rows) for rows in by_rank.values()), default=0)
-    ax_skip.set_ylim(
-        -0.05 * max(most, 1), 1.1 * max(most, 1)
-    )  # 0 skips: a flat line at 0, not ±0.05
+    if ax_scale is not None and ax_skip is not None:
+        ax_scale.set_yscale("log", base=2)
+        ax_scale.set_ylabel("loss scale\n(x = skipped step)")
+        ax_skip.set_ylabel("skipped steps\n(cumulative)")
+        ax_skip.yaxis.set_major_locator(MaxNLocator(integer=True))
+        most = max((sum(bool(r["skipped"]) for r in rows) for rows in by_rank.values()), default=0)
+        ax_skip.set_ylim(-0.05 * max(most, 1), 1.1 * max(most, 1))  # 0 skips: a line at 0
+    ax_norm.set_ylabel("grad norm\n(x = skipped step)" if guard else "grad norm\n(unscaled)")
     if any(line.get_ydata().size for line in ax_norm.get_lines()):
         ax_norm.set_yscale("log")
         plain = FuncFormatter(lambda v, _: f"{v:g}")
         ax_norm.yaxis.set_major_formatter(plain)
         ax_norm.yaxis.set_minor_formatter(plain)
-    if not fp8:
+    if not heatmaps:
         ax_norm.set_xlabel("optimizer step")
     for ax in axes:
         ax.grid(True, alpha=0.3)
         if ax.get_lines():
             ax.legend(loc="best", fontsize="small")
     for step in read_resumes(run_dir):  # where a later attempt took over from a checkpoint
-        for ax in axes:
+        for ax in all_axes:
             ax.axvline(step, color="grey", linestyle="--", linewidth=1, zorder=1)
-        axes[0].annotate(
+        all_axes[0].annotate(
             f"resumed at {step}",
             (step, 1),
             xycoords=("data", "axes fraction"),
@@ -225,19 +325,47 @@ def figure(run_dir: str | os.PathLike[str]) -> Any:
             textcoords="offset points",
             color="grey",
         )
-    fig.suptitle(f"dscale run {os.fspath(run_dir)}\n{_headline(by_rank)}", fontsize="medium")
+    fig.suptitle(f"dscale run {os.fspath(run_dir)}\n{_headline(by_rank, spike)}", fontsize="medium")
     fig.tight_layout()
     return fig
 
 
-def _headline(by_rank: dict[int, list[dict[str, Any]]]) -> str:
+def _draw_band(ax: Any, rows: Sequence[dict[str, Any]], key: str, spike: dict[str, Any]) -> None:
+    """The spike gate's band on ``key``: from the window's mean up to the skip threshold."""
+    band = spike_band(
+        rows, key, sigma=spike["sigma"], window=spike["window"], warmup=spike["warmup"]
+    )
+    if not band:
+        return
+    steps, means, uppers = zip(*band, strict=True)
+    ax.fill_between(
+        steps,
+        means,
+        uppers,
+        step="post",
+        color="grey",
+        alpha=0.2,
+        zorder=1,
+        label=f"spike band (mean + {spike['sigma']:g} sigma)",
+    )
+
+
+def _headline(by_rank: dict[int, list[dict[str, Any]]], spike: dict[str, Any] | None = None) -> str:
     """One line a bug report can quote: ranks, steps, skipped steps, first and last scale."""
     rows0 = by_rank[min(by_rank)]
     skipped = sum(bool(r["skipped"]) for r in rows0)
-    return (
-        f"{len(by_rank)} rank(s), steps {rows0[0]['step']}..{rows0[-1]['step']}, "
-        f"{skipped} skipped, scale {rows0[0]['scale']:g} -> {rows0[-1]['scale']:g}"
+    head = (
+        f"{len(by_rank)} rank(s), steps {rows0[0]['step']}..{rows0[-1]['step']}, {skipped} skipped"
     )
+    if not is_step_guard_run(by_rank):
+        return f"{head}, scale {rows0[0]['scale']:g} -> {rows0[-1]['scale']:g}"
+    gate = (
+        f", spike gate on {'/'.join(spike['signals'])} ({spike['sigma']:g} sigma, window "
+        f"{spike['window']})"
+        if spike
+        else ""
+    )
+    return f"{head}, no loss scaling (step guard){gate}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -245,10 +373,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dscale.report", description=__doc__)
     parser.add_argument("run_dir", help="directory holding metrics/rank*.jsonl")
     parser.add_argument("--out", help="PNG path (default RUN_DIR/metrics.png)")
+    parser.add_argument(
+        "--fp8",
+        default=",".join(FP8_VIEWS),
+        help=f"FP8 heatmaps to draw, comma-separated from {','.join(FP8_VIEWS)} (default all; "
+        "'' for none); only for runs that logged FP8 numerics",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
-        path = render(args.run_dir, args.out)
+        views = [v for v in args.fp8.split(",") if v]
+        path = render(args.run_dir, args.out, fp8=views)
     except ValueError as exc:
         parser.error(str(exc))
     logger.info("wrote %s", path)

@@ -32,7 +32,13 @@ from launch.elastic import (
 from launch.failures import explain_failure
 from launch.hydra_record import save_hydra_record
 from launch.preemption import PREEMPTED_EXIT_CODE, failures_were_preemption
-from launch.rerun import check_same_job, nothing_to_train, resume_advice, world_size_change
+from launch.rerun import (
+    check_same_job,
+    discard_refused_run_dir,
+    nothing_to_train,
+    resume_advice,
+    world_size_change,
+)
 from launch.schema import JobConfig, register
 from launch.summary import build_summary, format_summary, write_summary
 from launch.targets import remove_targets, scrape_host
@@ -167,6 +173,7 @@ def _hydra_main(cfg: DictConfig) -> None:
         run_job(cfg, run_dir)
     except ConfigError as exc:
         print(f"dscale-launch: bad config: {exc}", file=sys.stderr)
+        discard_refused_run_dir(run_dir)  # nothing ran: no folder that looks like a run
         sys.exit(2)
     except SignalException as exc:
         print(
@@ -189,10 +196,11 @@ def _hydra_main(cfg: DictConfig) -> None:
         # with every rank's traceback goes to a file this names.
         report = run_dir / "torchelastic" / "failure.txt"
         report.write_text(exc.format_msg() + "\n")  # type: ignore[no-untyped-call]
+        cause = explain_failure(exc)
         print(
-            f"dscale-launch: {explain_failure(exc)}\n"
+            f"dscale-launch: {cause}\n"
             f"  logs: {run_dir}/logs/rank<R>.log; torchelastic's report: {report}\n"
-            f"after fixing the cause, {resume_advice(cfg.checkpoint)}",
+            f"after fixing the cause, {resume_advice(cfg.checkpoint, failure=cause)}",
             file=sys.stderr,
         )
         sys.exit(1)

@@ -19,7 +19,7 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
-from dscale import GradScaler
+from dscale import GradScaler, StepGuard
 from launch import integrations
 from launch.faults import Faults
 from launch.parallel import wrap_model
@@ -36,6 +36,12 @@ DTYPES = {
     "fp32": torch.float32,
     "fp8": torch.bfloat16,  # bf16 autocast around torchao's float8 linears
 }
+
+
+def _spike_skips(scaler: GradScaler) -> int | None:
+    """The spike gate's skipped steps, or None without ``scaler.spike_signals``."""
+    spikes = scaler.snapshot().get("spike_skipped_steps")
+    return None if spikes is None else int(spikes)
 
 
 @dataclass
@@ -206,6 +212,10 @@ class RunContext:
         return {
             "rank": self.rank,
             "final_scale": float(self.scaler.get_scale()),
+            # False for a StepGuard (bf16, fp32, fp8): its scale is fixed at 1, not a loss scale.
+            "loss_scaling": not isinstance(self.scaler, StepGuard),
+            # With scaler.spike_signals: how many of the skipped steps were spikes.
+            "num_spike_skipped": _spike_skips(self.scaler) if enabled else None,
             "steps": int(self.scaler.snapshot()["steps"]) if enabled else None,
             "skipped_steps": list(self.record.skipped_steps),
             "num_skipped": self.record.num_skipped,

@@ -162,6 +162,7 @@ def start_metrics(
     scaler.add_observer(log)
     if progress is not None:
         progress.loss_log = log  # rank 0's progress lines also go to metrics/loss-rank0.jsonl
+        progress.stats = stats  # a StepGuard's progress lines show the grad norm
     writer = None
     if cfg.get("tensorboard") and progress is not None:
         from torch.utils.tensorboard import SummaryWriter  # validate.py checked it is there

@@ -9,8 +9,9 @@ from collections.abc import Callable
 
 import torch
 
-from dscale import GradScaler
+from dscale import GradScaler, StepGuard
 from dscale.metrics import MetricsLog, TrainingFigures
+from dscale.stats import NumericsStats
 from launch.record import SkipRecord
 
 logger = logging.getLogger(__name__)
@@ -42,6 +43,8 @@ class Progress:
         self.loss_log: MetricsLog | None = None
         # What this rank's /metrics serves of the loop (rank-local; host numbers only).
         self.figures = TrainingFigures()
+        # Set by ``ctx.metrics(...)``: the grad norm a StepGuard's lines show.
+        self.stats: NumericsStats | None = None
         # Set by ``ctx.metrics(...)`` with metrics.tensorboard: gets (step, figures) each report.
         self.scalars: Callable[[int, dict[str, float]], None] | None = None
 
@@ -63,6 +66,25 @@ class Progress:
         self.figures.update(step, loss=loss, tokens=tokens)
         if self.scalars is not None:
             self.scalars(step, self.figures.values())
+
+    def numerics(self) -> str:
+        """``scale 65536 skipped 0`` under a loss scaler; what a StepGuard has otherwise.
+
+        A guard's scale is fixed at 1, so its line shows the skipped steps, the spike skips
+        (with ``scaler.spike_signals``) and the grad norm of the last applied step (with
+        metrics on). Read where the loop already read the loss.
+        """
+        if not isinstance(self.scaler, StepGuard):
+            return f"scale {self.scaler.get_scale():g} skipped {self.record.num_skipped}"
+        parts = [f"skipped {self.record.num_skipped}"]
+        snap = self.scaler.snapshot()
+        if "spike_skipped_steps" in snap:
+            parts.append(f"spikes {int(snap['spike_skipped_steps'])}")
+        if self.stats is not None:
+            norm = self.stats.device_values().get("grad_norm")
+            if norm is not None:
+                parts.append(f"grad norm {float(norm):.4g}")
+        return " ".join(parts)
 
     def close(self) -> None:
         """End the bar's line."""
@@ -86,10 +108,7 @@ class RankZeroProgress(Progress):
         if self.scalars is not None:
             self.scalars(step, self.figures.values())
         last, self._last = self._last, (now, step)
-        line = (
-            f"step {step + 1}/{self.max_steps} loss {loss:.4f} scale {self.scaler.get_scale():g} "
-            f"skipped {self.record.num_skipped}"
-        )
+        line = f"step {step + 1}/{self.max_steps} loss {loss:.4f} {self.numerics()}"
         if last is not None and step > last[1]:
             t_last, s_last = last
             per_s = (step - s_last) / max(now - t_last, 1e-9)

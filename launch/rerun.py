@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import sys
 from collections.abc import Mapping, Sequence
@@ -24,7 +25,9 @@ from launch.validate import ConfigError
 
 __all__ = [
     "check_same_job",
+    "discard_refused_run_dir",
     "nothing_to_train",
+    "overrides_named_in",
     "rerun_command",
     "resume_advice",
     "world_size_change",
@@ -59,9 +62,46 @@ def rerun_command(argv: Sequence[str] | None = None, cwd: str | None = None) -> 
     return f"cd {shlex.quote(cwd or os.getcwd())} && {shlex.join(head + args)}"
 
 
-def resume_advice(checkpoint: Mapping[str, Any]) -> str:
-    """Two lines: the command that resumes (and from which step), and how to start fresh."""
+def overrides_named_in(message: str, argv: Sequence[str] | None = None) -> list[str]:
+    """The command's ``key=value`` overrides whose value the failure ``message`` quotes.
+
+    A value the workers refused (a misspelt choice of a key the launcher does not know the
+    choices of, such as your own ``args.*``) would be repeated by "run the same command again";
+    these are the ones to correct first. Values of one or two characters, numbers and booleans
+    are too common in messages to point at an override.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    named = []
+    for arg in argv:
+        key, sep, value = arg.lstrip("+~").partition("=")
+        value = value.strip("'\"")
+        if not sep or key.startswith("hydra.") or len(value) < 3:
+            continue  # hydra.*: the run folder, whose paths every failure message names
+        if value.lower() in ("true", "false", "null", "none"):
+            continue
+        try:
+            float(value)
+            continue
+        except ValueError:
+            pass
+        if re.search(rf"(?<![\w./-]){re.escape(value)}(?![\w/-])", message):
+            named.append(f"{key}={value}")
+    return named
+
+
+def resume_advice(checkpoint: Mapping[str, Any], *, failure: str = "") -> str:
+    """Two lines: the command that resumes (and from which step), and how to start fresh.
+
+    ``failure``: what the workers raised; an override whose value it quotes is named first, so
+    the command below is not rerun with the same mistake.
+    """
     command = rerun_command()
+    named = overrides_named_in(failure) if failure else []
+    if named:
+        command = (
+            f"{command}\n  (the error quotes {', '.join(named)} from this command: "
+            "correct it in the command first)"
+        )
     if not checkpoint.get("enabled", False):
         return (
             "checkpoints are off (checkpoint.enabled=false), so running it again starts from "
@@ -78,6 +118,41 @@ def resume_advice(checkpoint: Mapping[str, Any]) -> str:
         f"to resume from {where}, run the same command again:\n  {command}\n"
         f"to start fresh instead, add {FRESH_START}"
     )
+
+
+def discard_refused_run_dir(run_dir: Path) -> bool:
+    """Remove the folder Hydra made for a command the launcher refused; True if it did.
+
+    Hydra creates the run folder (``.hydra/`` and ``<job name>.log``) before the launcher sees
+    the config, so a refused command would leave a folder that looks like a run. Only a folder
+    holding nothing else is removed (with an ``outputs/`` above it left empty); an earlier run's
+    folder, or any folder with other files, is kept as it is.
+    """
+    hydra_files = {".hydra", f"{run_dir.name}.log"}
+    try:
+        entries = {p.name for p in run_dir.iterdir()}
+    except OSError:
+        return False
+    if not entries <= hydra_files | {p.name for p in run_dir.glob("*.log")}:
+        return False
+    for name in entries:
+        path = run_dir / name
+        if path.is_dir() and not path.is_symlink():
+            for inner in path.iterdir():
+                if inner.is_dir() and not inner.is_symlink():
+                    return False  # not Hydra's three files: leave it
+            for inner in path.iterdir():
+                inner.unlink()
+            path.rmdir()
+        else:
+            path.unlink()
+    run_dir.rmdir()
+    if run_dir.parent.name == "outputs":
+        try:
+            run_dir.parent.rmdir()  # only if empty
+        except OSError:
+            pass
+    return True
 
 
 def _flat(node: Any, prefix: str = "") -> dict[str, Any]:

@@ -21,7 +21,7 @@ import dscale
 import dscale.fp8
 
 # Choice fields are Enums: Hydra refuses any other value while composing, naming the key and
-# listing the choices ("Invalid value 'fp8', expected one of [fp16, bf16, fp32]"). Member names
+# listing the choices ("Invalid value 'fp4', expected one of [fp16, bf16, fp32, fp8]"). Member names
 # equal their values, so the workers receive the plain strings.
 #
 # A str (or list[str]) field with a fixed set of values says so with ``metadata=choices(...)``:
@@ -46,7 +46,17 @@ def library_choices(function: Callable[..., Any], argument: str) -> tuple[str, .
 SIGNAL_NAMES = tuple(s.name for s in signal.Signals if s not in (signal.SIGKILL, signal.SIGSTOP))
 
 
-class StartMethod(str, Enum):
+class Choice(str, Enum):
+    """A fixed-value key: prints as the value typed (``ddp``), never as ``Strategy.ddp``."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
+
+
+class StartMethod(Choice):
     """How torchelastic starts the local ranks (``--start-method``)."""
 
     spawn = "spawn"
@@ -54,7 +64,7 @@ class StartMethod(str, Enum):
     forkserver = "forkserver"
 
 
-class Strategy(str, Enum):
+class Strategy(Choice):
     """How ``ctx.parallelize(model)`` spreads the model over ranks."""
 
     single = "single"  # one process, no wrapper
@@ -62,7 +72,7 @@ class Strategy(str, Enum):
     fsdp = "fsdp"  # FSDP2 fully_shard per block, then the root
 
 
-class Precision(str, Enum):
+class Precision(Choice):
     """The autocast dtype; fp16 gets a loss scaler, bf16 and fp32 a StepGuard (no scaling).
 
     fp8: bf16 autocast, the model's linears as torchao float8 ones (``fp8.*``), a StepGuard.
@@ -74,7 +84,7 @@ class Precision(str, Enum):
     fp8 = "fp8"
 
 
-class Device(str, Enum):
+class Device(Choice):
     """Where each rank runs: ``auto`` is the rank's GPU when CUDA is there, else the CPU."""
 
     auto = "auto"

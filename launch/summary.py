@@ -65,9 +65,13 @@ def format_summary(summary: dict[str, Any]) -> str:
             continue
         skipped = r["skipped_steps"]
         shown = ", ".join(map(str, skipped[:10])) + (" ..." if len(skipped) > 10 else "")
-        lines.append(
-            f"  rank {r['rank']}: final scale {r['final_scale']:g}, "
-            f"{r['num_skipped']} skipped steps [{shown}]"
-        )
+        skips = f"{r['num_skipped']} skipped steps [{shown}]"
+        spikes = r.get("num_spike_skipped")
+        if spikes is not None:
+            skips += f" ({spikes} of them spikes)"
+        if r.get("loss_scaling", True):
+            lines.append(f"  rank {r['rank']}: final scale {r['final_scale']:g}, {skips}")
+        else:  # a StepGuard: its scale is fixed at 1, so there is no loss scale to report
+            lines.append(f"  rank {r['rank']}: {skips}, no loss scaling (step guard)")
     lines.append(f"  summary: {summary['run_dir']}/summary.json")
     return "\n".join(lines)

@@ -183,7 +183,8 @@ def _metrics(job: JobConfig, nproc: int) -> None:
     _need(
         not m.tensorboard or importlib.util.find_spec("tensorboard") is not None,
         "metrics.tensorboard=true needs TensorBoard, which is not installed here: pip install "
-        "tensorboard (held to your torch), or metrics.tensorboard=false",
+        "-e '.[tensorboard]' (in a clone; pip install 'dscale[tensorboard]' otherwise), or "
+        "metrics.tensorboard=false",
     )
     _need(
         m.check_agreement_every >= 0,
@@ -372,7 +373,7 @@ def _fp8(job: JobConfig) -> None:
     _need(
         not f.float8_all_gather or job.parallel.strategy == "fsdp",
         "fp8.float8_all_gather=true all-gathers FSDP2's weight shards in float8: it needs "
-        f"parallel=fsdp (this job has parallel.strategy={job.parallel.strategy})",
+        f"parallel=fsdp (this job has parallel={job.parallel.strategy})",
     )
     _need(
         not f.float8_all_gather or f.recipe == "tensorwise",

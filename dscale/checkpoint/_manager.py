@@ -83,14 +83,22 @@ class CheckpointManager:
         self._last_step: int | None = None
         self._async_since_wait = False
 
-    def maybe_save(self, step: int, **states: Any) -> bool:
+    def maybe_save(
+        self,
+        step: int,
+        *,
+        model: torch.nn.Module | None = None,
+        optimizer: Any = None,
+        scaler: Any = None,
+        extra: Mapping[str, Any] | None = None,
+    ) -> bool:
         """Save if ``step`` is a positive multiple of ``every``; return whether it saved.
 
         Also publishes a finished asynchronous save. Takes the keyword arguments of save().
         """
         self._publish_if_done()
         if self.every and step > 0 and step % self.every == 0:
-            self.save(step, **states)
+            self.save(step, model=model, optimizer=optimizer, scaler=scaler, extra=extra)
             return True
         return False
 
@@ -104,6 +112,16 @@ class CheckpointManager:
         extra: Mapping[str, Any] | None = None,
     ) -> None:
         """Save the state after ``step`` iterations as ``step-N``; skip if already saved or loaded.
+
+        Args:
+            step: how many optimizer iterations are done (the folder is ``step-N``).
+            model: the model (plain, DDP, FSDP1 or FSDP2), stored without wrapper prefixes.
+            optimizer: a torch optimizer (stored by parameter name; needs ``model``) or any
+                object with ``state_dict()`` / ``load_state_dict()``, e.g. dscale.FP16Optimizer.
+            scaler: a dscale.GradScaler, dscale.StepGuard or torch.amp.GradScaler.
+            extra: more state, ``{name: object with state_dict() and load_state_dict()}`` (a
+                data loader's position, dscale.fp8's weight scales); a resume must pass the same
+                names.
 
         Synchronous saves are published (renamed, checksummed, old ones purged) before this
         returns on any rank. Asynchronous saves return after staging a copy of the state; they
@@ -172,16 +190,38 @@ class CheckpointManager:
         found = list_complete(self.directory)
         return found[0][1] if found else None
 
-    def load(self, path: str | Path, **states: Any) -> int:
+    def load(
+        self,
+        path: str | Path,
+        *,
+        model: torch.nn.Module | None = None,
+        optimizer: Any = None,
+        scaler: Any = None,
+        extra: Mapping[str, Any] | None = None,
+    ) -> int:
         """Load ``path`` (a ``step-N`` folder) in place and return N.
 
         Takes model=, optimizer=, scaler=, extra= as save() does; see load_checkpoint().
         """
-        step = load_checkpoint(path, process_group=self.process_group, **states)
+        step = load_checkpoint(
+            path,
+            process_group=self.process_group,
+            model=model,
+            optimizer=optimizer,
+            scaler=scaler,
+            extra=extra,
+        )
         self._last_step = step
         return step
 
-    def load_latest(self, **states: Any) -> int | None:
+    def load_latest(
+        self,
+        *,
+        model: torch.nn.Module | None = None,
+        optimizer: Any = None,
+        scaler: Any = None,
+        extra: Mapping[str, Any] | None = None,
+    ) -> int | None:
         """Load the newest published checkpoint whose checksums hold; None if there is none.
 
         Rank 0 lists the folder and every rank tries the same checkpoints in the same order, so
@@ -193,7 +233,7 @@ class CheckpointManager:
         candidates = _dist.broadcast_object(listing, self.process_group)
         for step, path in candidates:
             try:
-                return self.load(path, **states)
+                return self.load(path, model=model, optimizer=optimizer, scaler=scaler, extra=extra)
             except CorruptCheckpointError as exc:
                 logger.warning(
                     "skipping checkpoint step %d: %s; trying the previous one", step, exc
@@ -201,8 +241,19 @@ class CheckpointManager:
         logger.info("no checkpoint to resume from in %s", self.directory)
         return None
 
-    def resume(self, resume: str | Path | None, **states: Any) -> int | None:
+    def resume(
+        self,
+        resume: str | Path | None,
+        *,
+        model: torch.nn.Module | None = None,
+        optimizer: Any = None,
+        scaler: Any = None,
+        extra: Mapping[str, Any] | None = None,
+    ) -> int | None:
         """Resume as ``checkpoint.resume`` says: "auto", a folder path, or None/"" for no resume.
+
+        ``model``, ``optimizer``, ``scaler`` and ``extra`` are save()'s, loaded in place; pass
+        the same ones (and the same ``extra`` names) the checkpoint was saved with.
 
         Returns the step to continue from, or None when nothing was loaded. A manager that
         saves periodically (``every > 0``) first checks that the folder can take a checkpoint
@@ -211,12 +262,12 @@ class CheckpointManager:
         """
         target = self.check_resume(resume)
         if self.every:
-            self.check_room(**states)
+            self.check_room(model=model, optimizer=optimizer, scaler=scaler, extra=extra)
         if target is None:
             return None
         if target == "auto":
-            return self.load_latest(**states)
-        return self.load(target, **states)
+            return self.load_latest(model=model, optimizer=optimizer, scaler=scaler, extra=extra)
+        return self.load(target, model=model, optimizer=optimizer, scaler=scaler, extra=extra)
 
     def check_room(
         self,

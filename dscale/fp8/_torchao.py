@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import importlib
 import logging
+import re
+import sys
 from types import ModuleType
+
+import torch
 
 logger = logging.getLogger(__name__)
 
@@ -20,10 +24,62 @@ INSTALL_LINE = (
 )
 
 
+# What torchao 0.18's import logs on a machine without CUDA, and why it is harmless there:
+# _C_mxfp8 (MX formats) and _C_cutlass_90a (SM90 CUTLASS kernels) are CUDA libraries that the
+# tensorwise and rowwise float8 recipes never call, and triton is the GPU kernel compiler
+# (torchao.kernel.intmm, int8 matmuls). Silenced on a CPU-only torch; shown on a CUDA machine.
+_HARMLESS_ON_CPU = {
+    "torchao": re.compile(r"Failed to load .*_C_(mxfp8|cutlass_90a)[^/]*\.so"),
+    "torchao.kernel.intmm": re.compile(r"Detected no triton"),
+}
+# torchao registers its KernelPreference enum as a pytree constant, which torch 2.13 deprecates
+# (a warning about torchao's own call, not about the user's code): silenced everywhere.
+_HARMLESS = {"torch.utils._pytree": re.compile(r"KernelPreference'> is an Enum subclass")}
+
+
+class _DropKnown(logging.Filter):
+    """Drops the records of one logger that match a known-harmless pattern; counts them."""
+
+    def __init__(self, pattern: re.Pattern[str]) -> None:
+        super().__init__()
+        self.pattern = pattern
+        self.dropped = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if self.pattern.search(record.getMessage()):
+            self.dropped += 1
+            return False
+        return True
+
+
+def _import_quietly(name: str) -> ModuleType:
+    """Import ``name`` without torchao's known-harmless import noise (see _HARMLESS_ON_CPU)."""
+    if "torchao" in sys.modules:  # imported already: its import has logged what it logs
+        return importlib.import_module(name)
+    known = dict(_HARMLESS)
+    if not torch.cuda.is_available():
+        known.update(_HARMLESS_ON_CPU)
+    filters = {logger_name: _DropKnown(pattern) for logger_name, pattern in known.items()}
+    for logger_name, drop in filters.items():
+        logging.getLogger(logger_name).addFilter(drop)
+    try:
+        return importlib.import_module(name)
+    finally:
+        for logger_name, drop in filters.items():
+            logging.getLogger(logger_name).removeFilter(drop)
+        dropped = sum(drop.dropped for drop in filters.values())
+        if dropped:
+            logger.debug(
+                "torchao's import logged %d known-harmless lines (CUDA-only kernels, no triton, "
+                "a torch deprecation of its own call); not shown",
+                dropped,
+            )
+
+
 def float8() -> ModuleType:
     """``torchao.float8``, or ImportError with the install line when torchao is missing."""
     try:
-        return importlib.import_module("torchao.float8")
+        return _import_quietly("torchao.float8")
     except ImportError as exc:
         raise ImportError(
             f"dscale.fp8 runs FP8 training on torchao's float8 kernels, and torchao is not "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import sys
 import threading
 import types
 from typing import Any
@@ -94,6 +95,21 @@ class MetricsExporter:
         self.stop(linger_s=0 if exc_type is not None else None)
 
 
+def default_job_name() -> str:
+    """The run's name: ``DSCALE_JOB_NAME`` (dscale-launch sets it), else the script's name.
+
+    Not ``TORCHELASTIC_RUN_ID``: torchrun's rendezvous id is a fresh random id per launch under
+    ``--standalone`` (and ``none`` otherwise), so every rerun of one job got a new series.
+    ``torchrun train.py`` gives ``train``; an interactive session gives ``dscale``.
+    """
+    name = os.environ.get("DSCALE_JOB_NAME")
+    if name:
+        return name
+    script = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    stem = script[: -len(".py")] if script.endswith(".py") else ""
+    return stem if stem and stem != "__main__" else "dscale"
+
+
 def _env_int(name: str, default: int) -> int:
     value = os.environ.get(name)
     return int(value) if value else default
@@ -143,9 +159,10 @@ def start_exporter(
         port: base port; each rank adds its ``local_rank``. 0 picks any free port (tests).
         rank, local_rank: default to torchrun's ``RANK``/``LOCAL_RANK`` (else 0).
         node: ``node`` label, default the host name.
-        job_name: ``job_name`` label (not ``job``, which Prometheus overwrites), default
-            ``TORCHELASTIC_RUN_ID`` or "dscale". Give the run's name, stable across restarts
-            and reruns, so that one run is one series in Prometheus.
+        job_name: ``job_name`` label (not ``job``, which Prometheus overwrites), default the
+            run's name: ``DSCALE_JOB_NAME`` (set by dscale-launch to ``hydra.job.name``), else
+            the script's file name without ``.py``, else "dscale". Give the run's name, stable
+            across restarts and reruns, so that one run is one series in Prometheus.
         attempt: an ``attempt`` label (how many times the job was restarted or rerun), so the
             attempts of one run stay apart under the same ``job_name``; none when None.
         training: the loop's loss, learning rate, tokens/s, step time and step
@@ -187,7 +204,7 @@ def start_exporter(
         "rank": str(rank),
         "local_rank": str(local_rank),
         "node": node or socket.gethostname(),
-        "job_name": job_name or os.environ.get("TORCHELASTIC_RUN_ID") or "dscale",
+        "job_name": job_name or default_job_name(),
     }
     if attempt is not None:
         labels["attempt"] = str(attempt)

@@ -4,7 +4,9 @@ Columns: rank, step (the 0-based index of the optimizer iteration; the launcher 
 from 1, so its step 10 is row 9 here), scale (after that iteration's update), skipped, growths,
 backoffs (totals), clean_steps (the growth tracker), grad_norm and grad_norm_scaled (null without
 stats or before the first applied step), loss (what ``note_loss`` was given that iteration, else
-null). The first row of a log that starts past step 0 (a resumed run) also has ``"resumed": true``.
+null). The first row of a log that starts past step 0 (a resumed run) also has ``"resumed": true``;
+a StepGuard's rows have ``"loss_scaling": false`` (its scale is fixed at 1), and with a spike
+gate the first row of each log has ``"spike": {"signals", "sigma", "window", "warmup"}``.
 
 Each update() writes one row into a device buffer (no host sync); every ``every`` steps the buffer
 is copied to the host once and appended to ``RUN_DIR/metrics/rank<R>.jsonl``. So the log has the
@@ -82,6 +84,10 @@ class MetricsLog:
         self._filled = 0
         self._loss: Tensor | None = None
         self._first_block = True
+        # What the report needs to know of the scaler, read once (host attributes, no sync).
+        self._loss_scaling = True
+        self._spike: dict[str, Any] | None = None
+        self._described = False
 
     def note_loss(self, loss: Tensor) -> None:
         """Log ``loss`` (this iteration's, unscaled) in the row of the next update().
@@ -96,6 +102,17 @@ class MetricsLog:
 
     def on_update(self, scaler: Any, found_inf: Tensor) -> None:
         """Record this iteration's row on the device; write the block when it is full."""
+        if not self._described:
+            self._described = True
+            self._loss_scaling = bool(getattr(scaler, "_loss_scaling", True))
+            gate = getattr(scaler, "_spike", None)
+            if gate is not None:
+                self._spike = {
+                    "signals": list(gate.signals),
+                    "sigma": gate.sigma,
+                    "window": gate.window,
+                    "warmup": gate.warmup,
+                }
         c = scaler.counters()
         device = c["scale"].device
         nan = torch.full((), float("nan"), device=device)  # made on the device: no blocking copy
@@ -149,6 +166,10 @@ class MetricsLog:
                 rec["skipped"] = bool(rec["skipped"])
                 if first and rec["step"] > 0:  # this log continues a run from a checkpoint
                     rec["resumed"] = True
+                if not self._loss_scaling:  # a StepGuard: the scale is fixed at 1
+                    rec["loss_scaling"] = False
+                if first and self._spike is not None:
+                    rec["spike"] = self._spike
                 first = False
                 f.write(json.dumps(rec) + "\n")
 

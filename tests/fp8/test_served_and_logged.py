@@ -117,7 +117,7 @@ def test_the_report_draws_a_per_layer_heatmap_of_the_logged_samples(tmp_path):
     want = [[samples[s][k]["flushed"] for s in steps] for k in keys]
     assert values == want
     assert max(values[keys.index("blocks.1.fc2/input")]) > 0.05  # the outlier's layer shows
-    fig = figure(tmp_path)
+    fig = figure(tmp_path, fp8=["flushed"])
     (heat_ax,) = [ax for ax in fig.axes if ax.get_ylabel().startswith("FP8")]
     (mesh,) = [c for c in heat_ax.collections if isinstance(c, matplotlib.collections.QuadMesh)]
     assert mesh.get_array().reshape(len(keys), len(steps)).tolist() == want  # what is drawn

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import socket
 import ssl
+import sys
 import threading
 import urllib.error
 import urllib.request
@@ -82,14 +83,30 @@ def test_the_loops_figures_are_served_with_the_attempt_label_and_read_no_tensor(
 
 
 def test_rank_and_local_rank_default_to_torchrun_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under torchrun, job_name is the run's name (the script's), not the rendezvous id."""
     monkeypatch.setenv("RANK", "7")
     monkeypatch.setenv("LOCAL_RANK", "3")
-    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "run42")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "0f9c1d2e-random-per-launch")
+    monkeypatch.delenv("DSCALE_JOB_NAME", raising=False)
+    monkeypatch.setattr(sys, "argv", ["/home/me/proj/train_gpt.py", "--lr", "1e-3"])
     scaler = dscale.GradScaler(device="cpu")
     with start_exporter(scaler, port=0, node="n", linger_s=0) as exporter:
         assert exporter.url is not None
         text = _scrape(exporter.url)
-    assert 'job_name="run42",local_rank="3",node="n",rank="7"' in text
+    assert 'job_name="train_gpt",local_rank="3",node="n",rank="7"' in text
+
+
+def test_job_name_defaults_to_the_launchers_run_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    """dscale-launch script=... workers label with hydra.job.name (DSCALE_JOB_NAME)."""
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "0f9c1d2e-random-per-launch")
+    monkeypatch.setenv("DSCALE_JOB_NAME", "exp7")
+    monkeypatch.setattr(sys, "argv", ["train.py"])
+    scaler = dscale.GradScaler(device="cpu")
+    with start_exporter(scaler, port=0, node="n", linger_s=0) as exporter:
+        assert exporter.url is not None
+        text = _scrape(exporter.url)
+    assert 'job_name="exp7"' in text
+    assert "random-per-launch" not in text
 
 
 def test_a_busy_port_is_a_warning_and_training_goes_on(caplog, free_port: int) -> None:

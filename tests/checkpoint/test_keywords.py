@@ -1,0 +1,53 @@
+"""CheckpointManager's methods name their keywords: a misspelt one is refused, never ignored."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+from dscale.checkpoint import CheckpointManager
+
+_KEYWORDS = ["model", "optimizer", "scaler", "extra"]
+_METHODS = ["save", "maybe_save", "load", "load_latest", "resume", "check_room"]
+
+
+@pytest.mark.parametrize("method", _METHODS)
+def test_every_manager_method_shows_model_optimizer_scaler_and_extra(method: str) -> None:
+    """help(ckpt.resume) lists the keywords it takes, instead of hiding them in **states."""
+    params = inspect.signature(getattr(CheckpointManager, method)).parameters.values()
+    assert not [p for p in params if p.kind is p.VAR_KEYWORD]
+    keyword_only = [p.name for p in params if p.kind is p.KEYWORD_ONLY]
+    assert keyword_only == _KEYWORDS
+
+
+def test_a_misspelt_keyword_is_refused_even_when_there_is_nothing_to_resume(tmp_path) -> None:
+    """resume("auto", extras=...) on an empty folder used to return None and drop the typo."""
+    model = torch.nn.Linear(2, 1)
+    ckpt = CheckpointManager(tmp_path / "ckpt")
+    with pytest.raises(TypeError, match="extras"):
+        ckpt.resume("auto", model=model, extras={"data": model})
+    with pytest.raises(TypeError, match="scalar"):
+        ckpt.load_latest(model=model, scalar=None)
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_extra_round_trips_through_save_and_resume(tmp_path) -> None:
+    """An extra= Stateful comes back through resume(); the oracle is the state saved."""
+
+    class Position:
+        def __init__(self, index: int) -> None:
+            self.index = index
+
+        def state_dict(self) -> dict[str, torch.Tensor]:
+            return {"index": torch.tensor(self.index)}
+
+        def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+            self.index = int(state["index"])
+
+    model = torch.nn.Linear(2, 1)
+    CheckpointManager(tmp_path).save(7, model=model, extra={"data": Position(123)})
+    back = Position(0)
+    step = CheckpointManager(tmp_path).resume("auto", model=model, extra={"data": back})
+    assert (step, back.index) == (7, 123)
