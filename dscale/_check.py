@@ -12,8 +12,12 @@
 6. **agree**: the one MAX all-reduce starts (``unscale_()`` defers it to the flag's first read:
    ``_decision.start_deferred``).
 
-A refusal of ``attach()`` (grads its hooks did not check) joins the peers' collective with an
-overflowed vector of the same layout before it is raised, so that no rank waits alone.
+Under ``attach()`` the grads the hooks unscaled and checked are checked again here (inf/NaN only,
+times 1): a write since the reduction that no version shows (``p.grad.data``, ``.numpy()``) may
+have put an inf into them, on one rank only, so the agreement collective runs under attach() too,
+DDP's global flag included. A refusal of ``attach()`` (grads its hooks did not check) joins the
+peers' collective with an overflowed vector of the same layout before it is raised, so that no
+rank waits alone.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from dscale._unscale import (
     check_and_unscale_,
     copy_to,
     group_by_device_and_dtype,
+    local_tensor,
     optimizer_grads,
 )
 
@@ -69,7 +74,7 @@ def check(
         )
     # 1. collect
     try:
-        report = _hooks_report(scaler, optimizer, state, group, scale, unscaled_by_caller)
+        report = _hooks_report(scaler, optimizer, state, scale, unscaled_by_caller)
     except AttachRefusal as exc:
         if _join_peers_refusing(scaler, optimizer, state, exc, group, scale, defer):
             # unscale_(): the refusal is raised at the flag's first read, once this rank has
@@ -80,6 +85,7 @@ def check(
     # Nothing left for this rank's pass where the hooks checked every grad.
     grads = [] if report.complete else optimizer_grads(optimizer, set(report.covered))
     groups = group_by_device_and_dtype(grads)
+    rechecked = group_by_device_and_dtype(_covered_grads(optimizer, report))
     if unscale is None:
         unscale = _unscales_for_fused(scaler, scale, groups)
     unscale = unscale or report.unscaled  # the pass must match what the hooks did
@@ -88,9 +94,6 @@ def check(
     # 2. observe
     for observer in scaler._observers:
         observer.on_grads(optimizer, grads, scale)
-    if report.is_global and not _keeps_the_collective(scaler, state):
-        # DDP's own all-reduce over a group covering ours made the flag global.
-        group = None
     device = scale.device if group is None else _dist.flag_device(group, scale.device)
     host = scaler._book.host
     layout = _leading_layout(scaler)
@@ -108,8 +111,13 @@ def check(
             factors = scaler._factors
             inv_scale = factors.inverse(scale, host) if unscale else factors.one(scale)
             check_and_unscale_(groups, inv_scale, flag, None if unscale else checked)
+        if rechecked:  # attach(): the hooks' grads again, times 1 (unscaled already)
+            check_and_unscale_(rechecked, scaler._factors.one(scale), flag)
+            if scaler._predictive is not None:  # an inf found here reads as an overflow
+                mark_overflow(vector, layout.start("measured"), flag)
         # 5. signals
-        _fold_flags(scaler, vector, layout, flag, bool(groups), (report.flag, state.user_found))
+        written = bool(groups or rechecked)
+        _fold_flags(scaler, vector, layout, flag, written, (report.flag, state.user_found))
         fields = _field_values(scaler, optimizer)  # before the gate's, in the vector's order
         spike = None
         if scaler._spike is not None:  # every grad this rank holds, hooked ones too
@@ -130,12 +138,11 @@ def _hooks_report(
     scaler: GradScaler,
     optimizer: torch.optim.Optimizer,
     state: OptimizerState,
-    group: Any,
     scale: torch.Tensor,
     unscaled_by_caller: bool,
 ) -> HookReport:
     """What attach()'s hooks did for ``optimizer``; AttachRefusal for grads they missed."""
-    report = scaler._hooks.report(optimizer, group, scale.device)
+    report = scaler._hooks.report(optimizer, scale.device)
     if unscaled_by_caller and report.covered:
         # torch's in-place unscale kernel leaves the grads' versions as they were, so the
         # hooks cannot see this write: the stage says it.
@@ -146,7 +153,6 @@ def _hooks_report(
             "second time. Let the scaler unscale them (scaler.unscale_(optimizer)), or do "
             "not attach() this model"
         )
-        twice.peers_agree = not report.is_global  # as the hooks' own refusals
         state.stage = Stage.READY  # the next iteration's code says it again, or not
         raise twice
     return report
@@ -157,15 +163,25 @@ def _leading_layout(scaler: GradScaler) -> Layout:
     return Layout.leading(scaler._carries_range(), scaler._predictive is not None)
 
 
-def _keeps_the_collective(scaler: GradScaler, state: OptimizerState) -> bool:
-    """Whether the agreement runs where attach()'s hooks made the overflow flag global.
+def _covered_grads(optimizer: torch.optim.Optimizer, report: HookReport) -> list[torch.Tensor]:
+    """The rank-local grads attach()'s hooks unscaled and checked, for the check again at step.
 
-    The spike gate needs every rank's loss and grad norm, registered fields the MAX of every
-    rank's values (dscale.fp8's activation amaxes differ by rank under DDP), and a flag written
-    by torch-shaped code is this rank's own (every rank runs the same code, so every rank writes
-    one, whatever its value). Each holds on every rank alike.
+    They are unscaled, as after ``unscale_()``, and the hooks' flag covers them as the reduction
+    left them; a write since then through an alias whose version does not move (``.data``,
+    ``.numpy()``, a kernel that writes in place without a version bump) is invisible to
+    :meth:`ReductionHooks.report`, so what the step will consume is checked for inf/NaN here.
     """
-    return scaler._spike is not None or bool(scaler._fields) or state.user_found is not None
+    if not report.covered:
+        return []
+    if report.complete:  # every grad: at C speed
+        return optimizer_grads(optimizer)
+    covered = report.covered
+    return [
+        local_tensor(grad)
+        for group in optimizer.param_groups
+        for param in group["params"]
+        if (grad := param.grad) is not None and id(param) in covered
+    ]
 
 
 def _unscales_for_fused(scaler: GradScaler, scale: torch.Tensor, groups: GradGroups) -> bool:
@@ -255,10 +271,10 @@ def _join_peers_refusing(
     Returns True when the joining is left to the flag's first read (``defer``: unscale_()), so
     that the caller returns instead of raising now; False when it ran here, or no peer waits.
 
-    The peers run it where the flag is not global, and also where :func:`_keeps_the_collective`:
-    joined with a refusal, they skip rather than wait.
+    Under attach() the peers always run it (their step checks the hooks' grads again): joined
+    with a refusal, they skip rather than wait.
     """
-    if not (exc.peers_agree or _keeps_the_collective(scaler, state)) or group is None:
+    if group is None:
         return False
     device = _dist.flag_device(group, scale.device)
     layout = _leading_layout(scaler)

@@ -3,8 +3,10 @@
 DDP's default hook divides each bucket by the world size and all-reduces it. This hook all-reduces
 the scaled bucket and then, in one fused pass over the reduced values, multiplies by
 1 / (world_size * scale) and records whether any value is inf/NaN. The reduced bucket is the same on
-every rank of DDP's group, so when that group covers the scaler's, the flag is already global: the
-scaler needs no unscale pass and no collective of its own for these parameters.
+every rank of DDP's group, so the scaler needs no unscale pass for these parameters. step() still
+checks them again for inf/NaN (times 1) and runs its one-element agreement: a write between the
+reduction and step() through an alias whose version does not move (``p.grad.data``, ``.numpy()``)
+is invisible here and may be on one rank only (``_check``).
 
 fp16/bf16 buckets are divided by the world size before the all-reduce (as DDP does) so the sum
 cannot overflow where the average would not; the pass after it then multiplies by 1 / scale.
@@ -37,7 +39,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dscale import _dist
 from dscale._grad_measure import GradMeasure, measure_reduced
 from dscale._param_sets import ParamSet, param_set
 from dscale._unscale import DTensor, copy_to, local_tensor
@@ -48,8 +49,7 @@ class HookReport:
     """What the hooks did for one optimizer in this iteration.
 
     ``flag``: their overflow flag (None: no hook ran); ``covered``: ids of the parameters whose
-    grads they checked and unscaled, as they are now; ``is_global``: the flag is already the same
-    on every rank of the scaler's group; ``unscaled``: the covered grads are unscaled;
+    grads they checked and unscaled, as they are now; ``unscaled``: the covered grads are unscaled;
     ``measured``: policy="predictive"'s ``[scaled max, underflowing elements, elements]``;
     ``backwards``: the backward passes so far through the models holding the optimizer's
     parameters, and those that added to their unscaled grads outside the reduction
@@ -59,7 +59,6 @@ class HookReport:
 
     flag: torch.Tensor | None
     covered: frozenset[int]
-    is_global: bool
     unscaled: bool
     measured: torch.Tensor | None = None
     backwards: tuple[int, ...] = ()
@@ -67,9 +66,7 @@ class HookReport:
 
 
 class AttachRefusal(RuntimeError):
-    """Grads the hooks cannot vouch for; ``peers_agree``: the other ranks run the agreement."""
-
-    peers_agree = False
+    """Grads the hooks cannot vouch for (the refusing rank joins the peers' agreement)."""
 
 
 class HookState:
@@ -93,7 +90,6 @@ class HookState:
         # Weakly: the hooks outlive the model (on its parameters, in the scaler) and must not
         # keep its process group alive after `del model; dist.destroy_process_group()`.
         self._group = None if group is None else weakref.ref(group)
-        self.group_ranks = None if group is None else frozenset(dist.get_process_group_ranks(group))
         self.world_size = dist.get_world_size(group) if group is not None else 1
         self.ddp = ddp
         self.found: dict[torch.device, torch.Tensor] = {}
@@ -139,13 +135,6 @@ class HookState:
                 "model built over the new group instead"
             )
         return group
-
-    def covers(self, scaler_group: Any) -> bool:
-        """Whether this DDP model's group holds every rank of the scaler's group."""
-        if self.group_ranks is None:
-            return _dist.group_covers(None, scaler_group)
-        inner = _dist.group_ranks(scaler_group)
-        return set(range(dist.get_world_size()) if inner is None else inner) <= self.group_ranks
 
     def flag(self, device: torch.device) -> torch.Tensor:
         if device not in self.found:
@@ -410,7 +399,7 @@ def _fsdp2_params(model: torch.nn.Module) -> list[torch.nn.Parameter]:
 
 
 #: The report when no hook ran.
-NO_HOOKS = HookReport(None, frozenset(), is_global=False, unscaled=False)
+NO_HOOKS = HookReport(None, frozenset(), unscaled=False)
 
 
 class ReductionHooks:
@@ -522,9 +511,7 @@ class ReductionHooks:
         self._combined = (key, flag, combined)
         return flag, combined
 
-    def report(
-        self, optimizer: torch.optim.Optimizer, scaler_group: Any, device: torch.device
-    ) -> HookReport:
+    def report(self, optimizer: torch.optim.Optimizer, device: torch.device) -> HookReport:
         """What the hooks checked of ``optimizer``'s grads, for the scaler's ``_check``.
 
         Per model, not per parameter: where every grad of a DDP model is the one its hook left,
@@ -539,17 +526,12 @@ class ReductionHooks:
         if not ran:
             return NO_HOOKS
         flag, measured = self._flags(ran, device)
-        # Decided from what every rank shares (parameter sets, groups, backward passes through
-        # DDP), never from local grads: ranks that disagreed here would run different
-        # collectives and hang.
-        is_global = pset.all_attached and all(s.ddp and s.covers(scaler_group) for s in relevant)
         backwards = tuple(n for s in relevant for n in (s.generation, s.accumulations))
         # Every grad of the models holding the optimizer's parameters untouched: so are its own.
         if all(s.untouched() for s in relevant):
             return HookReport(
                 flag,
                 pset.covered,
-                is_global=is_global,
                 unscaled=True,
                 measured=measured,
                 backwards=backwards,
@@ -558,29 +540,13 @@ class ReductionHooks:
         params = [p for g in optimizer.param_groups for p in g["params"]]
         with_grads = [p for p in params if p.grad is not None]
         covered: set[int] = set()
-        back: set[int] = set()
-        try:
-            for state in relevant:
-                here, there = state.classify(with_grads)
-                covered |= here
-                back |= there
-        except AttachRefusal as exc:
-            exc.peers_agree = not is_global
-            raise
-        if is_global and back:
-            refusal = AttachRefusal(
-                f"attach(): the grads of {len(back)} parameter(s) on this rank did not come "
-                "through the attached DDP model's reduction (a backward outside the model, or "
-                "only under no_sync() before step()), and with every parameter attached no "
-                "agreement collective runs to check them. Run the last backward of each step "
-                "through the DDP model, or do not attach() it"
-            )
-            refusal.peers_agree = False
-            raise refusal
+        # A grad no hook made (a backward outside the reduction) goes back to the scaler's pass;
+        # the step's agreement collective covers it on every rank.
+        for state in relevant:
+            covered |= state.classify(with_grads)[0]
         return HookReport(
             flag,
             frozenset(covered),
-            is_global=is_global,
             unscaled=True,
             measured=measured,
             backwards=backwards,
