@@ -74,7 +74,7 @@ def check(
         )
     # 1. collect
     try:
-        report = _hooks_report(scaler, optimizer, state, scale, unscaled_by_caller)
+        report = _hooks_report(scaler, optimizer, state, group, scale, unscaled_by_caller)
     except AttachRefusal as exc:
         if _join_peers_refusing(scaler, optimizer, state, exc, group, scale, defer):
             # unscale_(): the refusal is raised at the flag's first read, once this rank has
@@ -138,11 +138,12 @@ def _hooks_report(
     scaler: GradScaler,
     optimizer: torch.optim.Optimizer,
     state: OptimizerState,
+    group: Any,
     scale: torch.Tensor,
     unscaled_by_caller: bool,
 ) -> HookReport:
     """What attach()'s hooks did for ``optimizer``; AttachRefusal for grads they missed."""
-    report = scaler._hooks.report(optimizer, scale.device)
+    report = scaler._hooks.report(optimizer, group, scale.device)
     if unscaled_by_caller and report.covered:
         # torch's in-place unscale kernel leaves the grads' versions as they were, so the
         # hooks cannot see this write: the stage says it.

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dscale import _dist
 from dscale._grad_measure import GradMeasure, measure_reduced
 from dscale._param_sets import ParamSet, param_set
 from dscale._unscale import DTensor, copy_to, local_tensor
@@ -91,6 +92,7 @@ class HookState:
         # keep its process group alive after `del model; dist.destroy_process_group()`.
         self._group = None if group is None else weakref.ref(group)
         self.world_size = dist.get_world_size(group) if group is not None else 1
+        self.group_ranks = None if group is None else frozenset(dist.get_process_group_ranks(group))
         self.ddp = ddp
         self.found: dict[torch.device, torch.Tensor] = {}
         # policy="predictive": [scaled max, underflowing elements, elements] per device, kept and
@@ -135,6 +137,13 @@ class HookState:
                 "model built over the new group instead"
             )
         return group
+
+    def covers(self, scaler_group: Any) -> bool:
+        """Whether this DDP model's group holds every rank of the scaler's group."""
+        if self.group_ranks is None:
+            return _dist.group_covers(None, scaler_group)
+        inner = _dist.group_ranks(scaler_group)
+        return set(range(dist.get_world_size()) if inner is None else inner) <= self.group_ranks
 
     def flag(self, device: torch.device) -> torch.Tensor:
         if device not in self.found:
@@ -511,7 +520,9 @@ class ReductionHooks:
         self._combined = (key, flag, combined)
         return flag, combined
 
-    def report(self, optimizer: torch.optim.Optimizer, device: torch.device) -> HookReport:
+    def report(
+        self, optimizer: torch.optim.Optimizer, scaler_group: Any, device: torch.device
+    ) -> HookReport:
         """What the hooks checked of ``optimizer``'s grads, for the scaler's ``_check``.
 
         Per model, not per parameter: where every grad of a DDP model is the one its hook left,
@@ -540,10 +551,22 @@ class ReductionHooks:
         params = [p for g in optimizer.param_groups for p in g["params"]]
         with_grads = [p for p in params if p.grad is not None]
         covered: set[int] = set()
-        # A grad no hook made (a backward outside the reduction) goes back to the scaler's pass;
-        # the step's agreement collective covers it on every rank.
+        back: set[int] = set()
         for state in relevant:
-            covered |= state.classify(with_grads)[0]
+            here, there = state.classify(with_grads)
+            covered |= here
+            back |= there
+        # Decided from what every rank shares (parameter sets, groups), never from local grads.
+        fully_ddp = pset.all_attached and all(s.ddp and s.covers(scaler_group) for s in relevant)
+        if fully_ddp and back:
+            raise AttachRefusal(
+                f"attach(): the grads of {len(back)} parameter(s) on this rank did not come "
+                "through the attached DDP model's reduction (a backward outside the model, only "
+                "under no_sync() before step(), or a grad replaced since), and with every "
+                "parameter in the DDP model's reduction the scaler cannot tell whether they are "
+                "scaled; the step is skipped on every rank. Run the last backward of each step "
+                "through the DDP model, or do not attach() it"
+            )
         return HookReport(
             flag,
             frozenset(covered),
