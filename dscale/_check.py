@@ -23,6 +23,8 @@ rank waits alone.
 from __future__ import annotations
 
 import math
+import operator
+from itertools import repeat
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -43,6 +45,8 @@ from dscale._unscale import (
 
 if TYPE_CHECKING:
     from dscale.scaler import GradScaler
+
+_LOCAL_SHARD = operator.attrgetter("_local_tensor")  # a DTensor's rank-local shard
 
 # Grads that a fused optimizer's check may unscale in place without losing small values.
 _FULL_PRECISION = (torch.float32, torch.float64)
@@ -174,15 +178,19 @@ def _covered_grads(optimizer: torch.optim.Optimizer, report: HookReport) -> list
     """
     if not report.covered:
         return []
-    if report.complete:  # every grad: at C speed
-        return optimizer_grads(optimizer)
-    covered = report.covered
-    return [
-        local_tensor(grad)
+    covered = None if report.complete else report.covered
+    grads = [
+        grad
         for group in optimizer.param_groups
         for param in group["params"]
-        if (grad := param.grad) is not None and id(param) in covered
+        if (grad := param.grad) is not None and (covered is None or id(param) in covered)
     ]
+    dtensor = _unscale.DTensor
+    if dtensor is not None and any(map(isinstance, grads, repeat(dtensor))):
+        if all(map(isinstance, grads, repeat(dtensor))):  # FSDP2: C callables, no Python per grad
+            return list(map(_LOCAL_SHARD, grads))
+        return list(map(local_tensor, grads))
+    return grads
 
 
 def _unscales_for_fused(scaler: GradScaler, scale: torch.Tensor, groups: GradGroups) -> bool:

@@ -91,8 +91,8 @@ class HookState:
         # Weakly: the hooks outlive the model (on its parameters, in the scaler) and must not
         # keep its process group alive after `del model; dist.destroy_process_group()`.
         self._group = None if group is None else weakref.ref(group)
-        self.world_size = dist.get_world_size(group) if group is not None else 1
         self.group_ranks = None if group is None else frozenset(dist.get_process_group_ranks(group))
+        self.world_size = dist.get_world_size(group) if group is not None else 1
         self.ddp = ddp
         self.found: dict[torch.device, torch.Tensor] = {}
         # policy="predictive": [scaled max, underflowing elements, elements] per device, kept and
