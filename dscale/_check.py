@@ -115,13 +115,12 @@ def check(
             factors = scaler._factors
             inv_scale = factors.inverse(scale, host) if unscale else factors.one(scale)
             check_and_unscale_(groups, inv_scale, flag, None if unscale else checked)
-        if rechecked:  # attach(): the hooks' grads again, times 1 (unscaled already)
-            check_and_unscale_(rechecked, scaler._factors.one(scale), flag)
+        # 5. signals
+        _fold_flags(scaler, vector, layout, flag, bool(groups), (report.flag, state.user_found))
+        if rechecked:  # 4 for attach(): the hooked grads again, times 1 (unscaled already)
+            check_and_unscale_(rechecked, scaler._factors.one(scale), flag)  # sets, never clears
             if scaler._predictive is not None:  # an inf found here reads as an overflow
                 mark_overflow(vector, layout.start("measured"), flag)
-        # 5. signals
-        written = bool(groups or rechecked)
-        _fold_flags(scaler, vector, layout, flag, written, (report.flag, state.user_found))
         fields = _field_values(scaler, optimizer)  # before the gate's, in the vector's order
         spike = None
         if scaler._spike is not None:  # every grad this rank holds, hooked ones too
