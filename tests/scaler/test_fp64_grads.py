@@ -144,3 +144,5 @@ def test_an_fp64_grad_above_fp32s_range_is_applied_as_torchs_scaler_applies_it(
     assert ours["applied"] == theirs["applied"]
     for mine, torchs in zip(ours["params"], theirs["params"], strict=True):
         assert torch.equal(mine, torchs), (mine, torchs)
+    if policy == "predictive":  # the value enters the float32 rule as an overflow mark: back off
+        assert 0 < ours["scales"][1] <= ours["scales"][0] / 2, ours["scales"]
