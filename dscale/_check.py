@@ -12,13 +12,19 @@
 6. **agree**: the one MAX all-reduce starts (``unscale_()`` defers it to the flag's first read:
    ``_decision.start_deferred``).
 
-A refusal of ``attach()`` (grads its hooks did not check) joins the peers' collective with an
-overflowed vector of the same layout before it is raised, so that no rank waits alone.
+Under ``attach()`` the grads the hooks unscaled and checked are checked again here (inf/NaN only,
+times 1): a write since the reduction that no version shows (``p.grad.data``, ``.numpy()``) may
+have put an inf into them, on one rank only, so the agreement collective runs under attach() too,
+DDP's global flag included. A refusal of ``attach()`` (grads its hooks did not check) joins the
+peers' collective with an overflowed vector of the same layout before it is raised, so that no
+rank waits alone.
 """
 
 from __future__ import annotations
 
 import math
+import operator
+from itertools import repeat
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -33,11 +39,14 @@ from dscale._unscale import (
     check_and_unscale_,
     copy_to,
     group_by_device_and_dtype,
+    local_tensor,
     optimizer_grads,
 )
 
 if TYPE_CHECKING:
     from dscale.scaler import GradScaler
+
+_LOCAL_SHARD = operator.attrgetter("_local_tensor")  # a DTensor's rank-local shard
 
 # Grads that a fused optimizer's check may unscale in place without losing small values.
 _FULL_PRECISION = (torch.float32, torch.float64)
@@ -80,6 +89,7 @@ def check(
     # Nothing left for this rank's pass where the hooks checked every grad.
     grads = [] if report.complete else optimizer_grads(optimizer, set(report.covered))
     groups = group_by_device_and_dtype(grads)
+    rechecked = group_by_device_and_dtype(_covered_grads(optimizer, report))
     if unscale is None:
         unscale = _unscales_for_fused(scaler, scale, groups)
     unscale = unscale or report.unscaled  # the pass must match what the hooks did
@@ -88,9 +98,6 @@ def check(
     # 2. observe
     for observer in scaler._observers:
         observer.on_grads(optimizer, grads, scale)
-    if report.is_global and not _keeps_the_collective(scaler, state):
-        # DDP's own all-reduce over a group covering ours made the flag global.
-        group = None
     device = scale.device if group is None else _dist.flag_device(group, scale.device)
     host = scaler._book.host
     layout = _leading_layout(scaler)
@@ -110,6 +117,10 @@ def check(
             check_and_unscale_(groups, inv_scale, flag, None if unscale else checked)
         # 5. signals
         _fold_flags(scaler, vector, layout, flag, bool(groups), (report.flag, state.user_found))
+        if rechecked:  # 4 for attach(): the hooked grads again, times 1 (unscaled already)
+            check_and_unscale_(rechecked, scaler._factors.one(scale), flag)  # sets, never clears
+            if scaler._predictive is not None:  # an inf found here reads as an overflow
+                mark_overflow(vector, layout.start("measured"), flag)
         fields = _field_values(scaler, optimizer)  # before the gate's, in the vector's order
         spike = None
         if scaler._spike is not None:  # every grad this rank holds, hooked ones too
@@ -146,7 +157,6 @@ def _hooks_report(
             "second time. Let the scaler unscale them (scaler.unscale_(optimizer)), or do "
             "not attach() this model"
         )
-        twice.peers_agree = not report.is_global  # as the hooks' own refusals
         state.stage = Stage.READY  # the next iteration's code says it again, or not
         raise twice
     return report
@@ -157,15 +167,29 @@ def _leading_layout(scaler: GradScaler) -> Layout:
     return Layout.leading(scaler._carries_range(), scaler._predictive is not None)
 
 
-def _keeps_the_collective(scaler: GradScaler, state: OptimizerState) -> bool:
-    """Whether the agreement runs where attach()'s hooks made the overflow flag global.
+def _covered_grads(optimizer: torch.optim.Optimizer, report: HookReport) -> list[torch.Tensor]:
+    """The rank-local grads attach()'s hooks unscaled and checked, for the check again at step.
 
-    The spike gate needs every rank's loss and grad norm, registered fields the MAX of every
-    rank's values (dscale.fp8's activation amaxes differ by rank under DDP), and a flag written
-    by torch-shaped code is this rank's own (every rank runs the same code, so every rank writes
-    one, whatever its value). Each holds on every rank alike.
+    They are unscaled, as after ``unscale_()``, and the hooks' flag covers them as the reduction
+    left them; a write since then through an alias whose version does not move (``.data``,
+    ``.numpy()``, a kernel that writes in place without a version bump) is invisible to
+    :meth:`ReductionHooks.report`, so what the step will consume is checked for inf/NaN here.
     """
-    return scaler._spike is not None or bool(scaler._fields) or state.user_found is not None
+    if not report.covered:
+        return []
+    covered = None if report.complete else report.covered
+    grads = [
+        grad
+        for group in optimizer.param_groups
+        for param in group["params"]
+        if (grad := param.grad) is not None and (covered is None or id(param) in covered)
+    ]
+    dtensor = _unscale.DTensor
+    if dtensor is not None and any(map(isinstance, grads, repeat(dtensor))):
+        if all(map(isinstance, grads, repeat(dtensor))):  # FSDP2: C callables, no Python per grad
+            return list(map(_LOCAL_SHARD, grads))
+        return list(map(local_tensor, grads))
+    return grads
 
 
 def _unscales_for_fused(scaler: GradScaler, scale: torch.Tensor, groups: GradGroups) -> bool:
@@ -255,10 +279,10 @@ def _join_peers_refusing(
     Returns True when the joining is left to the flag's first read (``defer``: unscale_()), so
     that the caller returns instead of raising now; False when it ran here, or no peer waits.
 
-    The peers run it where the flag is not global, and also where :func:`_keeps_the_collective`:
-    joined with a refusal, they skip rather than wait.
+    Under attach() the peers always run it (their step checks the hooks' grads again): joined
+    with a refusal, they skip rather than wait.
     """
-    if not (exc.peers_agree or _keeps_the_collective(scaler, state)) or group is None:
+    if group is None:
         return False
     device = _dist.flag_device(group, scale.device)
     layout = _leading_layout(scaler)

@@ -128,8 +128,8 @@ def scale_range_source(
     """What the scale range over the group is read from after this iteration.
 
     After a collective: its agreed vector (turned into the range only when asked for), or None
-    if it carried the flag alone; :data:`OWN_SCALE` for one process; None where the DDP hook's
-    reduction made the flag global and no scaler collective ran.
+    if it carried the flag alone; :data:`OWN_SCALE` for one process; None where no scaler
+    collective ran.
     """
     for state in states:
         if state.over_group:
@@ -159,8 +159,8 @@ def start_deferred(scaler: GradScaler, state: OptimizerState) -> None:
     """Start the agreement unscale_() left for later, with a flag written since then.
 
     The written flag joins this rank's as torch's would (MAX: it adds a found overflow, it
-    cannot hide one). Under attach(), where DDP's reduction made the flag global, a written
-    flag keeps the collective, as one written before unscale_() does: every rank then writes.
+    cannot hide one). The agreement runs under attach() too (the check takes the hooked grads
+    again), so a flag written on some ranks only is agreed on like any other.
     """
     state.deferred = False
     group, state.deferred_group = state.deferred_group, None
@@ -197,8 +197,8 @@ def refuse_a_backward_since_unscale(
     # A backward through DDP or FSDP2 is collective, so every rank refuses here alike. One
     # outside the reduction (no_sync(), the bare module) may run on one rank only: the
     # agreement unscale_() left pending then goes out marked overflowed, so that the
-    # peers skip rather than wait in it. Nothing is applied here either way. (Where no
-    # collective runs, the flag is left as it is: nothing can reach the peers.)
+    # peers skip rather than wait in it. Nothing is applied here either way. (With one
+    # process no collective runs: the flag is left as it is.)
     mine = state.agreed
     if state.deferred and (state.deferred_group is not None or state.late_found is not None):
         assert mine is not None and state.layout is not None  # noqa: S101 - the check's

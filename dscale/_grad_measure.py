@@ -58,7 +58,7 @@ CHUNK = 2**16
 def _largest(tensors: list[torch.Tensor]) -> torch.Tensor:
     """The largest magnitude over ``tensors`` (inf/NaN if any holds one), one 0-d fp32 tensor."""
     if tensors and tensors[0].device.type == "cpu":
-        return _measure_chunks(tensors, count_small=False)[0]
+        return _measure_chunks(tensors, count_small=False)[0].float()
     return _largest_by_norm(tensors)
 
 
@@ -118,6 +118,8 @@ def _measure_chunks(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The CPU form: (largest magnitude as 0-d fp32, elements below fp16's smallest normal).
 
+    fp64 tensors keep their largest magnitude in fp64: one above fp32's largest value is finite
+    there, and rounded to fp32 it would read as an inf (the check's flag is taken from it).
     ``scratch``: ``CHUNK`` elements of the tensors' dtype to work in (else fresh memory).
     """
     largest: list[torch.Tensor] = []
@@ -139,7 +141,7 @@ def _measure_chunks(
     count = None
     if count_small:
         count = (small[0] if len(small) == 1 else torch.stack(small).sum()).float()
-    return value.float(), count
+    return (value if value.dtype == torch.float64 else value.float()), count
 
 
 def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -179,9 +181,10 @@ class GradMeasure:
         measured).
 
         Returns, when ``groups`` are all on the CPU, the largest magnitude before the overflow
-        mark (a 0-d tensor on ``vector``'s device, inf or NaN exactly when a grad holds one; the
-        hooks' value is finite, their overflow comes through their flag): what
-        ``check_and_unscale_`` may read its flag from. Else None (a GPU keeps its check pass).
+        mark (a 0-d tensor on ``vector``'s device, inf or NaN exactly when a grad holds one, in
+        fp64 where fp64 grads are measured; the hooks' value is finite, their overflow comes
+        through their flag): what ``check_and_unscale_`` may read its flag from. Else None (a GPU
+        keeps its check pass).
         """
         device, sampling = vector.device, self.sampling
         largest: list[torch.Tensor] = []
@@ -204,8 +207,13 @@ class GradMeasure:
             largest.append(hooks[0])
         if not largest:
             return None
+        if len({t.dtype for t in largest}) > 1:  # fp64 grads' value with others: fp64, exact
+            largest = [t.double() for t in largest]
         value = largest[0] if len(largest) == 1 else torch.stack(largest).amax()
-        torch.nan_to_num(value, nan=OVERFLOW_MARK, posinf=OVERFLOW_MARK, out=vector[at])
+        # fp32 for the vector: an fp64 value beyond fp32's range reads as an overflow there (the
+        # rule's float32 arithmetic cannot take it), while `value`, returned for the check,
+        # keeps it finite: the step is applied as torch's scaler applies it.
+        torch.nan_to_num(value.float(), nan=OVERFLOW_MARK, posinf=OVERFLOW_MARK, out=vector[at])
         if sampling:
             elements = float(sum(t.numel() for d in groups.values() for g in d.values() for t in g))
             if hooks is not None:

@@ -3,8 +3,10 @@
 DDP's default hook divides each bucket by the world size and all-reduces it. This hook all-reduces
 the scaled bucket and then, in one fused pass over the reduced values, multiplies by
 1 / (world_size * scale) and records whether any value is inf/NaN. The reduced bucket is the same on
-every rank of DDP's group, so when that group covers the scaler's, the flag is already global: the
-scaler needs no unscale pass and no collective of its own for these parameters.
+every rank of DDP's group, so the scaler needs no unscale pass for these parameters. step() still
+checks them again for inf/NaN (times 1) and runs its one-element agreement: a write between the
+reduction and step() through an alias whose version does not move (``p.grad.data``, ``.numpy()``)
+is invisible here and may be on one rank only (``_check``).
 
 fp16/bf16 buckets are divided by the world size before the all-reduce (as DDP does) so the sum
 cannot overflow where the average would not; the pass after it then multiplies by 1 / scale.
@@ -48,8 +50,7 @@ class HookReport:
     """What the hooks did for one optimizer in this iteration.
 
     ``flag``: their overflow flag (None: no hook ran); ``covered``: ids of the parameters whose
-    grads they checked and unscaled, as they are now; ``is_global``: the flag is already the same
-    on every rank of the scaler's group; ``unscaled``: the covered grads are unscaled;
+    grads they checked and unscaled, as they are now; ``unscaled``: the covered grads are unscaled;
     ``measured``: policy="predictive"'s ``[scaled max, underflowing elements, elements]``;
     ``backwards``: the backward passes so far through the models holding the optimizer's
     parameters, and those that added to their unscaled grads outside the reduction
@@ -59,7 +60,6 @@ class HookReport:
 
     flag: torch.Tensor | None
     covered: frozenset[int]
-    is_global: bool
     unscaled: bool
     measured: torch.Tensor | None = None
     backwards: tuple[int, ...] = ()
@@ -67,9 +67,7 @@ class HookReport:
 
 
 class AttachRefusal(RuntimeError):
-    """Grads the hooks cannot vouch for; ``peers_agree``: the other ranks run the agreement."""
-
-    peers_agree = False
+    """Grads the hooks cannot vouch for (the refusing rank joins the peers' agreement)."""
 
 
 class HookState:
@@ -410,7 +408,7 @@ def _fsdp2_params(model: torch.nn.Module) -> list[torch.nn.Parameter]:
 
 
 #: The report when no hook ran.
-NO_HOOKS = HookReport(None, frozenset(), is_global=False, unscaled=False)
+NO_HOOKS = HookReport(None, frozenset(), unscaled=False)
 
 
 class ReductionHooks:
@@ -539,17 +537,12 @@ class ReductionHooks:
         if not ran:
             return NO_HOOKS
         flag, measured = self._flags(ran, device)
-        # Decided from what every rank shares (parameter sets, groups, backward passes through
-        # DDP), never from local grads: ranks that disagreed here would run different
-        # collectives and hang.
-        is_global = pset.all_attached and all(s.ddp and s.covers(scaler_group) for s in relevant)
         backwards = tuple(n for s in relevant for n in (s.generation, s.accumulations))
         # Every grad of the models holding the optimizer's parameters untouched: so are its own.
         if all(s.untouched() for s in relevant):
             return HookReport(
                 flag,
                 pset.covered,
-                is_global=is_global,
                 unscaled=True,
                 measured=measured,
                 backwards=backwards,
@@ -559,28 +552,24 @@ class ReductionHooks:
         with_grads = [p for p in params if p.grad is not None]
         covered: set[int] = set()
         back: set[int] = set()
-        try:
-            for state in relevant:
-                here, there = state.classify(with_grads)
-                covered |= here
-                back |= there
-        except AttachRefusal as exc:
-            exc.peers_agree = not is_global
-            raise
-        if is_global and back:
-            refusal = AttachRefusal(
+        for state in relevant:
+            here, there = state.classify(with_grads)
+            covered |= here
+            back |= there
+        # Decided from what every rank shares (parameter sets, groups), never from local grads.
+        fully_ddp = pset.all_attached and all(s.ddp and s.covers(scaler_group) for s in relevant)
+        if fully_ddp and back:
+            raise AttachRefusal(
                 f"attach(): the grads of {len(back)} parameter(s) on this rank did not come "
-                "through the attached DDP model's reduction (a backward outside the model, or "
-                "only under no_sync() before step()), and with every parameter attached no "
-                "agreement collective runs to check them. Run the last backward of each step "
+                "through the attached DDP model's reduction (a backward outside the model, only "
+                "under no_sync() before step(), or a grad replaced since), and with every "
+                "parameter in the DDP model's reduction the scaler cannot tell whether they are "
+                "scaled; the step is skipped on every rank. Run the last backward of each step "
                 "through the DDP model, or do not attach() it"
             )
-            refusal.peers_agree = False
-            raise refusal
         return HookReport(
             flag,
             frozenset(covered),
-            is_global=is_global,
             unscaled=True,
             measured=measured,
             backwards=backwards,

@@ -61,9 +61,8 @@ class TorchOptimizerState(dict):  # type: ignore[type-arg]
     step(grad_scaler=...) optimizer's ``_found_inf_per_device()``) raises: it could no longer
     change the step on every rank. Any other key raises.
 
-    Under ``attach()``, where DDP's reduction already made the flag global, a written flag keeps
-    the step's agreement collective: every rank must then write one (any value), as the same
-    code on every rank does, or the ranks that wrote wait for the others.
+    Under ``attach()`` the step's agreement collective runs as without it, so a flag written on
+    some ranks only is agreed on as any other.
     """
 
     def __init__(self, owner: OptimizerStates, key: Any) -> None:

@@ -328,11 +328,14 @@ class GradScaler(TorchGradScalerSurface):
         """Fold the unscale and the inf/NaN check into the model's gradient reduction.
 
         DDP: replaces the comm hook; each bucket is averaged, unscaled and checked in one pass
-        while it is hot, so step() does no unscale pass and the scaler adds no collective for
-        this model's parameters. FSDP2 (``fully_shard``): each reduce-scatter output is unscaled
-        and checked in an all-reduce hook; the one-element flag all-reduce stays. Either way the
-        flag covers the whole model: an overflow anywhere in it skips every optimizer over its
-        parameters. Call once, before the first backward.
+        while it is hot, so step() does no unscale pass. FSDP2 (``fully_shard``): each
+        reduce-scatter output is unscaled and checked in an all-reduce hook. Either way the flag
+        covers the whole model: an overflow anywhere in it skips every optimizer over its
+        parameters. The grads are unscaled at backward's end, as after ``unscale_()``. step()
+        checks them again for inf/NaN (times 1, no unscale) and runs the one-element agreement
+        all-reduce, DDP included: a write since the reduction through an alias whose version
+        does not move (``p.grad.data``, ``.numpy()``) is invisible to the hooks and may be on
+        one rank only. Call once, before the first backward.
         """
         if self._enabled:
             measure = None if self._predictive is None else self._predictive.measure
@@ -499,8 +502,8 @@ class GradScaler(TorchGradScalerSurface):
                 "check: call scaler.step(optimizer) or scaler.unscale_(optimizer) before update()"
             )
         if unchecked:
-            # A check that raised before it made a flag, with no agreement to join (attach()'s
-            # refusal where DDP's reduction made the flag global): the peers went on.
+            # A check that raised before it made a flag, with no agreement to join: the peers
+            # went on.
             self._end_iteration(counted=False)
             raise RuntimeError(
                 "update(): a step() or unscale_() of this iteration raised on this rank before "
@@ -538,7 +541,7 @@ class GradScaler(TorchGradScalerSurface):
         carries it on every ``dscale._agreement.RANGE_EVERY``-th update (the first included),
         whatever its policy. None before the first update(), after
         an update whose collective did not carry it, and after an iteration in which no scaler
-        collective ran (a DDP model under ``attach()`` whose reduction made the flag global).
+        collective ran.
         """
         found = self._scale_range
         if isinstance(found, torch.Tensor):

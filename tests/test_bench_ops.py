@@ -105,7 +105,9 @@ def test_the_cli_runs_two_ranks_and_writes_json(tmp_path: Path) -> None:
     for name, arms in ranks.items():
         for arm in ("dscale", "dscale_sync_free", "dscale_predictive"):
             assert arms[arm]["collectives"] == 1, (name, arm)  # the one agreement all-reduce
-        assert arms["dscale_attach"]["collectives"] == 0, name  # DDP's reduction carried it
+        # attach(): DDP's reduction made the hooks' flag global, but step() checks the hooked
+        # grads again (a write through .data may be on one rank only), so the agreement runs.
+        assert arms["dscale_attach"]["collectives"] == 1, name
     # Issue 34's "gate <= guard + 10" is reported, not held: the gate adds 20 ops (see
     # test_the_spike_gate_adds_at_most_20_ops...); every other target must be met.
     open_target = f"gate <= guard + {_ops_guard.GATE_EXTRA_OPS}"

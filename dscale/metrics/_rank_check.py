@@ -28,8 +28,7 @@ class RankScaleCheck:
     """A ``GradObserver`` that compares the scale across ranks after every ``every``-th update.
 
     ``mismatches`` counts checks that found a difference; ``unchecked`` counts due checks that
-    found no range to read within ``RANGE_EVERY`` updates (no scaler collective ran: a DDP model
-    under ``attach()``, whose own reduction made the flag global).
+    found no range to read within ``RANGE_EVERY`` updates (no scaler collective ran).
     """
 
     def __init__(self, every: int) -> None:

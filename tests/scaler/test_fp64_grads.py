@@ -10,6 +10,7 @@ fp64; fp16/fp32 lists keep the fp32 accumulator (an fp16 norm would overflow nea
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -78,3 +79,70 @@ def test_fp64_training_with_the_spike_gate_and_numerics_stats_runs_as_fp32_would
 
     fp64, fp32 = run(torch.float64), run(torch.float32)
     assert fp64 == pytest.approx(fp32, rel=1e-5)
+
+
+def _fp64_run(
+    scaler_kind: str,
+    init_scale: float,
+    optimizer: str,
+    device_side: bool,
+    torch_scales: list[float] | None = None,
+) -> dict:
+    """Three steps of an fp64 model whose first and last steps have a grad element above fp32's
+    largest value (finite in fp64). ``scaler_kind`` "torch" runs torch's GradScaler made afresh each
+    step at ``torch_scales[step]``, the scale dscale's run used there (the predictive rule sets
+    its own scale)."""
+    from tests.scaler._setup import decide_on_device
+
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(6, dtype=torch.float64))
+    opt = (
+        torch.optim.Adam([w], lr=0.1, fused=True)
+        if optimizer == "adam_fused"
+        else torch.optim.SGD([w], lr=0.1, momentum=0.9)
+    )
+    scaler: Any = None
+    if scaler_kind != "torch":
+        scaler = dscale.GradScaler("cpu", init_scale=init_scale, policy=scaler_kind)
+        if device_side:
+            decide_on_device(scaler)
+    params, applied, scales = [], [], []
+    for step in range(3):
+        # fp32's largest value is about 3.4e38; the first step runs at min(init_scale, 1) here
+        big = 1e39 if step != 1 else 1.0
+        x = torch.tensor([big, 1.0, -2.0, 0.5, 3.0, -1.0], dtype=torch.float64)
+        if scaler_kind == "torch":
+            assert torch_scales is not None
+            scaler = torch.amp.GradScaler("cpu", init_scale=torch_scales[step])
+        scales.append(scaler.get_scale())
+        opt.zero_grad()
+        scaler.scale((w * x).sum()).backward()
+        before = w.detach().clone()
+        scaler.step(opt)
+        scaler.update()
+        applied.append(not torch.equal(before, w.detach()))
+        params.append(w.detach().clone())
+    return {"params": params, "applied": applied, "scales": scales}
+
+
+@pytest.mark.parametrize("optimizer", ["adam_fused", "sgd"])
+@pytest.mark.parametrize(
+    ("init_scale", "device_side"),
+    [(0.75, False), (1.0, True), (0.75, True), (2.0**4, False)],
+    ids=["host-not-pow2", "device-pow2", "device-not-pow2", "host-pow2"],
+)
+@pytest.mark.parametrize("policy", ["predictive", "dynamic"])
+def test_an_fp64_grad_above_fp32s_range_is_applied_as_torchs_scaler_applies_it(
+    policy, init_scale, device_side, optimizer
+) -> None:
+    """Bit for bit with torch's GradScaler at the same scale: the element is finite in fp64, so
+    the step is applied, by the predictive rule as by the dynamic one (the predictive measurement
+    rounded it to an fp32 inf, which read as an overflow on the CPU's fused paths and skipped)."""
+    ours = _fp64_run(policy, init_scale, optimizer, device_side)
+    theirs = _fp64_run("torch", init_scale, optimizer, device_side, ours["scales"])
+    assert theirs["applied"] == [True, True, True]
+    assert ours["applied"] == theirs["applied"]
+    for mine, torchs in zip(ours["params"], theirs["params"], strict=True):
+        assert torch.equal(mine, torchs), (mine, torchs)
+    if policy == "predictive":  # the value enters the float32 rule as an overflow mark: back off
+        assert 0 < ours["scales"][1] <= ours["scales"][0] / 2, ours["scales"]
