@@ -93,15 +93,15 @@ class MomentBound:
         n = len(weights)
         self.ratio_sq = torch.zeros(n, dtype=torch.float64)  # S per weight
         self.steps = torch.zeros(n, dtype=torch.float64)  # its step count when S was made
-        self._key: tuple[int, int] | None = None
+        self._seen: tuple[Any, int] | None = None  # (the state dict itself, its length)
         self._step_tensors: list[torch.Tensor] = []
 
     def read_steps(self) -> torch.Tensor:
         """Every weight's own Adam step count (0 without state), float64 on the CPU."""
         state = self._optimizer.state
-        key = (id(state), len(state))
-        if key != self._key:  # new state (a first step, a load): find the step tensors again
-            self._key = key
+        # The dict itself, not its id: a load makes a new one, which may reuse a freed id.
+        if self._seen is None or self._seen[0] is not state or self._seen[1] != len(state):
+            self._seen = (state, len(state))  # a first step or a load: find the tensors again
             found = [
                 state[w]["step"] if "step" in state.get(w, ()) else None for w in self._weights
             ]

@@ -98,6 +98,16 @@ def test_the_bound_follows_torchs_adamw_under_changing_hyperparameters():
         assert bool((w.detach().abs() <= limit * (1 + 1e-12)).all()), step
         worst = max(worst, float((w.detach().abs() / limit).max()))
     assert worst > 0.5  # the bound is not vacuous on random grads
+    # S bounds m^2 / v of every element, and the moments' own max is at most S.
+    state = opt.state[w]
+    measured = bound.measure_local()[0]
+    assert measured == float((state["exp_avg"] ** 2 / state["exp_avg_sq"]).max())
+    assert measured <= bound.ratio_sq.item() * (1 + 1e-12)
+    # Steps taken outside (two at once): the history is unknown, not guessed.
+    w.grad = torch.ones_like(w)
+    opt.step()
+    opt.step()
+    assert bound.advance() is None
 
     # The sequence that reaches the bound: g_k = -sign(w) * (b2 / b1)^k, constant betas.
     w = torch.nn.Parameter(torch.full((4,), 0.5, dtype=torch.float64))
