@@ -61,6 +61,8 @@ class AgreementField(Protocol):
     length on every rank; NaN is sent as +inf), or None to send nothing this step, on every rank
     alike. ``agreed`` is then handed this field's slots in the vector that is all-reduced in
     place: they hold the agreed values once the step has read its flag (a step callback).
+    A field may also have ``refresh()`` (see :meth:`Layout.refresh`): its values again, when
+    ``unscale_()`` deferred the collective and the grads may have changed since.
     """
 
     def values(self, optimizer: Any) -> torch.Tensor | None: ...
@@ -160,6 +162,20 @@ class Layout:
         out = torch.cat(parts)
         layout.hand_over(out)
         return out, layout
+
+    def refresh(self, vector: torch.Tensor) -> None:
+        """Let registered fields that have ``refresh()`` rewrite their slots in ``vector``.
+
+        For an agreement that ``unscale_()`` left for the flag's first read: the grads may have
+        changed since the check (clipping, torch's AMP recipe), and a field whose values follow
+        them (dscale.fp8's predicted post-step amaxes) sends them as the step will use them.
+        ``refresh()`` returns the values anew (same length; NaN is sent as +inf) or None.
+        """
+        for key, where in self.slots.items():
+            refresh = None if isinstance(key, str) else getattr(key, "refresh", None)
+            values = None if refresh is None else refresh()
+            if values is not None:
+                vector[where] = _nan_as_inf(values.to(vector.device, torch.float32).reshape(-1))
 
     def hand_over(self, vector: torch.Tensor) -> None:
         """Hand each registered field its slots in ``vector`` (the one that is all-reduced)."""

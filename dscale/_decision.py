@@ -161,6 +161,7 @@ def start_deferred(scaler: GradScaler, state: OptimizerState) -> None:
     The written flag joins this rank's as torch's would (MAX: it adds a found overflow, it
     cannot hide one). The agreement runs under attach() too (the check takes the hooked grads
     again), so a flag written on some ranks only is agreed on like any other.
+    Registered fields that follow the grads refresh their slots first (clipping since then).
     """
     state.deferred = False
     group, state.deferred_group = state.deferred_group, None
@@ -183,6 +184,8 @@ def start_deferred(scaler: GradScaler, state: OptimizerState) -> None:
                 scale = scaler._require_scale("step")
                 state.agreed = copy_to(state.agreed, _dist.flag_device(group, scale.device))
                 state.layout.hand_over(state.agreed)  # the fields read the copy that travels
+    with NoGrad():  # fields whose values follow the grads send them as they are now
+        state.layout.refresh(state.agreed)
     if group is not None:
         state.over_group = True
         state.work = _agreement.all_reduce_flag(state.agreed, group)

@@ -6,8 +6,9 @@
    against the shapes of what is loaded (model, optimizer and extras: their own tensors;
    scaler and step: the shapes dscale writes), and that the model's and optimizer's keys match.
 2. Read (DCP) into empty copies of the states while each rank hashes its share of the files.
-3. Check what was read: checksums, the saving ranks' scaler rows, the scaler accepting it, and
-   every rank ending with the same scale.
+3. Check what was read: checksums, the extras that check their state (dscale.fp8's
+   WeightScales: by layer name and shape), the saving ranks' scaler rows, the scaler accepting
+   it, and every rank ending with the same scale.
 4. Apply: model, optimizer, scaler, extras, RNG.
 
 After each of steps 1 to 3 every rank learns every rank's result, so a problem on one rank
@@ -47,10 +48,12 @@ from dscale.checkpoint._safe_io import SafeLoadPlanner, SafeReader, read_metadat
 from dscale.checkpoint._staging import empty_copy
 from dscale.checkpoint._states import (
     AGREEMENT_KEYS,
+    Companion,
     ModelState,
     OptimizerState,
     TrainState,
     build_states,
+    checked_by,
     placeholders,
     scaler_update,
 )
@@ -113,13 +116,39 @@ def _stage(path: Path, states: Mapping[str, Any], metadata: Metadata) -> dict[st
             staged[name] = placeholders(metadata, "scaler")
         elif name == "train":
             staged[name] = placeholders(metadata, "train")
-        else:
+        elif name in ("model", "optimizer"):
             staged[name] = empty_copy(state.state_dict())
-            if name in ("model", "optimizer"):
-                _check_keys(path, metadata, name, staged[name])
+            _check_keys(path, metadata, name, staged[name])
+        else:
+            if isinstance(state, Companion) and not any(k.startswith(name + ".") for k in saved):
+                kind = type(state.obj).__name__
+                raise CheckpointError(
+                    f"{path} holds no {name} state, but the scaler has a {kind}: the checkpoint "
+                    "was saved without it (before dscale saved FP8 state with the scaler, and "
+                    f"without extra={{{name!r}: ...}}), and resuming would continue with fresh "
+                    f"FP8 state, not the saved run's. Load a checkpoint saved with it, or build "
+                    f"the {kind} after load_checkpoint() (it then starts fresh), or close() it "
+                    "before loading"
+                )
+            if checked_by(state) is not None:
+                # Read what was saved, whatever its shape: its own check names what differs.
+                staged[name] = placeholders(metadata, name)
             else:
+                staged[name] = empty_copy(state.state_dict())
                 _check_shapes(path, metadata, name, staged[name])
     return staged
+
+
+def _check_extras(path: Path, states: Mapping[str, Any], staged: dict[str, Any]) -> None:
+    """Raise CheckpointError when an extra that checks its state refuses what was read."""
+    for name, state in states.items():
+        target = checked_by(state) if name in staged else None
+        if target is None:
+            continue
+        try:
+            target._checked_state(staged[name])
+        except ValueError as exc:
+            raise CheckpointError(f"{path} does not match {name}: {exc}") from None
 
 
 def _check_shapes(path: Path, metadata: Metadata, name: str, staged: Any) -> None:
@@ -257,6 +286,7 @@ def load_checkpoint(
     scaler_state = None
     try:
         _read(path, staged, sums, group)
+        _check_extras(path, states, staged)
         if "scaler" in staged:
             scaler_state = scaler_update(scaler, staged["scaler"])
     except (CheckpointError, ScaleMismatchError) as exc:

@@ -28,11 +28,13 @@ from dscale import _dist
 from dscale.checkpoint._errors import ScaleMismatchError
 
 __all__ = [
+    "Companion",
     "ModelState",
     "OptimizerState",
     "ScalerState",
     "TrainState",
     "build_states",
+    "checked_by",
     "placeholders",
     "scaler_update",
 ]
@@ -334,4 +336,50 @@ def build_states(
                 f"got {type(value).__name__}"
             )
         states[name] = value
+    if scaler is not None:
+        states.update(_companions(scaler, extra or {}))
     return states
+
+
+class Companion:
+    """The scaler's FP8 companion (``dscale.fp8``'s weight scales, numerics, fallback) as a
+    Stateful: saved and loaded with the scaler under its reserved key without being named.
+
+    A checkpoint that lacks its state is refused on load (``_load``): resuming without it
+    would continue with fresh FP8 state, silently not the saved run.
+    """
+
+    def __init__(self, key: str, obj: Any) -> None:
+        self.key = key
+        self.obj = obj
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.obj.state_dict()  # type: ignore[no-any-return]
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.obj.load_state_dict(state_dict)
+
+
+def checked_by(state: Any) -> Any:
+    """The object whose ``_checked_state`` validates ``state``'s saved dict, or None."""
+    target = state.obj if isinstance(state, Companion) else state
+    return target if callable(getattr(target, "_checked_state", None)) else None
+
+
+def _companions(scaler: Any, extra: Mapping[str, Any]) -> dict[str, Companion]:
+    """The scaler's FP8 companions not already passed in ``extra`` (by identity: no double)."""
+    from dscale.fp8 import _attached  # no torchao import: the table of companions only
+
+    given = {id(v) for v in extra.values()}
+    found = {}
+    for key, obj in _attached.companions(scaler).items():
+        if id(obj) in given:
+            continue
+        if key in extra:
+            raise ValueError(
+                f"extra[{key!r}] is not the scaler's {type(obj).__name__}, whose state is saved "
+                f"with the scaler under that key; pass the scaler's own there (or leave it out: "
+                "it travels with the scaler), or save yours under another key"
+            )
+        found[key] = Companion(key, obj)
+    return found

@@ -1,9 +1,10 @@
-"""What dscale.fp8 records against a scaler: its numerics and fallback, for the exporter.
+"""What dscale.fp8 records against a scaler: its FP8 companions, for the exporter and checkpoints.
 
-``Float8Numerics`` and ``Float8Fallback`` record themselves here against their scaler (weakly:
-nothing is kept alive), so ``dscale.metrics.start_exporter`` serves and ``MetricsLog`` logs the
-FP8 numerics of a job with no extra code. (Their agreement fields register with the scaler
-itself: ``GradScaler.add_agreement_field``.)
+``WeightScales``, ``Float8Numerics`` and ``Float8Fallback`` record themselves here against their
+scaler (weakly: nothing is kept alive), so ``dscale.metrics.start_exporter`` serves and
+``MetricsLog`` logs the FP8 numerics of a job with no extra code, and ``dscale.checkpoint``
+saves and loads their state with the scaler's (:func:`companions`) without the user naming
+them. (Their agreement fields register with the scaler itself: ``GradScaler.add_agreement_field``.)
 """
 
 from __future__ import annotations
@@ -11,8 +12,17 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
+_weight_scales: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 _numerics: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 _fallback: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+
+#: The checkpoint key of each companion (the launcher's, and what docs/fp8.md passed as extra=).
+KEYS = {"fp8_weight_scales": _weight_scales, "fp8_numerics": _numerics, "fp8_fallback": _fallback}
+
+
+def attach_weight_scales(scaler: Any, scales: Any) -> None:
+    """Record ``scales`` (a WeightScales) as ``scaler``'s (the latest one wins)."""
+    _weight_scales[scaler] = scales
 
 
 def attach_numerics(scaler: Any, numerics: Any) -> None:
@@ -26,8 +36,8 @@ def attach_fallback(scaler: Any, fallback: Any) -> None:
 
 
 def detach(scaler: Any, obj: Any) -> None:
-    """Forget ``obj`` (a closed numerics or fallback) if it is still ``scaler``'s."""
-    for table in (_numerics, _fallback):
+    """Forget ``obj`` (a closed companion) if it is still ``scaler``'s."""
+    for table in KEYS.values():
         if table.get(scaler) is obj:
             del table[scaler]
 
@@ -40,3 +50,14 @@ def numerics_of(scaler: Any) -> Any:
 def fallback_of(scaler: Any) -> Any:
     """``scaler``'s ``Float8Fallback``, or None."""
     return _fallback.get(scaler)
+
+
+def companions(scaler: Any) -> dict[str, Any]:
+    """``scaler``'s FP8 companions by checkpoint key (weight scales, numerics, fallback order:
+    a fallback's load switches layers after the numerics it reads are restored)."""
+    found = {}
+    for key, table in KEYS.items():
+        obj = table.get(scaler)
+        if obj is not None:
+            found[key] = obj
+    return found

@@ -5,9 +5,12 @@ every rank must use the same scale per weight, from the amax of the whole weight
 it with one more all-reduce after ``optimizer.step()`` (``precompute_float8_dynamic_scale_for_
 fsdp``), or one per weight per gather without it. dscale's collective runs before the step (it
 decides the skip), so the weights' pre-step shard amaxes ride it, and after the step the scale
-comes from the optimizer's update bound (``_bound``): ``fp8_max / (amax + lr * B(t))``, computed
-once from agreed numbers, identically on every rank; a skipped step moved nothing (bound 0).
-No post-step weight can saturate. Optimizers with no known bound fall back to torchao's precompute.
+comes from the optimizer's update bound (``_bound``): ``fp8_max / (|1 - lr * wd| * amax +
+reach)``, computed once from agreed numbers, identically on every rank; a skipped step moved
+nothing. No post-step weight can saturate. Where the bound's state is unknown (steps taken
+outside the scaler, an optimizer loaded without this state) or infinite (beta2 = 0), the exact
+scales are measured instead (one collective, that step only). Optimizers with no known bound
+fall back to torchao's precompute.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ import torch
 from torch import nn
 
 from dscale import _dist
-from dscale.fp8 import _bound, _predict, _torchao
+from dscale.fp8 import _attached, _bound, _predict, _torchao
+from dscale.fp8 import _weight_scales_state as _state
 from dscale.fp8._convert import Float8Conversion
 from dscale.step_guard import StepGuard
 
@@ -51,10 +55,13 @@ class WeightScales:
         # then train as usual: scaler.step(opt); scaler.update()
 
     Construction compares the converted layers across the scaler's ranks (a rank that converted
-    others raises :class:`LayoutMismatchError` on every rank), then sets exact scales (one
+    others raises :class:`LayoutMismatchError` on every rank; a conversion without float8
+    all-gather raises ValueError: there is nothing to agree on), then sets exact scales (one
     collective, once). With Adam or AdamW the amaxes ride the scaler's agreement vector; with
     any other optimizer torchao's precompute runs after each step (its own all-reduce).
-    State: :meth:`state_dict` holds the scales in use, so that a resume uses the same.
+    State: :meth:`state_dict` holds the scales in use and the bound's state, by layer name, so
+    that a resume casts as the run it continues; it travels with the scaler through
+    ``dscale.checkpoint`` (key ``fp8_weight_scales``) without being named.
     """
 
     def __init__(
@@ -76,8 +83,16 @@ class WeightScales:
         self._optimizer = optimizer
         self._group = scaler._process_group()
         names, weights = _float8_gathered_weights(model)
-        problem = None
-        if conversion.float8_all_gather and tuple(names) != conversion.converted:
+        problem: ValueError | None = None
+        if not conversion.float8_all_gather:
+            problem = ValueError(
+                "WeightScales agrees the scales of weights that FSDP2 all-gathers in float8, but "
+                f"this model was converted without float8 all-gather (layers "
+                f"{list(conversion.converted)} cast their weights themselves, each forward, with "
+                "nothing to agree on); convert with convert_to_float8(model, "
+                "float8_all_gather=True) before fully_shard(), or do not use WeightScales"
+            )
+        elif tuple(names) != conversion.converted:
             problem = LayoutMismatchError(
                 f"WeightScales: the model's float8 all-gather weights {names} differ from the "
                 f"layers convert_to_float8() converted {list(conversion.converted)}; call "
@@ -90,8 +105,11 @@ class WeightScales:
                 + "; ".join(f"rank {r}: {lay[0]} ({lay[2]})" for r, lay in enumerate(layouts))
                 + "; convert the same layers on every rank (the same keep_high_precision)"
             )
-        _dist.gather_then_raise(problem, self._group, "WeightScales", (LayoutMismatchError,))
+        errors = (LayoutMismatchError, ValueError)
+        _dist.gather_then_raise(problem, self._group, "WeightScales", errors)
         self.names = tuple(names)
+        self._weights = weights
+        self._shapes = [tuple(w.shape) for w in weights]
         self._locals, self._wrappers = _shards(weights)
         group_of = {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
         missing = [n for n, w in zip(names, weights) if id(w) not in group_of]
@@ -108,9 +126,12 @@ class WeightScales:
         self.scales = torch.ones(len(weights), dtype=torch.float32, device=device)
         self.bounded = _bound.has_bound(optimizer)
         self.num_nonfinite = 0
+        self.num_measured = 0  # steps whose scales were measured (one more collective)
         self._sent: torch.Tensor | None = None  # this field's slots in the agreed vector
+        self._pre: torch.Tensor | None = None  # this rank's pre-step amaxes, as sent
+        self._moments = _bound.MomentBound(optimizer, weights, self._group_index)
         if self.bounded:
-            self._set_exact_scales()
+            self._measure()
             for wrapper, view in zip(self._wrappers, self.scales.unbind()):
                 wrapper._precomputed_scale = view
         else:
@@ -136,17 +157,34 @@ class WeightScales:
                 "each step (one more all-reduce)",
                 type(optimizer).__name__,
             )
+        self._scaler = scaler
+        _attached.attach_weight_scales(scaler, self)  # dscale.checkpoint saves it with it
 
     # ------------------------------------------------------------ the agreement field protocol
     def values(self, optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
         """This rank's pre-step shard amaxes (for this field's optimizer only, else None)."""
         if optimizer is not self._optimizer or not self._locals:
             return None
-        amax = torch.stack(torch._foreach_norm(self._locals, math.inf))
+        amax = self._pre = torch.stack(torch._foreach_norm(self._locals, math.inf))
         if self.predict == "exact":  # then the post-step amaxes (+inf where not computed)
-            post = self._predictor() if self._predictor is not None else None
-            amax = torch.cat([amax, torch.full_like(amax, math.inf) if post is None else post])
+            amax = torch.cat([amax, self._post()])
         return amax
+
+    def refresh(self) -> torch.Tensor | None:
+        """The values again where ``unscale_()`` deferred the agreement to step().
+
+        predict="exact" computes the post-step weights from the grads; torch's AMP recipe
+        clips them after ``unscale_()``, so the prediction is made again from the grads the
+        step will use (Adam's elementwise update a second time, in that recipe only).
+        """
+        if self.predict != "exact" or self._pre is None:
+            return None
+        return torch.cat([self._pre, self._post()])
+
+    def _post(self) -> torch.Tensor:
+        assert self._pre is not None  # noqa: S101 - values() ran first
+        post = self._predictor() if self._predictor is not None else None
+        return torch.full_like(self._pre, math.inf) if post is None else post
 
     def agreed(self, slots: torch.Tensor) -> None:
         """This field's slots in the vector the scaler all-reduces (NaN arrives as +inf)."""
@@ -163,12 +201,21 @@ class WeightScales:
         n = len(self._locals)
         amax = self._sent[:n].double()
         post = self._sent[n : 2 * n].double()
-        self._sent = None
+        self._sent = self._pre = None
         if applied:
-            bounds = torch.tensor(_bound.group_step_bounds(optimizer), dtype=torch.float64)
-            amax = amax + bounds.to(amax.device)[self._group_index.to(amax.device)]
+            moved = self._moments.advance()
+            if moved is None or not bool(torch.isfinite(moved[1]).all()):
+                why = "steps were taken outside the scaler" if moved is None else "beta2 is 0"
+                self._measure(f"the update bound is unknown here ({why})")
+                return
+            factor, reach = (t.to(amax.device) for t in moved)
+            amax = factor * amax + reach
             if self.predict == "exact":  # the computed post-step amax where every rank had one
                 amax = torch.where(torch.isfinite(post), post, amax)
+        self._set_scales(amax)
+
+    def _set_scales(self, amax: torch.Tensor) -> None:
+        """Scales from an agreed bound on each weight's amax, less the rounding margin."""
         new = self.fp8_max / (amax.clamp(min=AMAX_FLOOR) * (1.0 + ROUNDING_MARGIN))
         good = torch.isfinite(new) & (new > 0)
         if not bool(good.all()):
@@ -178,7 +225,7 @@ class WeightScales:
                 "WeightScales: non-finite weight amax for %s; their scales stay as they were",
                 [n for n, ok in zip(self.names, good.tolist()) if not ok],
             )
-        self.scales.copy_(torch.where(good, new, self.scales.double()))
+        self.scales.copy_(torch.where(good, new.to(self.scales.device), self.scales.double()))
 
     def _precompute(self) -> None:
         """torchao's precompute (its own all-reduce), its scales kept as views of ``scales``."""
@@ -187,46 +234,57 @@ class WeightScales:
             view.copy_(wrapper._precomputed_scale)
             wrapper._precomputed_scale = view
 
-    def _set_exact_scales(self) -> None:
-        """Scales from the whole weights' amax, less the margin (one collective, once)."""
+    def _measure(self, why: str | None = None) -> None:
+        """Exact scales from the weights' amax and the bound's state from the moments (one
+        collective; at construction, and after a step whose bound was unknown)."""
         if not self._locals:
             return
+        if why is not None:
+            self.num_measured += 1
+            logger.warning("WeightScales: %s; the scales were measured (one collective)", why)
+        n = len(self._locals)
         local = torch.stack(torch._foreach_norm(self._locals, math.inf)).double().tolist()
-        per_rank = _dist.all_gather_floats(local, self._group)
-        amax = torch.tensor(per_rank, dtype=torch.float64).nan_to_num(nan=math.inf).amax(0)
-        exact = self.fp8_max / (amax.clamp(min=AMAX_FLOOR) * (1.0 + ROUNDING_MARGIN))
-        self.scales.copy_(exact.to(self.scales.device))
+        per_rank = _dist.all_gather_floats(local + self._moments.measure_local(), self._group)
+        agreed = torch.tensor(per_rank, dtype=torch.float64).nan_to_num(nan=math.inf).amax(0)
+        self._moments.reset(agreed[n:], self._moments.read_steps())
+        self._set_scales(agreed[:n])
 
     # ------------------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """``scales``: the scales the next forward casts with (float32, one per layer, by name).
+        """The scales the next forward casts with and the bound's state, by layer name.
 
-        They are not the exact scales of the weights (those follow from the weights): they come
-        from the bound, so a resume must use these to cast bit for bit as the run it continues.
-        ``num_layers`` guards against loading another model's.
+        The scales are not the exact scales of the weights (those follow from the weights): they
+        come from the bound, so a resume must use these to cast bit for bit as the run it
+        continues. Keys (all tensors): ``names``, ``shapes``, ``scales``, ``ratio_sq``,
+        ``steps``; see ``dscale.fp8._weight_scales_state``.
         """
-        return {"scales": self.scales.detach().clone().cpu(), "num_layers": len(self.names)}
+        return _state.encode(
+            self.names, self._shapes, self.scales, self._moments.ratio_sq, self._moments.steps
+        )
+
+    def _checked_state(self, state: dict[str, Any]) -> _state.Rows:
+        """What load_state_dict would apply, or ValueError naming the layers; changes nothing."""
+        return _state.decode(state, self.names, self._shapes)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Use the saved scales, so a resume casts exactly as the run it continues.
 
-        Call it after the model's weights are loaded: loading may replace FSDP2's local shards,
-        so the weights' scale views are attached again here.
+        The state is matched by layer name and shape: one of another model, or of this model
+        converted differently, raises ValueError naming the layers and changes nothing. Call it
+        after the model's weights (and the optimizer's state) are loaded: loading may replace
+        FSDP2's local shards, so the weights' scale views are attached again here.
         """
-        scales = state.get("scales")
-        if not isinstance(scales, torch.Tensor) or scales.shape != (len(self.names),):
-            raise ValueError(
-                f"WeightScales state holds {getattr(scales, 'shape', scales)!r} scales, this "
-                f"model has {len(self.names)} float8 all-gather layers {list(self.names)}; load "
-                "a checkpoint of the same model and conversion"
-            )
+        rows = self._checked_state(state)
         _, weights = _float8_gathered_weights(self._model)
+        self._weights = weights
         self._locals, self._wrappers = _shards(weights)
         if self._predictor is not None:  # new shards, and the optimizer's moments reloaded
             self._predictor = _predict.PostStepAmax(
                 self._optimizer, weights, self._locals, int(self._group_index[0])
             )
-        self.scales.copy_(scales.to(self.scales.device, torch.float32))
+        self._moments = _bound.MomentBound(self._optimizer, weights, self._group_index)
+        self._moments.reset(rows.ratio_sq, rows.steps)
+        self.scales.copy_(rows.scales.to(self.scales.device))
         for wrapper, view in zip(self._wrappers, self.scales.unbind()):
             wrapper._precomputed_scale = view
 
@@ -235,6 +293,7 @@ class WeightScales:
         self._unregister()
         if self._unfield is not None:
             self._unfield()
+        _attached.detach(self._scaler, self)
 
 
 def _float8_gathered_weights(model: nn.Module) -> tuple[list[str], list[Any]]:
