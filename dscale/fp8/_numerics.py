@@ -353,9 +353,13 @@ def refuse_other_layers(what: str, saved: list[str], count: int, names: list[str
     missing = sorted(set(names) - set(saved))
     extra = sorted(set(saved) - set(names))
     if missing or extra or count != len(names):
+        # Through a checkpoint, only this model's names are read back: the state's other
+        # layers show as a count.
+        unseen = count - len(saved) if count > len(saved) else 0
         raise ValueError(
             f"{what} state is for other float8 layers: {count} saved, this model has "
-            f"{len(names)}; not in this model: {extra or 'none'}; not in the state: "
-            f"{missing or 'none'} (this model's float8 layers: {names}); load a checkpoint of "
-            "the same model and conversion"
+            f"{len(names)}; not in this model: {extra or 'none'}"
+            + (f" (and {unseen} more not read back)" if unseen else "")
+            + f"; not in the state: {missing or 'none'} (this model's float8 layers: {names}); "
+            "load a checkpoint of the same model and conversion"
         )
