@@ -173,6 +173,13 @@ class Float8Fallback:
                 "says they run in FP8; a switched layer cannot switch back: load the state into "
                 "a freshly made Float8Fallback"
             )
+        gathered = [n for n in fallen if self._modules[n].config.enable_fsdp_float8_all_gather]
+        if gathered:
+            raise ValueError(
+                f"Float8Fallback state switches {gathered}, whose weights this model all-gathers "
+                "in float8 (they arrive already cast and cannot run in high precision); load it "
+                "into a model converted with float8_all_gather=False, as the saving run was"
+            )
         for name in fallen:
             if name not in self.fallen:
                 to_high_precision(self._modules[name])

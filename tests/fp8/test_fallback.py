@@ -261,3 +261,17 @@ def test_the_positional_tensor_state_of_earlier_versions_is_refused_and_changes_
             {"fallen": torch.tensor([3, -1, -1, -1]), "runs": torch.tensor([0, 0, 0, 2])}
         )
     assert run[4].fallen == [] and set(run[4].runs.values()) == {0}
+
+
+def test_a_state_switching_a_float8_all_gather_layer_is_refused_and_changes_nothing():
+    """Such a layer's weight arrives already cast, so the fallback never switches it (it is
+    left, with a warning); a state saying it fell (from a run without float8 all-gather) is
+    refused instead of switching it."""
+    model = _models.net()
+    fp8.convert_to_float8(model, float8_all_gather=True, emulate=True)
+    guard = dscale.StepGuard("cpu")
+    fallback = fp8.Float8Fallback(fp8.Float8Numerics(model, guard), guard)
+    with pytest.raises(ValueError, match=r"switches \['blocks\.0\.fc1'\], whose weights"):
+        fallback.load_state_dict({"fallen": ["blocks.0.fc1"], "runs": {}})
+    assert fallback.fallen == []
+    assert model.blocks[0].fc1.config.cast_config_input.scaling_type.value != "disabled"
