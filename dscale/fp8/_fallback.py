@@ -21,7 +21,8 @@ import torch
 from torch import nn
 
 from dscale.fp8 import _attached, _torchao
-from dscale.fp8._numerics import Float8Numerics, refuse_other_layers, state_int
+from dscale.fp8._layers import refuse_other_layers, state_int
+from dscale.fp8._numerics import Float8Numerics
 
 logger = logging.getLogger(__name__)
 
