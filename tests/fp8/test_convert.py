@@ -78,7 +78,10 @@ def test_bad_arguments_name_the_argument_and_change_nothing(kwargs, match):
 @pytest.mark.parametrize(
     ("keep", "match"),
     [
-        (["blocks.0.fc1", "blocks.1.fc3"], r"'blocks\.1\.fc3': nearest names \['blocks\.1\.fc2', 'blocks\.1\.fc1'"),
+        (
+            ["blocks.0.fc1", "blocks.1.fc3"],
+            r"'blocks\.1\.fc3': nearest names \['blocks\.1\.fc2', 'blocks\.1\.fc1'",
+        ),
         (["blokcs.0"], r"'blokcs\.0': nearest names \['blocks\.0'"),
         (
             ["blocks.0.norm"],
