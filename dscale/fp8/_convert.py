@@ -9,6 +9,7 @@ telemetry read, and which ranks compare so that a rank that converted other laye
 
 from __future__ import annotations
 
+import difflib
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -63,8 +64,9 @@ def convert_to_float8(
         recipe: ``"tensorwise"`` (one scale per tensor; FSDP2 float8 all-gather possible) or
             ``"rowwise"`` (one scale per row; all-gathers in high precision).
         keep_high_precision: layers to leave as they are: a function ``(name, module) -> bool``
-            or names (a layer whose name equals or starts with ``name + "."`` is kept).
-            Heads and the first/last layers are the usual choice.
+            or names as ``model.named_modules()`` gives them (a layer whose name equals or
+            starts with ``name + "."`` is kept; each name must keep at least one
+            ``nn.Linear``). Heads and the first/last layers are the usual choice.
         float8_all_gather: FSDP2 all-gathers the weights in float8 (tensorwise only); then use
             :class:`dscale.fp8.WeightScales` for the weights' scales.
         emulate: torchao's emulation (no ``torch._scaled_mm``), for hardware without FP8.
@@ -74,7 +76,8 @@ def convert_to_float8(
 
     Raises:
         ImportError: torchao is missing (the message has the install line).
-        ValueError: an unknown recipe, or float8 all-gather with the rowwise recipe.
+        ValueError: an unknown recipe, float8 all-gather with the rowwise recipe, or a name
+            in ``keep_high_precision`` that matches no ``nn.Linear`` (the nearest are named).
     """
     if recipe not in RECIPES:
         raise ValueError(
@@ -92,7 +95,7 @@ def convert_to_float8(
             "wrap it (nn.Sequential(linear)) and convert that"
         )
     float8 = _torchao.float8()
-    keep = _keep_function(keep_high_precision)
+    keep = _keep_function(keep_high_precision, model)
     left: dict[str, str] = {}
     for name, module in model.named_modules():
         if type(module) is not nn.Linear:
@@ -122,7 +125,7 @@ def convert_to_float8(
 
 
 def _keep_function(
-    keep: Callable[[str, nn.Module], bool] | Iterable[str] | None,
+    keep: Callable[[str, nn.Module], bool] | Iterable[str] | None, model: nn.Module
 ) -> Callable[[str, nn.Module], bool]:
     if keep is None:
         return lambda name, module: False
@@ -134,7 +137,51 @@ def _keep_function(
             f"([{keep!r}]) or a function (name, module) -> bool"
         )
     names = tuple(keep)
-    return lambda name, module: any(name == n or name.startswith(n + ".") for n in names)
+    odd = [n for n in names if not isinstance(n, str)]
+    if odd:
+        raise ValueError(
+            f"keep_high_precision holds {odd!r}, which are not layer names; pass names as "
+            "strings (as model.named_modules() gives them) or a function (name, module) -> bool"
+        )
+    _refuse_names_keeping_nothing(names, model)
+    return lambda name, module: any(_within(name, n) for n in names)
+
+
+def _within(name: str, kept: str) -> bool:
+    """Whether module ``name`` is ``kept`` or inside it."""
+    return name == kept or name.startswith(kept + ".")
+
+
+def _refuse_names_keeping_nothing(names: tuple[str, ...], model: nn.Module) -> None:
+    """ValueError naming each of ``names`` that keeps no ``nn.Linear``, with the nearest names.
+
+    A mistyped name would otherwise keep nothing and convert the layer it meant, silently.
+    """
+    linears = [n for n, m in model.named_modules() if type(m) is nn.Linear]
+    unmatched = [n for n in names if not any(_within(linear, n) for linear in linears)]
+    if not unmatched:
+        return
+    # Candidates: the linears and every module that holds one (a block kept whole).
+    holders = sorted(
+        {".".join(n.split(".")[:i]) for n in linears for i in range(1, n.count(".") + 2)}
+    )
+    kinds = dict(model.named_modules())
+    parts = []
+    for name in unmatched:
+        near = difflib.get_close_matches(name, holders, n=3, cutoff=0.6)
+        what = (
+            f" (it names a {type(kinds[name]).__name__}, which holds no nn.Linear)"
+            if name in kinds
+            else ""
+        )
+        hint = f"nearest names {near}" if near else f"the model's linears: {linears[:8]}"
+        parts.append(f"{name!r}{what}: {hint}")
+    raise ValueError(
+        "keep_high_precision names layers that match no nn.Linear of the model, so they would "
+        "keep nothing and convert what they meant: "
+        + "; ".join(parts)
+        + ". Name a linear or a module that holds one, as model.named_modules() gives them"
+    )
 
 
 def _with(config: object, **changes: object) -> object:

@@ -21,11 +21,14 @@ import torch
 from torch import nn
 
 from dscale.fp8 import _attached, _torchao
+from dscale.fp8._layers import refuse_other_layers, state_int
 from dscale.fp8._numerics import Float8Numerics
 
 logger = logging.getLogger(__name__)
 
 SHARES = ("flushed", "subnormal", "saturated")
+#: The state-dict format (1: ``fallen``/``runs`` tensors by position, refused).
+STATE_VERSION = 2
 
 
 def to_high_precision(module: Any) -> None:
@@ -65,7 +68,9 @@ class Float8Fallback:
         fallback.fallen  # names of the layers now in high precision, in the order they fell
 
     Register it after ``numerics`` (it reads each new sample in a step callback). State:
-    ``fallen`` and the per-layer run lengths, so a resume keeps the same layers switched.
+    ``fallen`` and the per-layer run lengths, by layer name, so a resume at any step keeps the
+    same layers switched and switches the next ones at the same steps as the uninterrupted run
+    (save and load the numerics' state with it).
     """
 
     def __init__(
@@ -81,16 +86,17 @@ class Float8Fallback:
         self.samples = samples
         self.fallen: list[str] = []
         self.runs = dict.fromkeys(self._modules, 0)
-        self._seen = numerics.num_samples
         self._left_logged: set[str] = set()
         self._unregister = scaler.register_step_callback(self._after_step)
         self._scaler = scaler
         _attached.attach_fallback(scaler, self)  # the exporter serves its switched layers
 
     def _after_step(self, optimizer: Any, applied: bool) -> None:
-        if self._numerics.num_samples == self._seen:
+        # Registered after the numerics' callback, so a sample of this step is already read.
+        # Whether this step was sampled follows from the numerics' own state (restored with
+        # it), so a resume at any step decides on the same samples as the uninterrupted run.
+        if not self._numerics.sampled_last_step:
             return  # no new sample: nothing to decide, no op
-        self._seen = self._numerics.num_samples
         snap = self._numerics.snapshot()
         for name, module in self._modules.items():
             if name in self.fallen:
@@ -129,50 +135,121 @@ class Float8Fallback:
         )
 
     def state_dict(self) -> dict[str, Any]:
-        """``fallen`` and ``runs`` as fixed-shape int64 tensors over the layers sorted by name.
+        """The switched layers and every layer's run, keyed by layer name.
 
-        ``fallen``: the switched layers' indices in the order they fell, padded with -1;
-        ``runs``: each layer's samples in a row above the threshold. Fixed shapes, so that
-        ``dscale.checkpoint`` (DCP, which loads into the shapes it is given) restores them.
+        Tensors only (``dscale.checkpoint`` stores them as they are):
+
+        * ``version``: the format (2; 1 was positional and is refused).
+        * ``num_layers``: how many float8 layers the numerics measure.
+        * ``layers``: per layer name, an int64 ``[2]`` tensor: the layer's place in
+          ``fallen`` (the order the layers fell in; -1 while it runs in FP8), and its run
+          (samples in a row above the threshold, which the next sample extends or ends).
         """
-        names = sorted(self._modules)
-        fallen = torch.full((len(names),), -1, dtype=torch.int64)
-        fallen[: len(self.fallen)] = torch.tensor(
-            [names.index(n) for n in self.fallen], dtype=torch.int64
-        )
-        runs = torch.tensor([self.runs[n] for n in names], dtype=torch.int64)
-        return {"fallen": fallen, "runs": runs}
+        layers = {
+            name: torch.tensor(
+                [self.fallen.index(name) if name in self.fallen else -1, self.runs[name]],
+                dtype=torch.int64,
+            )
+            for name in sorted(self._modules)
+        }
+        return {
+            "version": torch.tensor(STATE_VERSION),
+            "num_layers": torch.tensor(len(self._modules)),
+            "layers": layers,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Switch the saved layers again; validated fully before anything changes.
+        """Switch the saved layers again and take the saved runs; validated fully first.
 
-        Takes :meth:`state_dict`'s tensors, or ``fallen`` as a list of names and ``runs`` as a
-        dict by name.
+        Takes :meth:`state_dict`'s form, or ``fallen`` as a list of names and ``runs`` as a
+        dict by name. The layers are matched by name: a state for other layers (renamed,
+        converted differently, another count) is refused, naming them, and changes nothing.
         """
         names = sorted(self._modules)
-        fallen, runs = state.get("fallen"), state.get("runs")
-        if isinstance(fallen, torch.Tensor) and isinstance(runs, torch.Tensor):
-            if fallen.shape != (len(names),) or runs.shape != (len(names),):
-                raise ValueError(
-                    f"Float8Fallback state is for {fallen.shape[0] if fallen.dim() else 0} "
-                    f"float8 layers, this model converts {len(names)} ({names}); load a "
-                    "checkpoint of the same model"
-                )
-            fallen = [names[i] for i in fallen.tolist() if 0 <= i < len(names)]
-            runs = dict(zip(names, runs.tolist(), strict=True))
-        unknown = [n for n in (fallen or []) if n not in self._modules]
-        if not isinstance(fallen, list) or not isinstance(runs, dict) or unknown:
+        fallen, runs = self._read(state, names)
+        gone = [n for n in self.fallen if n not in fallen]
+        if gone:
             raise ValueError(
-                f"Float8Fallback state names layers {unknown or fallen!r} this model does not "
-                f"convert (its float8 layers: {names}); load a checkpoint of the same model"
+                f"Float8Fallback: {gone} already run in high precision here and the state "
+                "says they run in FP8; a switched layer cannot switch back: load the state into "
+                "a freshly made Float8Fallback"
+            )
+        gathered = [n for n in fallen if self._modules[n].config.enable_fsdp_float8_all_gather]
+        if gathered:
+            raise ValueError(
+                f"Float8Fallback state switches {gathered}, whose weights this model all-gathers "
+                "in float8 (they arrive already cast and cannot run in high precision); load it "
+                "into a model converted with float8_all_gather=False, as the saving run was"
             )
         for name in fallen:
             if name not in self.fallen:
                 to_high_precision(self._modules[name])
                 self.fallen.append(name)
-        self.runs.update({k: int(v) for k, v in runs.items() if k in self.runs})
+        self.runs.update(runs)
+
+    def _read(self, state: dict[str, Any], names: list[str]) -> tuple[list[str], dict[str, int]]:
+        """``(fallen in order, runs by name)`` from either form of the state; ValueError if bad."""
+        if "layers" not in state:
+            fallen, runs = state.get("fallen"), state.get("runs")
+            if isinstance(fallen, torch.Tensor) or isinstance(runs, torch.Tensor):
+                raise ValueError(
+                    "Float8Fallback state holds fallen/runs as tensors by position (the format "
+                    "before layer names): it cannot be checked against this model's layers "
+                    f"{names}; save it again with this dscale, or pass fallen as a list of "
+                    "names and runs as a dict by name"
+                )
+            if not isinstance(fallen, list) or not isinstance(runs, dict):
+                raise ValueError(
+                    "Float8Fallback state needs layers (its state_dict()), or fallen as a list "
+                    f"of names and runs as a dict by name; got {state!r}"
+                )
+            unknown = [n for n in [*fallen, *runs] if n not in self._modules]
+            if unknown:
+                raise ValueError(
+                    f"Float8Fallback state names layers {unknown!r} this model does not "
+                    f"convert (its float8 layers: {names}); load a checkpoint of the same model"
+                )
+            return list(fallen), {k: _count(v) for k, v in runs.items()}
+        version = state_int(state.get("version", 1))
+        if version != STATE_VERSION:
+            raise ValueError(
+                f"Float8Fallback state has format version {version}, this dscale reads "
+                f"{STATE_VERSION}; save it again with this dscale"
+            )
+        layers = state["layers"]
+        if not isinstance(layers, dict):
+            raise ValueError(f"Float8Fallback state needs a layers dict, got {layers!r}")
+        count = state_int(state.get("num_layers", len(layers)))
+        refuse_other_layers("Float8Fallback", list(layers), count, names)
+        places: dict[int, str] = {}
+        runs = {}
+        for name in names:
+            value = layers[name]
+            if not isinstance(value, torch.Tensor) or tuple(value.shape) != (2,):
+                raise ValueError(
+                    f"Float8Fallback state for layer {name!r} must be an int tensor "
+                    f"[place in fallen or -1, run], got {value!r}"
+                )
+            place, run = (int(v) for v in value.tolist())
+            if place >= 0:
+                places[place] = name
+            runs[name] = _count(run)
+        if sorted(places) != list(range(len(places))):
+            raise ValueError(
+                f"Float8Fallback state's places in fallen are {sorted(places)}, not 0..k-1; "
+                "load a state this class saved"
+            )
+        return [places[i] for i in range(len(places))], runs
 
     def close(self) -> None:
         """Stop deciding (switched layers stay switched)."""
         self._unregister()
         _attached.detach(self._scaler, self)
+
+
+def _count(value: Any) -> int:
+    """A run length (a non-negative int) from a state entry; ValueError otherwise."""
+    run = int(value) if isinstance(value, int | torch.Tensor) else -1
+    if run < 0:
+        raise ValueError(f"Float8Fallback runs must be non-negative ints, got {value!r}")
+    return run

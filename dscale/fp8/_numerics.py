@@ -6,9 +6,15 @@ amax, the scale, and the shares of elements saturated (``|x| * scale > fp8_max``
 zero (non-zero, cast to 0) and subnormal (cast to a non-zero subnormal). Alert on the shares,
 not on SNR: an outlier raises SNR while it flushes the rest of the tensor to zero.
 
-Cost: the hooks stay registered but return at once on unsampled steps (no op, no host read);
+Cost: the hooks stay registered but return at once on unsampled steps (no op, no host read),
+and the agreement field is registered with the scaler for sampled steps only, so an unsampled
+step runs the collectives and ops it runs without numerics (under ``attach()`` none of its own);
 a sampled step casts each tensor once more and its values ride the scaler's one collective
 (MAX: every rank gets the worst rank's), read on the host once, after the step.
+
+Layouts: every rank must measure the same layers (the vector's length and order follow them),
+so construction compares them across the scaler's ranks once (one collective) and raises
+:class:`~dscale.fp8.LayoutMismatchError` on every rank when they differ.
 """
 
 from __future__ import annotations
@@ -20,10 +26,16 @@ import torch
 from torch import nn
 
 from dscale.fp8 import _attached, _torchao
+from dscale.fp8._layers import check_layouts, clean, refuse_other_layers, state_int
 
 TENSORS = (("input", torch.float8_e4m3fn), ("weight", torch.float8_e4m3fn))
 GRAD = ("grad_output", torch.float8_e5m2)
 FIELDS = ("amax", "saturated", "flushed", "subnormal")
+#: The tensors measured per layer, and the columns of a row of the state dict's ``layers``.
+MEASURED = ("input", "weight", "grad_output")
+COLUMNS = (*FIELDS, "scale")
+#: The state-dict format (1: ``num_steps``/``num_samples`` only, no layer names).
+STATE_VERSION = 2
 EPS = 1e-12  # torchao's floor on an amax
 
 
@@ -56,7 +68,9 @@ class Float8Numerics:
         numerics.snapshot()  # {"blocks.0.fc1/input": {"amax": ..., "flushed": ...}, ...}
 
     Steps are counted by the scaler's step() calls, which every rank makes alike: steps 0,
-    ``every``, 2 x ``every``, ... are sampled on every rank. Tensorwise recipe only.
+    ``every``, 2 x ``every``, ... are sampled on every rank. Tensorwise recipe only. Make it on
+    every rank after ``init_process_group`` (construction compares the ranks' layers: one
+    collective, once; :class:`~dscale.fp8.LayoutMismatchError` on every rank if they differ).
     """
 
     def __init__(self, model: nn.Module, scaler: Any, *, every: int = 100) -> None:
@@ -64,7 +78,7 @@ class Float8Numerics:
             raise ValueError(f"every must be a positive int (sample every N steps), got {every!r}")
         cls = _torchao.float8_linear_class()
         self.layers: list[tuple[str, Any]] = sorted(
-            ((n.replace("module.", ""), m) for n, m in model.named_modules() if isinstance(m, cls)),
+            ((clean(n), m) for n, m in model.named_modules() if isinstance(m, cls)),
             key=lambda item: item[0],
         )
         rowwise = [
@@ -72,17 +86,14 @@ class Float8Numerics:
             for n, m in self.layers
             if m.config.cast_config_input.scaling_granularity.value != "tensorwise"
         ]
-        if rowwise:
-            raise ValueError(
-                f"Float8Numerics measures under tensorwise scales; layers {rowwise} use another "
-                "granularity (rowwise): convert with recipe='tensorwise' to measure them"
-            )
+        group = scaler._process_group() if hasattr(scaler, "_process_group") else None
+        check_layouts(self.layers, every, rowwise, group)
         self.every = every
-        self.keys = [f"{n}/{t}" for n, _ in self.layers for t in ("input", "weight", "grad_output")]
+        self.keys = [f"{n}/{t}" for n, _ in self.layers for t in MEASURED]
         self.num_steps = 0
         self.num_samples = 0
         self.sample_step: int | None = None  # the step index of the last sample
-        self._armed = True  # step 0 is sampled
+        self._armed = False
         self._stats: dict[str, torch.Tensor] = {}
         self._sent: torch.Tensor | None = None  # this field's slots in the agreed vector
         self._last: dict[str, dict[str, float]] = {}
@@ -92,10 +103,31 @@ class Float8Numerics:
         self._weights = {name: module.weight for name, module in self.layers}
         for name, module in self.layers:
             self._handles.append(module.register_forward_hook(self._hook(name)))
-        self._unregister = scaler.register_step_callback(self._after_step)
-        self._unfield = scaler.add_agreement_field(self)
         self._scaler = scaler
+        self._unfield: Any = None  # the field's unregister function while it is registered
+        self._closed = False
+        self._unregister = scaler.register_step_callback(self._after_step)
+        self._arm(True)  # step 0 is sampled
         _attached.attach_numerics(scaler, self)  # the exporter and MetricsLog find it there
+
+    def _arm(self, armed: bool) -> None:
+        """Sample the next step or not; the field rides the scaler's vector on sampled steps only.
+
+        Registered only then, so that on an unsampled step the scaler sees no field: under
+        ``attach()``, where DDP's reduction makes the overflow flag global, it then runs no
+        agreement collective of its own, as without numerics. Every rank arms alike.
+        """
+        self._armed = armed and not self._closed
+        if self._armed and self._unfield is None:
+            self._unfield = self._scaler.add_agreement_field(self)
+        elif not self._armed and self._unfield is not None:
+            self._unfield()
+            self._unfield = None
+
+    @property
+    def sampled_last_step(self) -> bool:
+        """Whether the step just finished was sampled (its values are in :meth:`snapshot`)."""
+        return self.sample_step is not None and self.sample_step == self.num_steps - 1
 
     def _hook(self, name: str) -> Any:
         def forward_hook(module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> None:
@@ -156,30 +188,99 @@ class Float8Numerics:
         self._sent = None
         self._stats = {}
         self.num_steps += 1
-        self._armed = self.num_steps % self.every == 0
+        self._arm(self.num_steps % self.every == 0)
 
     def snapshot(self) -> dict[str, dict[str, float]]:
         """The last sample, worst rank's: ``{"layer/tensor": {amax, scale, saturated, ...}}``."""
         return {k: dict(v) for k, v in self._last.items()}
 
+    # ------------------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """``num_steps`` (where the sampling schedule is) and ``num_samples``."""
-        return {"num_steps": self.num_steps, "num_samples": self.num_samples}
+        """Where the sampling schedule is, and the last sample, keyed by layer name.
+
+        Tensors only (``dscale.checkpoint`` stores them as they are):
+
+        * ``version``: the format (2).
+        * ``every``: the interval the saving run sampled at (a load keeps its own).
+        * ``num_steps``: steps counted so far (the next sampled step follows from it).
+        * ``num_samples``: samples taken so far.
+        * ``sample_step``: the step of the last sample, -1 before the first.
+        * ``num_layers``: how many float8 layers were measured.
+        * ``layers``: per layer name, a float64 ``[3, 5]`` tensor: rows input, weight,
+          grad_output; columns amax, saturated, flushed, subnormal, scale (the last sample,
+          worst rank's; NaN before the first).
+        """
+        layers = {}
+        for name, _ in self.layers:
+            rows = [
+                [self._last.get(f"{name}/{t}", {}).get(c, math.nan) for c in COLUMNS]
+                for t in MEASURED
+            ]
+            layers[name] = torch.tensor(rows, dtype=torch.float64)
+        return {
+            "version": torch.tensor(STATE_VERSION),
+            "every": torch.tensor(self.every),
+            "num_steps": torch.tensor(self.num_steps),
+            "num_samples": torch.tensor(self.num_samples),
+            "sample_step": torch.tensor(-1 if self.sample_step is None else self.sample_step),
+            "num_layers": torch.tensor(len(self.layers)),
+            "layers": layers,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue the sampling schedule where the saved run was."""
-        steps, samples = state.get("num_steps"), state.get("num_samples")
-        if not isinstance(steps, int) or not isinstance(samples, int) or steps < 0:
-            raise ValueError(f"Float8Numerics state needs int num_steps/num_samples, got {state!r}")
+        """Continue the sampling schedule where the saved run was, with its last sample.
+
+        Validated fully before anything changes: the saved layers must be this model's float8
+        layers, by name (a ValueError names those missing on either side).
+        """
+        names = [n for n, _ in self.layers]
+        version = state_int(state.get("version", 1))
+        if version != STATE_VERSION:
+            raise ValueError(
+                f"Float8Numerics state has format version {version} (this dscale reads "
+                f"{STATE_VERSION}, keyed by layer name); a state without layer names cannot be "
+                "checked against this model: save it again with this dscale, or start the "
+                "numerics fresh"
+            )
+        layers = state.get("layers")
+        if not isinstance(layers, dict):
+            raise ValueError(f"Float8Numerics state needs a layers dict, got {layers!r}")
+        refuse_other_layers(
+            "Float8Numerics", list(layers), state_int(state.get("num_layers", len(layers))), names
+        )
+        steps, samples = state_int(state.get("num_steps")), state_int(state.get("num_samples"))
+        at = state_int(state.get("sample_step", -1))
+        if steps < 0 or samples < 0 or not -1 <= at < max(steps, 0) or (samples > 0) != (at >= 0):
+            raise ValueError(
+                f"Float8Numerics state is inconsistent: num_steps={steps}, num_samples="
+                f"{samples}, sample_step={at}; load a state this class saved"
+            )
+        rows: dict[str, list[list[float]]] = {}
+        for name in names:
+            value = layers[name]
+            if not isinstance(value, torch.Tensor) or tuple(value.shape) != (3, len(COLUMNS)):
+                raise ValueError(
+                    f"Float8Numerics state for layer {name!r} must be a [3, {len(COLUMNS)}] "
+                    f"tensor (input, weight, grad_output x {COLUMNS}), got {value!r}"
+                )
+            rows[name] = value.double().tolist()
         self.num_steps, self.num_samples = steps, samples
-        self._armed = steps % self.every == 0
+        self.sample_step = at if at >= 0 else None
+        self._last = {}
+        if self.sample_step is not None:
+            for name in names:
+                for t, row in zip(MEASURED, rows[name]):
+                    self._last[f"{name}/{t}"] = dict(zip(COLUMNS, row))
+        self._stats, self._sent = {}, None
+        self._arm(steps % self.every == 0)
 
     def close(self) -> None:
         """Remove the hooks and the collective field."""
         for handle in self._handles:
             handle.remove()
         self._unregister()
-        self._unfield()
+        self._closed = True
+        self._arm(False)
         _attached.detach(self._scaler, self)
 
 

@@ -141,8 +141,12 @@ class MetricsLog:
     def _log_fp8(self, scaler: Any) -> None:
         """Append a new FP8 numerics sample (host numbers already read after the step)."""
         numerics = _attached.numerics_of(scaler)
-        step = None if numerics is None else numerics.sample_step
-        if step is None or step == self._fp8_step:
+        # A sample of the step just finished only: a numerics loaded from a checkpoint holds
+        # the saved run's last sample, which that run's log already has.
+        if numerics is None or not numerics.sampled_last_step:
+            return
+        step = numerics.sample_step
+        if step == self._fp8_step:
             return
         self._fp8_step = step
         rec = {"rank": self.rank, "step": step, "layers": numerics.snapshot()}

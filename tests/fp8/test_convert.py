@@ -75,6 +75,37 @@ def test_bad_arguments_name_the_argument_and_change_nothing(kwargs, match):
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
+@pytest.mark.parametrize(
+    ("keep", "match"),
+    [
+        (
+            ["blocks.0.fc1", "blocks.1.fc3"],
+            r"'blocks\.1\.fc3': nearest names \['blocks\.1\.fc2', 'blocks\.1\.fc1'",
+        ),
+        (["blokcs.0"], r"'blokcs\.0': nearest names \['blocks\.0'"),
+        (
+            ["blocks.0.norm"],
+            r"'blocks\.0\.norm' \(it names a LayerNorm, which holds no nn\.Linear\)",
+        ),
+        (["zzz"], r"'zzz': the model's linears: \['blocks\.0\.fc1'"),
+    ],
+)
+def test_a_kept_name_that_matches_no_linear_is_refused_with_the_nearest_names(keep, match):
+    """A mistyped name kept nothing and converted the layer it meant, silently (issue 41 item
+    11). Oracle: the names that do match convert exactly what the test expects, and the refused
+    call leaves the model as it was (no layer converted)."""
+    model = _models.net()
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(ValueError, match=match):
+        convert_to_float8(model, keep_high_precision=keep)
+    assert _float8_names(model) == []
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    good = [n for n in keep if n in LINEARS or n == "blocks.0"]
+    if good:  # the same call without the bad name keeps what it names
+        conv = convert_to_float8(model, keep_high_precision=good)
+        assert "blocks.0.fc1" not in conv.converted and conv.left["blocks.0.fc1"] == "filter"
+
+
 def test_without_torchao_the_error_gives_the_install_line(monkeypatch):
     real_import = builtins.__import__
 

@@ -6,6 +6,8 @@ the switch the layer's output and gradients are bitwise equal to it (before, the
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -137,3 +139,139 @@ def test_a_fallen_layer_trains_under_bf16_autocast_as_linear():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out, ref = layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias)
     assert out.dtype == ref.dtype == torch.bfloat16 and torch.equal(out, ref)
+
+
+def _build(keep=None, outlier="blocks.1.fc2", every=2, samples=3):
+    model = _models.net()
+    fp8.convert_to_float8(model, keep_high_precision=keep, emulate=True)
+    if outlier is not None:
+        dict(model.named_modules())[outlier].register_forward_pre_hook(_blow_up)  # every step
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    guard = dscale.StepGuard("cpu")
+    numerics = fp8.Float8Numerics(model, guard, every=every)
+    fallback = fp8.Float8Fallback(numerics, guard, threshold=0.05, samples=samples)
+    return model, opt, guard, numerics, fallback
+
+
+def _steps(run, steps):
+    model, opt, guard, _, fallback = run
+    out = []
+    for step in steps:
+        tokens, target = _models.batch(step)
+        loss = _models.loss_of(model, tokens, target)
+        guard.scale(loss).backward()
+        guard.step(opt)
+        guard.update()
+        opt.zero_grad()
+        out.append((step, loss.item(), list(fallback.fallen), dict(fallback.runs)))
+    return out
+
+
+def test_a_resume_at_an_unsampled_step_switches_the_layers_of_the_uninterrupted_run(tmp_path):
+    """Issue 41 item 9: resumed at a step that is not sampled, the fallback took the restored
+    sample count for a new sample, read the (empty) snapshot and zeroed every run, so the layer
+    the uninterrupted run switches after its third sample (step 4) never switched. Oracle: the
+    uninterrupted run, bit for bit (losses, the switched layers and every run, at every step),
+    resumed from in-memory state dicts and through dscale.checkpoint (DCP) at steps 1 and 3."""
+    from dscale.checkpoint import CheckpointManager, load_checkpoint
+
+    whole = _steps(_build(), range(7))
+    assert whole[4][2] == ["blocks.1.fc2"] and whole[3][2] == []  # falls at step 4's sample
+    for at in (1, 3):  # samples at 0, 2, 4, 6: resumed before the unsampled steps 1 and 3
+        first = _build()
+        assert _steps(first, range(at)) == whole[:at]
+        model, opt, guard, numerics, fallback = first
+        states = {
+            "model": copy.deepcopy(model.state_dict()),
+            "opt": copy.deepcopy(opt.state_dict()),
+            "guard": guard.state_dict(),
+            "numerics": copy.deepcopy(numerics.state_dict()),
+            "fallback": copy.deepcopy(fallback.state_dict()),
+        }
+        ckpt = CheckpointManager(tmp_path / f"at{at}", every=0, keep=1)
+        ckpt.save(
+            at,
+            model=model,
+            optimizer=opt,
+            scaler=guard,
+            extra={"fp8_numerics": numerics, "fp8_fallback": fallback},
+        )
+        ckpt.wait()
+        resumed = _build()
+        resumed[0].load_state_dict(states["model"])
+        resumed[1].load_state_dict(states["opt"])
+        resumed[2].load_state_dict(states["guard"])
+        resumed[3].load_state_dict(states["numerics"])
+        resumed[4].load_state_dict(states["fallback"])
+        assert _steps(resumed, range(at, 7)) == whole[at:], at
+        loaded = _build()
+        step = load_checkpoint(
+            tmp_path / f"at{at}" / f"step-{at}",
+            model=loaded[0],
+            optimizer=loaded[1],
+            scaler=loaded[2],
+            extra={"fp8_numerics": loaded[3], "fp8_fallback": loaded[4]},
+        )
+        assert step == at
+        assert loaded[3].snapshot() == numerics.snapshot()  # the last sample came back too
+        assert _steps(loaded, range(at, 7)) == whole[at:], at
+
+
+def test_fallback_state_loads_by_layer_name_and_refuses_other_layers_of_the_same_count(tmp_path):
+    """Issue 41 item 10: the state's tensor form (what checkpoints hold) was positional over the
+    sorted float8 layers, so a model with as many float8 layers but other ones switched whichever
+    layer sat at the saved position (here blocks.0.fc1 for blocks.0.fc2). It is keyed by name:
+    the other model refuses it, naming the layers on both sides, and stays in FP8 (in memory and
+    through dscale.checkpoint); the same model switches exactly the saved layer (oracle:
+    nn.Linear's output and gradients, bit for bit)."""
+    from dscale.checkpoint import CheckpointManager, load_checkpoint
+
+    saved = _build(keep=["blocks.0.fc1"], outlier="blocks.0.fc2", every=1, samples=1)
+    _steps(saved, range(1))
+    assert saved[4].fallen == ["blocks.0.fc2"]
+    state = saved[4].state_dict()
+    ckpt = CheckpointManager(tmp_path, every=0, keep=1)
+    ckpt.save(1, extra={"fp8_fallback": saved[4]})
+    ckpt.wait()
+
+    other = _build(keep=["blocks.1.fc2"], outlier=None)  # 3 float8 layers, as saved
+    assert [n for n, _ in other[3].layers] == ["blocks.0.fc1", "blocks.0.fc2", "blocks.1.fc1"]
+    with pytest.raises(ValueError, match=r"not in this model: \['blocks\.1\.fc2'\]"):
+        other[4].load_state_dict(copy.deepcopy(state))
+    with pytest.raises(ValueError, match=r"not in the state: \['blocks\.0\.fc1'\]"):
+        other[4].load_state_dict(copy.deepcopy(state))
+    with pytest.raises(Exception, match=r"blocks\.0\.fc1"):
+        load_checkpoint(tmp_path / "step-1", extra={"fp8_fallback": other[4]})
+    assert other[4].fallen == []
+    assert not any(_matches_linear(m) for _, m in other[3].layers)  # every layer still FP8
+
+    same = _build(keep=["blocks.0.fc1"], outlier=None)
+    load_checkpoint(tmp_path / "step-1", extra={"fp8_fallback": same[4]})
+    assert same[4].fallen == ["blocks.0.fc2"]
+    modules = dict(same[3].layers)
+    assert _matches_linear(modules["blocks.0.fc2"])
+    assert not _matches_linear(modules["blocks.1.fc1"])
+
+
+def test_the_positional_tensor_state_of_earlier_versions_is_refused_and_changes_nothing():
+    """The earlier positional form cannot be checked against the model's layers."""
+    run = _build()
+    with pytest.raises(ValueError, match="by position"):
+        run[4].load_state_dict(
+            {"fallen": torch.tensor([3, -1, -1, -1]), "runs": torch.tensor([0, 0, 0, 2])}
+        )
+    assert run[4].fallen == [] and set(run[4].runs.values()) == {0}
+
+
+def test_a_state_switching_a_float8_all_gather_layer_is_refused_and_changes_nothing():
+    """Such a layer's weight arrives already cast, so the fallback never switches it (it is
+    left, with a warning); a state saying it fell (from a run without float8 all-gather) is
+    refused instead of switching it."""
+    model = _models.net()
+    fp8.convert_to_float8(model, float8_all_gather=True, emulate=True)
+    guard = dscale.StepGuard("cpu")
+    fallback = fp8.Float8Fallback(fp8.Float8Numerics(model, guard), guard)
+    with pytest.raises(ValueError, match=r"switches \['blocks\.0\.fc1'\], whose weights"):
+        fallback.load_state_dict({"fallen": ["blocks.0.fc1"], "runs": {}})
+    assert fallback.fallen == []
+    assert model.blocks[0].fc1.config.cast_config_input.scaling_type.value != "disabled"

@@ -56,12 +56,14 @@ def test_stats_match_the_brute_force_reference(dtype):
     assert ours[2] > 0 and ours[3] > 0  # the case is not trivial
 
 
-def _train(numerics_every, outlier_at=None, steps=4):
+def _train(numerics_every, outlier_at=None, steps=4, keep=None):
     model = _models.net()
-    fp8.convert_to_float8(model, emulate=True)
+    fp8.convert_to_float8(model, keep_high_precision=keep, emulate=True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     guard = dscale.StepGuard("cpu")
-    numerics = fp8.Float8Numerics(model, guard, every=numerics_every)
+    numerics = None
+    if numerics_every is not None:
+        numerics = fp8.Float8Numerics(model, guard, every=numerics_every)
     if outlier_at is not None:
 
         def blow_up(module, args):
@@ -84,7 +86,9 @@ def _train(numerics_every, outlier_at=None, steps=4):
 
 
 def test_unsampled_steps_dispatch_no_extra_op():
-    _, plain = _train(numerics_every=10**9, steps=3)  # only step 0 sampled
+    """Oracle: the same run without numerics (issue 41 item 8: not one with numerics that
+    samples rarely). The 2-rank attach() case is in test_numerics_ranks.py."""
+    _, plain = _train(numerics_every=None, steps=3)
     numerics, ops = _train(numerics_every=2, steps=3)  # steps 0 and 2 sampled
     assert ops[1] == plain[1]  # step 1: unsampled, not one op more
     assert ops[2] > plain[2]
@@ -109,3 +113,30 @@ def test_bad_every_is_refused():
     fp8.convert_to_float8(model, emulate=True)
     with pytest.raises(ValueError, match="every must be a positive int"):
         fp8.Float8Numerics(model, dscale.StepGuard("cpu"), every=0)
+
+
+def test_numerics_state_is_keyed_by_layer_name_and_another_models_is_refused():
+    """The state names its layers: another conversion with as many float8 layers is refused,
+    naming both sides, and leaves the schedule and the last sample as they were; the same
+    model's state restores them exactly (oracle: the saving object's own snapshot)."""
+    saved, _ = _train(numerics_every=2, steps=3, keep=["blocks.0.fc1"])  # samples at 0, 2
+    state = saved.state_dict()
+    assert state["num_steps"].item() == 3 and state["sample_step"].item() == 2
+    other = _models.net()
+    fp8.convert_to_float8(other, keep_high_precision=["blocks.1.fc2"], emulate=True)
+    numerics = fp8.Float8Numerics(other, dscale.StepGuard("cpu"), every=2)
+    assert len(numerics.layers) == len(saved.layers) == 3  # as many layers, not the same
+    with pytest.raises(
+        ValueError,
+        match=r"not in this model: \['blocks\.1\.fc2'\]; not in the state: \['blocks\.0\.fc1'\]",
+    ):
+        numerics.load_state_dict(state)
+    assert (numerics.num_steps, numerics.snapshot()) == (0, {})
+    with pytest.raises(ValueError, match="format version 1"):
+        numerics.load_state_dict({"num_steps": 3, "num_samples": 2})
+    same = _models.net()
+    fp8.convert_to_float8(same, keep_high_precision=["blocks.0.fc1"], emulate=True)
+    restored = fp8.Float8Numerics(same, dscale.StepGuard("cpu"), every=2)
+    restored.load_state_dict(state)
+    assert restored.snapshot() == saved.snapshot() != {}
+    assert (restored.num_steps, restored.num_samples, restored.sample_step) == (3, 2, 2)

@@ -1,0 +1,91 @@
+"""Which float8 layers: names without wrappers, the ranks' layouts compared, name-keyed state.
+
+Float8Numerics and Float8Fallback send and keep per-layer values in the order of the layers'
+names, so every rank must measure the same layers (compared once, at construction, in one
+collective) and a saved state must be for the same layers (matched by name when loaded).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from dscale import _dist
+from dscale.fp8._weight_scales import LayoutMismatchError
+
+
+def clean(name: str) -> str:
+    """A module name without the wrappers' leading parts (DDP's ``module.``, ``_orig_mod.``)."""
+    parts = name.split(".")
+    while parts and parts[0] in ("module", "_orig_mod"):
+        parts.pop(0)
+    return ".".join(parts)
+
+
+def state_int(value: Any) -> int:
+    """An int from a state entry (a Python int or a one-element tensor); ValueError otherwise."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_floating_point():
+        return int(value.item())
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    raise ValueError(f"expected an int (or a one-element int tensor) in the state, got {value!r}")
+
+
+def check_layouts(
+    layers: list[tuple[str, Any]], every: int, rowwise: list[str], group: Any
+) -> None:
+    """Compare what every rank measures (one collective); raise the same error on every rank.
+
+    The values ride one MAX vector whose length and order follow the layers, so ranks that
+    converted other layers would send vectors of other lengths (gloo: a reset connection on one
+    rank, a hang on the other) or, with as many layers, each read the peers' rows under its own
+    names; ranks sampling at other intervals would send on different steps.
+    """
+    mine = {
+        "layers": [(n, m.in_features, m.out_features) for n, m in layers],
+        "every": every,
+        "rowwise": rowwise,
+    }
+    everyone = _dist.all_gather_objects(mine, group)
+    odd = sorted({n for r in everyone for n in r["rowwise"]})
+    if odd:
+        raise ValueError(
+            f"Float8Numerics measures under tensorwise scales; layers {odd} use another "
+            "granularity (rowwise): convert with recipe='tensorwise' to measure them"
+        )
+    if any(r["layers"] != everyone[0]["layers"] for r in everyone):
+        common = set.intersection(*(set(r["layers"]) for r in everyone))
+        detail = "; ".join(
+            f"rank {r}: {len(v['layers'])} layers, only here: "
+            f"{sorted(f'{n} ({i}->{o})' for n, i, o in set(v['layers']) - common) or 'none'}"
+            for r, v in enumerate(everyone)
+        )
+        raise LayoutMismatchError(
+            f"Float8Numerics: ranks converted different layers to float8 ({detail}); the "
+            "numerics of every rank ride one vector, layer by layer: convert the same layers on "
+            "every rank (the same keep_high_precision, the same model)"
+        )
+    intervals = [r["every"] for r in everyone]
+    if len(set(intervals)) > 1:
+        raise ValueError(
+            f"Float8Numerics: ranks sample at different intervals (every={intervals} by rank); "
+            "every rank must sample the same steps: pass the same every on every rank"
+        )
+
+
+def refuse_other_layers(what: str, saved: list[str], count: int, names: list[str]) -> None:
+    """ValueError naming the layers a state and this model do not share (any order is fine)."""
+    missing = sorted(set(names) - set(saved))
+    extra = sorted(set(saved) - set(names))
+    if missing or extra or count != len(names):
+        # Through a checkpoint, only this model's names are read back: the state's other
+        # layers show as a count.
+        unseen = count - len(saved) if count > len(saved) else 0
+        raise ValueError(
+            f"{what} state is for other float8 layers: {count} saved, this model has "
+            f"{len(names)}; not in this model: {extra or 'none'}"
+            + (f" (and {unseen} more not read back)" if unseen else "")
+            + f"; not in the state: {missing or 'none'} (this model's float8 layers: {names}); "
+            "load a checkpoint of the same model and conversion"
+        )
