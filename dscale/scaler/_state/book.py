@@ -15,11 +15,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dscale import _device_state, _policy
-from dscale._policy import COUNTER_NAMES, HostState
+from dscale.scaler._program import scale_rule as _policy
+from dscale.scaler._program import state_buffer as _device_state
+from dscale.scaler._program.scale_rule import COUNTER_NAMES, HostState
 
 if TYPE_CHECKING:
-    from dscale._predictive_state import PredictiveScaling
+    from dscale.scaler._state.predictive import PredictiveScaling
 
 
 def fresh_host_state(init_scale: float, hysteresis: int) -> HostState:
@@ -212,8 +213,8 @@ class ScaleState:
         ``found_inf`` (the agreed flag as a tensor) is needed for the device path only. The
         device path is the scale rule, one row written to the log, and one copy to publish.
 
-        ``predictive`` (policy="predictive", ``dscale._predictive``) adjusts the dynamic rule's
-        result in the same place, before anyone can read it.
+        ``predictive`` (policy="predictive", ``dscale.scaler._program.predictive``) adjusts the
+        dynamic rule's result in the same place, before anyone can read it.
         """
         host = self.host
         if found is not None and host is not None:

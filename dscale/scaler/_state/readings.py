@@ -12,11 +12,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dscale import _policy, _predictive, _predictive_state, _spike_gate, _state, _unscale
-from dscale._reduction_hooks import ReductionHooks
+from dscale.scaler._attach.hooks import ReductionHooks
+from dscale.scaler._program import predictive as _predictive
+from dscale.scaler._program import scale_rule as _policy
+from dscale.scaler._program import spike_gate as _spike_gate
+from dscale.scaler._program import unscale as _unscale
+from dscale.scaler._state import format as _state
+from dscale.scaler._state import predictive as _predictive_state
 
 if TYPE_CHECKING:
-    from dscale.scaler import GradScaler
+    from dscale.scaler._api import GradScaler
 
 
 def counters(scaler: GradScaler) -> dict[str, torch.Tensor]:

@@ -44,7 +44,14 @@ from dataclasses import dataclass
 
 import torch
 
-from dscale._policy import BACKOFFS, GROWTHS, HostState, ScalePolicy, f32, is_torch_rule
+from dscale.scaler._program.scale_rule import (
+    BACKOFFS,
+    GROWTHS,
+    HostState,
+    ScalePolicy,
+    f32,
+    is_torch_rule,
+)
 
 FP16_MAX = 65504.0
 #: The headroom kept above the largest magnitude in the rings: 2**1. With the power of two

@@ -29,7 +29,7 @@ from typing import Any, NamedTuple, Protocol
 import torch
 import torch.distributed as dist
 
-from dscale._unscale import copy_to
+from dscale.scaler._program.unscale import copy_to
 
 #: Fixed indices of the leading fields (:class:`Layout` places the rest): the flag, then on
 #: range iterations the scale and its negation.

@@ -8,7 +8,7 @@
 3. **measure**: ``policy="predictive"``'s largest magnitude, before the unscale;
 4. **check**: the fused inf/NaN check, unscaling where the step wants unscaled grads;
 5. **signals**: flags from elsewhere (the hooks', a user's), the registered fields and the
-   spike gate's values join the vector (its :class:`~dscale._agreement.Layout`);
+   spike gate's values join the vector (its :class:`~dscale.scaler._program.agreement.Layout`);
 6. **agree**: the one MAX all-reduce starts (``unscale_()`` defers it to the flag's first read:
    ``_decision.start_deferred``).
 
@@ -23,21 +23,24 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dscale import _agreement, _dist, _predictive, _unscale
-from dscale._agreement import Layout
-from dscale._grad_measure import mark_overflow
-from dscale._optimizer_state import OptimizerState, Stage
-from dscale._reduction_hooks import AttachRefusal, HookReport
-from dscale._unscale import (
+from dscale import _dist
+from dscale.scaler._attach.hooks import AttachRefusal, HookReport
+from dscale.scaler._program import agreement as _agreement
+from dscale.scaler._program import predictive as _predictive
+from dscale.scaler._program import unscale as _unscale
+from dscale.scaler._program.agreement import Layout
+from dscale.scaler._program.grad_measure import mark_overflow
+from dscale.scaler._program.unscale import (
     GradGroups,
     check_and_unscale_,
     copy_to,
     group_by_device_and_dtype,
     optimizer_grads,
 )
+from dscale.scaler._stage import OptimizerState, Stage
 
 if TYPE_CHECKING:
-    from dscale.scaler import GradScaler
+    from dscale.scaler._api import GradScaler
 
 # Grads that a fused optimizer's check may unscale in place without losing small values.
 _FULL_PRECISION = (torch.float32, torch.float64)

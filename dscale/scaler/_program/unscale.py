@@ -15,7 +15,7 @@ from typing import cast
 
 import torch
 
-from dscale._policy import HostState, f32
+from dscale.scaler._program.scale_rule import HostState, f32
 
 try:
     from torch.distributed.tensor import DTensor

@@ -18,17 +18,17 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dscale import _check, _decision
-from dscale._masked_step import (
+from dscale.scaler import _check, _decision
+from dscale.scaler._program.masked_step import (
     ids_with_state,
     remove_state_created_by_skipped_step,
     state_created_since,
 )
-from dscale._optimizer_state import OptimizerState, Stage
-from dscale._unscale import group_by_device_and_dtype, optimizer_grads
+from dscale.scaler._program.unscale import group_by_device_and_dtype, optimizer_grads
+from dscale.scaler._stage import OptimizerState, Stage
 
 if TYPE_CHECKING:
-    from dscale.scaler import GradScaler
+    from dscale.scaler._api import GradScaler
 
 
 def step_passing_scaler(

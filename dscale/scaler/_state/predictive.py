@@ -31,10 +31,11 @@ from typing import Any, Literal
 
 import torch
 
-from dscale import _device_state, _predictive
-from dscale._grad_measure import GradMeasure
-from dscale._policy import SKIPPED_IN_A_ROW, HostState, ScalePolicy
-from dscale._predictive import Telemetry, Window
+from dscale.scaler._program import predictive as _predictive
+from dscale.scaler._program import state_buffer as _device_state
+from dscale.scaler._program.grad_measure import GradMeasure
+from dscale.scaler._program.predictive import Telemetry, Window
+from dscale.scaler._program.scale_rule import SKIPPED_IN_A_ROW, HostState, ScalePolicy
 
 logger = logging.getLogger(__name__)
 

@@ -4,8 +4,8 @@ The collective the check started completes here: :func:`agreed` waits for it, an
 the one ``unscale_()`` left for the flag's first read (:func:`start_deferred`), which a flag
 written since then joins, or which a backward since then turns into a refusal.
 
-After :mod:`dscale._check` started the collective, a step needs the agreed vector: on the device
-(fused and ``sync_free`` steps skip on the flag itself, no host sync) or on the host (a plain
+After :mod:`dscale.scaler._check` started the collective, a step needs the agreed vector: on the
+device (fused and ``sync_free`` steps skip on the flag itself, no host sync) or on the host (a plain
 step's one sync, which brings the whole small vector: the measurement, the scale range and the
 spike decision come with it). update() reads the iteration's flag and scale range here too.
 """
@@ -16,13 +16,14 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from dscale import _agreement, _dist
-from dscale._grad_measure import mark_overflow
-from dscale._optimizer_state import OptimizerState
-from dscale._unscale import NoGrad, copy_to
+from dscale import _dist
+from dscale.scaler._program import agreement as _agreement
+from dscale.scaler._program.grad_measure import mark_overflow
+from dscale.scaler._program.unscale import NoGrad, copy_to
+from dscale.scaler._stage import OptimizerState
 
 if TYPE_CHECKING:
-    from dscale.scaler import GradScaler
+    from dscale.scaler._api import GradScaler
 
 #: :meth:`GradScaler.agreed_scale_range` of an iteration with no group: the scale itself.
 OWN_SCALE = "own scale"

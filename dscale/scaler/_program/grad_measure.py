@@ -44,8 +44,8 @@ from typing import Any
 
 import torch
 
-from dscale._predictive import OVERFLOW_MARK
-from dscale._unscale import GradGroups, copy_to, norms
+from dscale.scaler._program.predictive import OVERFLOW_MARK
+from dscale.scaler._program.unscale import GradGroups, copy_to, norms
 
 #: fp16's smallest normal number. Scaled grads below it lose precision (subnormal) or flush to 0.
 FP16_MIN_NORMAL = 2.0**-14

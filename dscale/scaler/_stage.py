@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from dscale._agreement import Layout
+from dscale.scaler._program.agreement import Layout
 
 
 class Stage(Enum):

@@ -9,10 +9,10 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any, Literal
 
-from dscale import _policy
+from dscale.scaler._program import scale_rule as _policy
 
 if TYPE_CHECKING:
-    from dscale.scaler import GradScaler
+    from dscale.scaler._api import GradScaler
 
 logger = logging.getLogger("dscale.scaler")
 

@@ -18,14 +18,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.amp.grad_scaler import OptState
 
-from dscale import _legacy_step
-from dscale._agreement import OVERFLOW
-from dscale._policy import f32
-from dscale._state import check_scale_args
+from dscale.scaler import _legacy_step
+from dscale.scaler._program.agreement import OVERFLOW
+from dscale.scaler._program.scale_rule import f32
+from dscale.scaler._state.format import check_scale_args
 
 if TYPE_CHECKING:
-    from dscale._policy import ScalePolicy
-    from dscale._scale_state import ScaleState
+    from dscale.scaler._program.scale_rule import ScalePolicy
+    from dscale.scaler._state.book import ScaleState
 
 __all__ = ["OptimizerStates", "TorchGradScalerSurface"]
 

@@ -9,29 +9,24 @@ from typing import Any, Protocol
 
 import torch
 
-from dscale import (
-    _agreement,
-    _check,
-    _decision,
-    _dist,
-    _legacy_step,
-    _policy,
-    _predictive,
-    _predictive_state,
-    _scaler_state,
-    _spike_gate,
-    _state,
-    _unscale,
-    _watchdogs,
-)
-from dscale._masked_step import fused_step, masked_step
-from dscale._optimizer_state import OptimizerState, Stage
-from dscale._reduction_hooks import AttachRefusal, ReductionHooks
-from dscale._scale_state import ScaleState, fresh_host_state
-from dscale._torch_compat import TorchGradScalerSurface
-from dscale._unscale import copy_to
-from dscale._warnings import warn_if_scaling_is_not_needed
-from dscale._watchdogs import ScaleCollapsedError, StuckPolicy
+from dscale import _dist
+from dscale.scaler import _check, _decision, _legacy_step, _watchdogs
+from dscale.scaler._attach.hooks import AttachRefusal, ReductionHooks
+from dscale.scaler._program import agreement as _agreement
+from dscale.scaler._program import predictive as _predictive
+from dscale.scaler._program import scale_rule as _policy
+from dscale.scaler._program import spike_gate as _spike_gate
+from dscale.scaler._program import unscale as _unscale
+from dscale.scaler._program.masked_step import fused_step, masked_step
+from dscale.scaler._program.unscale import copy_to
+from dscale.scaler._stage import OptimizerState, Stage
+from dscale.scaler._state import format as _state
+from dscale.scaler._state import predictive as _predictive_state
+from dscale.scaler._state import readings as _scaler_state
+from dscale.scaler._state.book import ScaleState, fresh_host_state
+from dscale.scaler._torch_compat import TorchGradScalerSurface
+from dscale.scaler._warnings import warn_if_scaling_is_not_needed
+from dscale.scaler._watchdogs import ScaleCollapsedError, StuckPolicy
 
 __all__ = ["GradObserver", "GradScaler", "ScaleCollapsedError"]
 
@@ -96,7 +91,8 @@ class GradScaler(TorchGradScalerSurface):
             parameters and optimizer state per step. On the CPU, where reading the flag costs
             nothing, steps are skipped on the host instead.
         policy: "dynamic" (torch's rule: search for the scale by overflowing) or "predictive"
-            (set it from the measured gradient range; see ``dscale._predictive``). A predictive
+            (set it from the measured gradient range; see ``dscale.scaler._program.predictive``).
+            A predictive
             scaler's first step runs at ``min(init_scale, 1.0)`` to measure, then jumps.
         predictive_window: policy="predictive": the number of recent steps whose largest
             gradient sets the scale (default 8); an overflow is remembered for
@@ -535,8 +531,8 @@ class GradScaler(TorchGradScalerSurface):
 
         Carried on the step's own agreement collective, so it costs no collective of its own and
         is known on every rank alike; reading it as numbers is a host sync on GPU. The scaler
-        carries it on every ``dscale._agreement.RANGE_EVERY``-th update (the first included),
-        whatever its policy. None before the first update(), after
+        carries it on every ``dscale.scaler._program.agreement.RANGE_EVERY``-th update (the
+        first included), whatever its policy. None before the first update(), after
         an update whose collective did not carry it, and after an iteration in which no scaler
         collective ran (a DDP model under ``attach()`` whose reduction made the flag global).
         """
@@ -583,7 +579,7 @@ class GradScaler(TorchGradScalerSurface):
 
         ``field.values(optimizer)`` gives this rank's values (or None), which ride the one MAX
         all-reduce (NaN sent as +inf); ``field.agreed(slots)`` is handed its slots in the vector
-        (see ``dscale._agreement.AgreementField``). Returns an unregister function.
+        (see ``dscale.scaler._program.agreement.AgreementField``). Returns an unregister function.
         """
         self._fields.append(field)
 
@@ -625,7 +621,7 @@ class GradScaler(TorchGradScalerSurface):
 
     # ----------------------------------------------------------------- state dict
     def state_dict(self) -> dict[str, Any]:
-        """The scaler state: torch's five keys plus dscale's trackers (see ``dscale._state``).
+        """The scaler state: torch's five keys plus dscale's trackers (``_state.format``).
 
         Empty when disabled. Call it after update(). Waits for the GPU only after fused or
         sync-free steps (otherwise the host holds the state).

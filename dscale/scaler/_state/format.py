@@ -30,12 +30,12 @@ from typing import Any
 
 import torch
 
-from dscale._policy import COUNTER_NAMES, HostState, ScalePolicy, f32
+from dscale.scaler._program.scale_rule import COUNTER_NAMES, HostState, ScalePolicy, f32
 
 logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
-#: Version 2 adds policy="predictive"'s keys (``dscale._predictive_state``); dynamic dicts stay 1.
+#: Version 2 adds policy="predictive"'s keys (``_state.predictive``); dynamic dicts stay 1.
 #: Version 3 adds a StepGuard's and the spike gate's keys; dicts without them keep 1 or 2.
 #: Version 4: policy="predictive"'s window replaces its margin keys.
 GUARD_FORMAT_VERSION = 3
