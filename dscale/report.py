@@ -136,7 +136,6 @@ def figure(run_dir: str | os.PathLike[str]) -> Any:
 
     matplotlib.use("Agg")  # no display on training nodes
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import FuncFormatter, MaxNLocator
 
     by_rank = read_metrics_log(run_dir)
     # Per-step losses (MetricsLog.note_loss) when the run logged them, else the progress lines'.
@@ -191,6 +190,24 @@ def figure(run_dir: str | os.PathLike[str]) -> Any:
         norms = [(r["step"], r["grad_norm"]) for r in rows if r.get("grad_norm") is not None]
         if norms:
             ax_norm.plot(*zip(*norms, strict=True), label=label, **style)
+    _dress_axes(axes, ax_loss, by_rank, fp8=bool(fp8), resumes=read_resumes(run_dir))
+    fig.suptitle(f"dscale run {os.fspath(run_dir)}\n{_headline(by_rank)}", fontsize="medium")
+    fig.tight_layout()
+    return fig
+
+
+def _dress_axes(
+    axes: Any,
+    ax_loss: Any,
+    by_rank: dict[int, list[dict[str, Any]]],
+    *,
+    fp8: bool,
+    resumes: list[int],
+) -> None:
+    """Labels, scales, grids and legends of the panels, and a line where each resume took over."""
+    from matplotlib.ticker import FuncFormatter, MaxNLocator
+
+    ax_scale, ax_skip, ax_norm = axes[-3:]
     if ax_loss is not None:
         ax_loss.set_ylabel("loss\n(x = skipped step)")
     ax_scale.set_yscale("log", base=2)
@@ -213,7 +230,7 @@ def figure(run_dir: str | os.PathLike[str]) -> Any:
         ax.grid(True, alpha=0.3)
         if ax.get_lines():
             ax.legend(loc="best", fontsize="small")
-    for step in read_resumes(run_dir):  # where a later attempt took over from a checkpoint
+    for step in resumes:  # where a later attempt took over from a checkpoint
         for ax in axes:
             ax.axvline(step, color="grey", linestyle="--", linewidth=1, zorder=1)
         axes[0].annotate(
@@ -225,9 +242,6 @@ def figure(run_dir: str | os.PathLike[str]) -> Any:
             textcoords="offset points",
             color="grey",
         )
-    fig.suptitle(f"dscale run {os.fspath(run_dir)}\n{_headline(by_rank)}", fontsize="medium")
-    fig.tight_layout()
-    return fig
 
 
 def _headline(by_rank: dict[int, list[dict[str, Any]]]) -> str:

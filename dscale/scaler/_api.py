@@ -48,6 +48,27 @@ class GradObserver(Protocol):
 _eager = torch.compiler.disable
 
 
+def _predictive_setup(
+    policy: _predictive_state.Policy,
+    window: int | None,
+    init_scale: float,
+    growth_interval: int,
+    min_scale: float | None,
+    max_scale: float | None,
+) -> tuple[_predictive_state.PredictiveScaling | None, float, int]:
+    """policy="predictive"'s state, the scale its first step runs at, and its device words
+    (None, ``init_scale`` and 0 for the dynamic policy)."""
+    if policy != "predictive":
+        return None, init_scale, 0
+    window = window or _predictive_state.DEFAULT_WINDOW
+    # Overflows are remembered as long as the dynamic rule stays backed off.
+    return (
+        _predictive_state.PredictiveScaling(window, growth_interval),
+        _predictive.first_scale(init_scale, min_scale, max_scale),
+        _predictive_state.tail_words(window, growth_interval),
+    )
+
+
 # issue 13: a subclass of torch.amp.GradScaler; torch's internals are answered in _torch_compat.
 class GradScaler(TorchGradScalerSurface):
     """Dynamic loss scaler for fp16 training that keeps every rank in agreement.
@@ -59,7 +80,7 @@ class GradScaler(TorchGradScalerSurface):
 
     This class keeps torch's API and the per-optimizer stage machine; the step's work is done by
     the stage modules it calls: ``_check`` (grads to this rank's agreement vector), ``_decision``
-    (the agreed vector read), ``_masked_step`` (the optimizer's step, skipped on the device), then
+    (the agreed vector read), ``masked_step`` (the optimizer's step, skipped on the device), then
     the book's rule in update() (``docs/CONTRACTS.md``, "The step path, in stages").
 
     Example::
@@ -172,17 +193,23 @@ class GradScaler(TorchGradScalerSurface):
         self._group_arg = process_group
         self._group_ranks = _dist.group_ranks(process_group)
         # The scale and trackers; on the host until the first scale() puts them on a device.
-        # policy="predictive" (dscale/_predictive.py): its measurement and state, else None.
-        self._predictive = None
-        tail = 0
-        if policy == "predictive":
-            window = predictive_window or _predictive_state.DEFAULT_WINDOW
-            # Overflows are remembered as long as the dynamic rule stays backed off.
-            self._predictive = _predictive_state.PredictiveScaling(window, growth_interval)
-            init_scale = _predictive.first_scale(init_scale, min_scale, max_scale)
-            tail = _predictive_state.tail_words(window, growth_interval)
+        # policy="predictive" (scaler/_program/predictive.py): its measurement and state.
+        self._predictive, init_scale, tail = _predictive_setup(
+            policy, predictive_window, init_scale, growth_interval, min_scale, max_scale
+        )
         self._book = ScaleState(fresh_host_state(float(init_scale), hysteresis), tail)
         self._placed_init_scale = float(init_scale)  # torch's _init_scale, once placed
+        self._init_running_state()
+        self._spike = (
+            _spike_gate.SpikeGate(
+                signals, sigma=spike_sigma, window=spike_window, warmup=spike_warmup
+            )
+            if signals
+            else None
+        )
+
+    def _init_running_state(self) -> None:
+        """What the running job keeps between calls: per-optimizer states, hooks, callbacks."""
         self._per_optimizer_states: dict[int, OptimizerState] = {}
         self._outcomes: dict[int, bool | torch.Tensor] = {}
         self._last_stepped: int | None = None
@@ -207,13 +234,6 @@ class GradScaler(TorchGradScalerSurface):
         # False for a StepGuard (dscale/step_guard.py): the scale is 1 and never moves.
         self._loss_scaling = True
         self._spike_warned_at = 0  # the spike run length last warned about
-        self._spike = (
-            _spike_gate.SpikeGate(
-                signals, sigma=spike_sigma, window=spike_window, warmup=spike_warmup
-            )
-            if signals
-            else None
-        )
 
     # ----------------------------------------------------------------- device state
     def _scale_on(self, device: torch.device) -> torch.Tensor:
@@ -313,7 +333,7 @@ class GradScaler(TorchGradScalerSurface):
         return agreed.device.type == "cpu" and self._read_host_flags
 
     def _carries_range(self) -> bool:
-        """Whether this iteration's vector carries the scale fields (see ``_agreement``).
+        """Whether this iteration's vector carries the scale fields (see ``agreement``).
 
         Always with the spike gate: its slots follow the scale fields, at a fixed place.
         """
@@ -456,8 +476,22 @@ class GradScaler(TorchGradScalerSurface):
             self._policy, found, skipped, self._predictive, pinned=not self._loss_scaling
         )
         self._end_iteration()
-        _watchdogs.watch_for_collapse(self)
-        _watchdogs.watch_spikes(self)
+        min_scale = self._policy.min_scale
+        due, self._updates_since_stuck_check = _watchdogs.collapse_check_due(
+            self._book, min_scale, self._stuck_patience, self._updates_since_stuck_check
+        )
+        if due:
+            assert min_scale is not None  # noqa: S101 - due only with a min_scale
+            _watchdogs.watch_for_collapse(
+                self._book,
+                min_scale,
+                on_stuck_at_min=self._on_stuck_at_min,
+                patience=self._stuck_patience,
+                loss_scaling=self._loss_scaling,
+            )
+        self._spike_warned_at = _watchdogs.watch_spikes(
+            self._spike, patience=self._stuck_patience, warned_at=self._spike_warned_at
+        )
         if skip_flag is not None and found is not None:
             found = skip_flag  # observers hear "the step was skipped", for a spike too
         for observer in self._observers:

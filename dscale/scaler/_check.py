@@ -19,7 +19,8 @@ overflowed vector of the same layout before it is raised, so that no rank waits 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -40,14 +41,51 @@ from dscale.scaler._program.unscale import (
 from dscale.scaler._stage import OptimizerState, Stage
 
 if TYPE_CHECKING:
-    from dscale.scaler._api import GradScaler
+    from dscale.scaler._attach.hooks import ReductionHooks
+    from dscale.scaler._program.spike_gate import SpikeGate
+    from dscale.scaler._state.book import ScaleState
+    from dscale.scaler._state.predictive import PredictiveScaling
+
+
+class _GradsObserver(Protocol):
+    def on_grads(
+        self, optimizer: torch.optim.Optimizer, grads: list[torch.Tensor], scale: torch.Tensor
+    ) -> None: ...
+
+
+class Scaler(Protocol):
+    """What the check reads of the scaler (``GradScaler`` is one; nothing here imports it)."""
+
+    @property
+    def _book(self) -> ScaleState: ...
+    @property
+    def _factors(self) -> _unscale.UnscaleFactors: ...
+    @property
+    def _fields(self) -> Sequence[_agreement.AgreementField]: ...
+    @property
+    def _hooks(self) -> ReductionHooks: ...
+    @property
+    def _loss_scaling(self) -> bool: ...
+    @property
+    def _observers(self) -> Sequence[_GradsObserver]: ...
+    @property
+    def _per_optimizer_states(self) -> dict[int, Any]: ...
+    @property
+    def _predictive(self) -> PredictiveScaling | None: ...
+    @property
+    def _spike(self) -> SpikeGate | None: ...
+    def _carries_range(self) -> bool: ...
+    def _decides_on_host(self, agreed: torch.Tensor) -> bool: ...
+    def _process_group(self) -> Any | None: ...
+    def _require_scale(self, funcname: str) -> torch.Tensor: ...
+
 
 # Grads that a fused optimizer's check may unscale in place without losing small values.
 _FULL_PRECISION = (torch.float32, torch.float64)
 
 
 def check(
-    scaler: GradScaler,
+    scaler: Scaler,
     optimizer: torch.optim.Optimizer,
     state: OptimizerState,
     *,
@@ -64,12 +102,7 @@ def check(
     scale = scaler._require_scale("unscale_")
     group = scaler._process_group()
     state.lone = group is None
-    if scaler._spike is not None and len(scaler._per_optimizer_states) > 1:
-        raise RuntimeError(
-            "the spike gate decides once per iteration on the loss and the grad norm, but a "
-            "second optimizer was checked in this iteration; with several optimizers use "
-            "one GradScaler per optimizer, or turn the spike gate off (spike_signals=())"
-        )
+    _refuse_a_second_gated_optimizer(scaler)
     # 1. collect
     try:
         report = _hooks_report(scaler, optimizer, state, group, scale, unscaled_by_caller)
@@ -129,8 +162,18 @@ def check(
     return unscale
 
 
+def _refuse_a_second_gated_optimizer(scaler: Scaler) -> None:
+    """The spike gate decides once per iteration: a second optimizer in it is an error."""
+    if scaler._spike is not None and len(scaler._per_optimizer_states) > 1:
+        raise RuntimeError(
+            "the spike gate decides once per iteration on the loss and the grad norm, but a "
+            "second optimizer was checked in this iteration; with several optimizers use "
+            "one GradScaler per optimizer, or turn the spike gate off (spike_signals=())"
+        )
+
+
 def _hooks_report(
-    scaler: GradScaler,
+    scaler: Scaler,
     optimizer: torch.optim.Optimizer,
     state: OptimizerState,
     group: Any,
@@ -155,12 +198,12 @@ def _hooks_report(
     return report
 
 
-def _leading_layout(scaler: GradScaler) -> Layout:
+def _leading_layout(scaler: Scaler) -> Layout:
     """This iteration's leading fields, for the check and a refusal alike (the peers' length)."""
     return Layout.leading(scaler._carries_range(), scaler._predictive is not None)
 
 
-def _keeps_the_collective(scaler: GradScaler, state: OptimizerState) -> bool:
+def _keeps_the_collective(scaler: Scaler, state: OptimizerState) -> bool:
     """Whether the agreement runs where attach()'s hooks made the overflow flag global.
 
     The spike gate needs every rank's loss and grad norm, registered fields the MAX of every
@@ -171,7 +214,7 @@ def _keeps_the_collective(scaler: GradScaler, state: OptimizerState) -> bool:
     return scaler._spike is not None or bool(scaler._fields) or state.user_found is not None
 
 
-def _unscales_for_fused(scaler: GradScaler, scale: torch.Tensor, groups: GradGroups) -> bool:
+def _unscales_for_fused(scaler: Scaler, scale: torch.Tensor, groups: GradGroups) -> bool:
     """Whether the check unscales for a fused optimizer (else its kernel does, as torch's).
 
     Where the host decides (the CPU), the check writes every grad anyway, so unscaling there is
@@ -190,7 +233,7 @@ def _unscales_for_fused(scaler: GradScaler, scale: torch.Tensor, groups: GradGro
 
 
 def _fold_flags(
-    scaler: GradScaler,
+    scaler: Scaler,
     vector: torch.Tensor,
     layout: Layout,
     flag: torch.Tensor,
@@ -217,7 +260,7 @@ def _fold_flags(
 
 
 def _field_values(
-    scaler: GradScaler, optimizer: torch.optim.Optimizer
+    scaler: Scaler, optimizer: torch.optim.Optimizer
 ) -> list[tuple[_agreement.AgreementField, torch.Tensor]]:
     """The registered fields' values for this step (those that send any)."""
     sent = []
@@ -229,7 +272,7 @@ def _field_values(
 
 
 def _spike_values(
-    scaler: GradScaler,
+    scaler: Scaler,
     grads: list[torch.Tensor],
     carried: torch.Tensor | None,
     device: torch.device,
@@ -245,7 +288,7 @@ def _spike_values(
 
 
 def _join_peers_refusing(
-    scaler: GradScaler,
+    scaler: Scaler,
     optimizer: torch.optim.Optimizer,
     state: OptimizerState,
     exc: AttachRefusal,

@@ -299,7 +299,7 @@ class TorchGradScalerSurface(torch.amp.GradScaler):
     def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[Any, Any]:
         """torch's check without unscaling, for optimizers that unscale themselves: ``{device:
         flag}``, the flag agreed by every rank inside ``optimizer``'s step(grad_scaler=...);
-        elsewhere this rank's, as torch's (``dscale/_legacy_step.py``)."""
+        elsewhere this rank's, as torch's (``dscale/scaler/_legacy_step.py``)."""
         return _legacy_step.check_inf_per_device(self, optimizer)  # type: ignore[arg-type]
 
     def _found_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[Any, Any]:

@@ -2,7 +2,7 @@
 
 Each rank looks only at the gradients it holds: for a DTensor (FSDP2, tensor parallel) that is the
 local shard, whatever its placement, because unscaling is linear and an inf in any local piece makes
-the global value non-finite too. Agreement across ranks is the job of ``_agreement``.
+the global value non-finite too. Agreement across ranks is the job of ``agreement``.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ Keys:
     _hysteresis_tracker: overflows still tolerated (int).
     num_steps, num_skipped_steps, num_skipped_in_a_row, num_growths, num_backoffs: counters (int).
 
-Version 3 (a StepGuard, or the spike gate on; ``dscale/_spike_gate.py``) adds:
+Version 3 (a StepGuard, or the spike gate on; ``dscale/scaler/_program/spike_gate.py``) adds:
     loss_scaling: False for a StepGuard (its scale is fixed at 1); absent means True.
     spike_signals: the watched values, comma-separated ("loss,grad_norm").
     spike_window_values: the window, a float64 tensor [signals, spike_window] (a ring).
