@@ -3,7 +3,7 @@
 A reader follows a gradient from step() through the check, the agreement and the decision to the
 optimizer's own step without bouncing between modules. This traces every call that receives the
 optimizer (a frame holding it) inside ``dscale/`` during one step() and counts how often each
-module is entered from another one: at most once each, and never back into ``scaler.py`` (a
+module is entered from another one: at most once each, and never back into ``scaler/_api.py`` (a
 callback from a helper into the scaler is the bounce this guards against).
 """
 
