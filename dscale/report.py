@@ -224,16 +224,14 @@ def _mark_skips(ax: Any, rows: Sequence[dict[str, Any]], key: str, skipped: set[
 def figure(run_dir: str | os.PathLike[str], *, fp8: Sequence[str] = FP8_VIEWS) -> Any:
     """The report's matplotlib Figure.
 
-    Panels: the loss (when the run logged one), then under a loss scaler the scale (log2 axis,
-    x = skipped) and the cumulative skipped steps, then the grad norm (x = skipped; with a
-    StepGuard's spike gate, its band); one line style per rank. An FP8 run adds one heatmap per
-    view in ``fp8`` (:data:`FP8_VIEWS`). Resumes are dashed lines on every panel.
+    Panels: the loss (if logged), then under a loss scaler the scale (log2, x = skipped) and the
+    cumulative skips, then the grad norm (x = skipped; a StepGuard's spike band); a line style per
+    rank; an FP8 heatmap per view in ``fp8`` (:data:`FP8_VIEWS`); resumes dashed on every panel.
     """
     import matplotlib
 
     matplotlib.use("Agg")  # no display on training nodes
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import FuncFormatter, MaxNLocator
 
     unknown = [v for v in fp8 if v not in FP8_VIEWS]
     if unknown:
@@ -253,7 +251,6 @@ def figure(run_dir: str | os.PathLike[str], *, fp8: Sequence[str] = FP8_VIEWS) -
     fig, all_axes = plt.subplots(rows_n, 1, figsize=(10, 2.4 * rows_n + 1), sharex=True)
     all_axes = list(all_axes) if rows_n > 1 else [all_axes]
     panel = dict(zip(names, all_axes, strict=False))
-    axes = all_axes[: len(names)]
     ax_loss, ax_norm = panel.get("loss"), panel["norm"]
     ax_scale, ax_skip = panel.get("scale"), panel.get("skip")
     for (view, data), ax in zip(heatmaps, all_axes[len(names) :], strict=True):
@@ -292,6 +289,35 @@ def figure(run_dir: str | os.PathLike[str], *, fp8: Sequence[str] = FP8_VIEWS) -
                 _mark_skips(ax_norm, rows, "grad_norm", skipped_steps)
             if spike and "grad_norm" in spike["signals"] and i == 0:
                 _draw_band(ax_norm, rows, "grad_norm", spike)
+    _dress_axes(
+        panel,
+        all_axes[: len(names)],
+        all_axes,
+        by_rank,
+        guard=guard,
+        heatmaps=bool(heatmaps),
+        resumes=read_resumes(run_dir),
+    )
+    fig.suptitle(f"dscale run {os.fspath(run_dir)}\n{_headline(by_rank, spike)}", fontsize="medium")
+    fig.tight_layout()
+    return fig
+
+
+def _dress_axes(
+    panel: dict[str, Any],
+    panels: Sequence[Any],
+    all_axes: Sequence[Any],
+    by_rank: dict[int, list[dict[str, Any]]],
+    *,
+    guard: bool,
+    heatmaps: bool,
+    resumes: Sequence[int],
+) -> None:
+    """Labels, scales, grids and legends of the panels, and a line where each resume took over."""
+    from matplotlib.ticker import FuncFormatter, MaxNLocator
+
+    ax_loss, ax_norm = panel.get("loss"), panel["norm"]
+    ax_scale, ax_skip = panel.get("scale"), panel.get("skip")
     if ax_loss is not None:
         ax_loss.set_ylabel("loss\n(x = skipped step)")
     if ax_scale is not None and ax_skip is not None:
@@ -309,11 +335,11 @@ def figure(run_dir: str | os.PathLike[str], *, fp8: Sequence[str] = FP8_VIEWS) -
         ax_norm.yaxis.set_minor_formatter(plain)
     if not heatmaps:
         ax_norm.set_xlabel("optimizer step")
-    for ax in axes:
+    for ax in panels:
         ax.grid(True, alpha=0.3)
         if ax.get_lines():
             ax.legend(loc="best", fontsize="small")
-    for step in read_resumes(run_dir):  # where a later attempt took over from a checkpoint
+    for step in resumes:  # where a later attempt took over from a checkpoint
         for ax in all_axes:
             ax.axvline(step, color="grey", linestyle="--", linewidth=1, zorder=1)
         all_axes[0].annotate(
@@ -325,9 +351,6 @@ def figure(run_dir: str | os.PathLike[str], *, fp8: Sequence[str] = FP8_VIEWS) -
             textcoords="offset points",
             color="grey",
         )
-    fig.suptitle(f"dscale run {os.fspath(run_dir)}\n{_headline(by_rank, spike)}", fontsize="medium")
-    fig.tight_layout()
-    return fig
 
 
 def _draw_band(ax: Any, rows: Sequence[dict[str, Any]], key: str, spike: dict[str, Any]) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dscale import _unscale
+from dscale.scaler._program import unscale as _unscale
 
 logger = logging.getLogger(__name__)
 

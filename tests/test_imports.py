@@ -63,3 +63,95 @@ def test_the_launcher_and_the_scaling_benchmark_share_the_public_models() -> Non
     assert scaling_models.batches is dscale.models.token_batches
     tokens = launch.data.synthetic_batches(3, 1, 8, 2, 0.1, 256)(5)
     assert (tokens == dscale.models.token_batches(3, 8, 2, 0.1, 256, rank=1)(5)).all()
+
+
+def _package_modules() -> dict[str, Path]:
+    """Every module of dscale/ by dotted name (a package by its ``__init__.py``)."""
+    out = {}
+    for path in sorted((ROOT / "dscale").rglob("*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def _targets(path: Path, modules: dict[str, Path]) -> set[str]:
+    """The dscale modules ``path`` imports, anywhere in the file (``if TYPE_CHECKING:`` and
+    function bodies included): ``from a import b`` is a.b where that is a module, else a."""
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names if alias.name in modules)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            for alias in node.names:
+                name = f"{node.module}.{alias.name}"
+                if name in modules:
+                    out.add(name)
+                elif node.module in modules:
+                    out.add(node.module)
+    return out
+
+
+def _circles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module, or a module importing itself
+    (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for root in sorted(edges):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(edges[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(edges[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1 or node in edges[node]:
+                    found.append(sorted(component))
+    return found
+
+
+def test_no_import_circle_anywhere_in_dscale() -> None:
+    """A stage that imports the scaler back (even for a type) closes a circle: each module of
+    dscale/ must be readable from the modules it imports, without the ones that import it."""
+    modules = _package_modules()
+    edges = {name: _targets(path, modules) - {name} for name, path in modules.items()}
+    assert not _circles(edges), _circles(edges)
+
+
+def test_the_circle_finder_finds_a_circle_of_three() -> None:
+    # The negative control for the test above: a -> b -> c -> a is found, the tail d is not in it.
+    edges = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert _circles(edges) == [["a", "b", "c"]]
+
+
+def test_ls_dscale_reads_as_a_table_of_contents() -> None:
+    """The public modules and one folder per concept: at most 15 entries, and no private module
+    beside them but the one that owns the process groups (``_dist.py``)."""
+    entries = sorted(p.name for p in (ROOT / "dscale").iterdir() if p.name != "__pycache__")
+    assert len(entries) <= 15, entries
+    private = [e for e in entries if e.startswith("_") and e not in ("__init__.py", "_dist.py")]
+    assert not private, private

@@ -187,29 +187,8 @@ def run(
     return result
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    """Parse arguments, run, print the tables (rank 0 only) and write ``--json``.
-
-    ``python -m dscale.bench scaling ...`` runs the scaling policies' benchmark instead, and
-    ``python -m dscale.bench ops ...`` the op counts (``_ops_cli``), ``python -m dscale.bench
-    fp8 ...`` the FP8 weight scales' (``_fp8_cli``).
-    """
-    args_in = list(sys.argv[1:] if argv is None else argv)
-    if args_in[:1] == ["scaling"]:
-        from dscale.bench._scaling_cli import main as scaling_main
-
-        scaling_main(args_in[1:])
-        return
-    if args_in[:1] == ["fp8"]:
-        from dscale.bench._fp8_cli import main as fp8_main
-
-        fp8_main(args_in[1:])
-        return
-    if args_in[:1] == ["ops"]:
-        from dscale.bench._ops_cli import main as ops_main
-
-        ops_main(args_in[1:])
-        return
+def _parser() -> argparse.ArgumentParser:
+    """The single-process and 2-rank benchmark's arguments."""
     parser = argparse.ArgumentParser(
         prog="python -m dscale.bench",
         description="Per-step overhead of dscale.GradScaler, torch.amp.GradScaler and "
@@ -249,7 +228,33 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="run only the device-side decision rows (8 and 200 Adam params, fused and foreach)",
     )
     parser.add_argument("--config-for-tests", choices=sorted(CONFIGS), help=argparse.SUPPRESS)
-    args = parser.parse_args(args_in)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Parse arguments, run, print the tables (rank 0 only) and write ``--json``.
+
+    ``python -m dscale.bench scaling ...`` runs the scaling policies' benchmark instead, and
+    ``python -m dscale.bench ops ...`` the op counts (``_ops_cli``), ``python -m dscale.bench
+    fp8 ...`` the FP8 weight scales' (``_fp8_cli``).
+    """
+    args_in = list(sys.argv[1:] if argv is None else argv)
+    if args_in[:1] == ["scaling"]:
+        from dscale.bench._scaling_cli import main as scaling_main
+
+        scaling_main(args_in[1:])
+        return
+    if args_in[:1] == ["fp8"]:
+        from dscale.bench._fp8_cli import main as fp8_main
+
+        fp8_main(args_in[1:])
+        return
+    if args_in[:1] == ["ops"]:
+        from dscale.bench._ops_cli import main as ops_main
+
+        ops_main(args_in[1:])
+        return
+    args = _parser().parse_args(args_in)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         dist.init_process_group("gloo", timeout=_ranks.TIMEOUT)
     try:

@@ -50,19 +50,16 @@ def _float8_weights(model: nn.Module) -> list[Any]:
     return [m.weight for _, m in sorted(found, key=lambda item: item[0])]
 
 
-def run_arm(
-    rank: int,
+def _build_arm(
     model_name: str,
     arm: str,
-    *,
-    steps: int,
     lr: float,
     betas: tuple[float, float],
-    inf_steps: tuple[int, ...] = (),
-    fallback_threshold: float = 0.01,
-    fallback_samples: int = 3,
-) -> dict[str, Any]:
-    """Train one arm on this rank for ``steps``; return what the benchmark reports of it."""
+    fallback_threshold: float,
+    fallback_samples: int,
+) -> tuple[nn.Module, torch.optim.Optimizer, StepGuard, Any, Any]:
+    """One arm's FSDP2 model, optimizer and StepGuard, with its FP8 pieces (numerics and
+    fallback: the "fallback" arm's, else None)."""
     from torch.distributed.fsdp import fully_shard
 
     import dscale.fp8 as fp8
@@ -95,9 +92,106 @@ def run_arm(
         from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
         precompute_float8_dynamic_scale_for_fsdp(model)
+    return model, opt, guard, numerics, fallback
+
+
+def _note_fallback(
+    fallback: Any,
+    numerics: Any,
+    seen: int,
+    step: int,
+    worst: dict[str, Any],
+    switched: dict[str, int],
+    passed: dict[str, int],
+) -> int:
+    """After ``step``: the largest share a new sample showed, the layers switched and those
+    past the threshold; returns the samples seen."""
+    if numerics.num_samples != seen:
+        seen = numerics.num_samples
+        for key, row in numerics.snapshot().items():
+            for share in ("flushed", "subnormal", "saturated"):
+                if row[share] > worst.get("share", -1.0):
+                    worst.update(share=row[share], of=f"{key}/{share}", after_step=step + 1)
+    for name in fallback.fallen:
+        switched.setdefault(name, step + 1)
+    for name, run in fallback.runs.items():
+        if run >= fallback.samples:
+            passed.setdefault(name, step + 1)
+    return int(seen)
+
+
+def _fallback_report(
+    fallback: Any,
+    numerics: Any,
+    names: list[str],
+    switched: dict[str, int],
+    passed: dict[str, int],
+    worst: dict[str, Any],
+    decided_all: list[list[float]],
+) -> dict[str, Any]:
+    """The "fallback" arm's part of the result."""
+    return {
+        "threshold": fallback.threshold,
+        "samples": fallback.samples,
+        "numerics_every": FALLBACK_EVERY,
+        "samples_taken": numerics.num_samples,
+        "switched": [{"layer": k, "after_step": switched[k]} for k in names if k in switched],
+        # passed the threshold but stayed in FP8: its weight is all-gathered in float8
+        "passed_but_left": [
+            {"layer": k, "after_step": passed[k]}
+            for k in names
+            if k in passed and k not in switched
+        ],
+        "layers": names,
+        "largest_share_sampled": worst,
+        "agreed_on_ranks": all(d == decided_all[0] for d in decided_all),
+    }
+
+
+def _sample_weights(
+    weights: list[Any],
+    locals_: list[Any],
+    used_hist: list[list[float]],
+    amax_hist: list[list[float]],
+) -> int:
+    """Before a step: the weight scales in use and the weights' amaxes (appended to the
+    histories); returns how many weight elements those scales saturate."""
+    if not weights:
+        return 0
+    used = [float(w._local_tensor._precomputed_scale) for w in weights]
+    used_hist.append(used)
+    amax_hist.append([float(t.abs().max()) for t in locals_])
+    return sum(int((t.abs() * s > FP8_MAX).sum()) for t, s in zip(locals_, used))
+
+
+def _precompute_torchao_scales(model: nn.Module) -> None:
+    """torchao's own weight scales for FSDP2's float8 all-gather, after each step."""
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    precompute_float8_dynamic_scale_for_fsdp(model)
+
+
+def run_arm(
+    rank: int,
+    model_name: str,
+    arm: str,
+    *,
+    steps: int,
+    lr: float,
+    betas: tuple[float, float],
+    inf_steps: tuple[int, ...] = (),
+    fallback_threshold: float = 0.01,
+    fallback_samples: int = 3,
+) -> dict[str, Any]:
+    """Train one arm on this rank for ``steps``; return what the benchmark reports of it."""
+    model, opt, guard, numerics, fallback = _build_arm(
+        model_name, arm, lr, betas, fallback_threshold, fallback_samples
+    )
     weights = _float8_weights(model) if arm != "hp" else []
     locals_ = [w._local_tensor._tensor for w in weights]
-    saturated, used_hist, amax_hist, losses, skipped = 0, [], [], [], 0
+    saturated, losses, skipped = 0, [], 0
+    used_hist: list[list[float]] = []
+    amax_hist: list[list[float]] = []
     counted: list[int] = []
     # per float8 layer (sorted): after which step (counted from 1) it was switched to high
     # precision, and after which step it first passed the threshold on `samples` samples
@@ -119,28 +213,14 @@ def run_arm(
         guard.update()
         opt.zero_grad()
         if arm == "torchao":
-            precompute_float8_dynamic_scale_for_fsdp(model)
+            _precompute_torchao_scales(model)
         skipped += not guard.step_applied(opt)
         losses.append(loss.item())
         if fallback is not None:
-            if numerics.num_samples != seen:
-                seen = numerics.num_samples
-                for key, row in numerics.snapshot().items():
-                    for share in ("flushed", "subnormal", "saturated"):
-                        if row[share] > worst.get("share", -1.0):
-                            worst.update(share=row[share], of=f"{key}/{share}", after_step=step + 1)
-            for name in fallback.fallen:
-                switched.setdefault(name, step + 1)
-            for name, run in fallback.runs.items():
-                if run >= fallback.samples:
-                    passed.setdefault(name, step + 1)
+            seen = _note_fallback(fallback, numerics, seen, step, worst, switched, passed)
 
     for step in range(steps):
-        if weights:
-            used = [float(w._local_tensor._precomputed_scale) for w in weights]
-            used_hist.append(used)
-            amax_hist.append([float(t.abs().max()) for t in locals_])
-            saturated += sum(int((t.abs() * s > FP8_MAX).sum()) for t, s in zip(locals_, used))
+        saturated += _sample_weights(weights, locals_, used_hist, amax_hist)
         if step == min(steps - 1, 5):
             counted.append(allreduces_in(lambda s=step: one_step(s)))
         else:
@@ -167,22 +247,9 @@ def run_arm(
         "float8_layers": len(weights),
     }
     if fallback is not None:
-        result["fallback"] = {
-            "threshold": fallback.threshold,
-            "samples": fallback.samples,
-            "numerics_every": FALLBACK_EVERY,
-            "samples_taken": numerics.num_samples,
-            "switched": [{"layer": k, "after_step": switched[k]} for k in names if k in switched],
-            # passed the threshold but stayed in FP8: its weight is all-gathered in float8
-            "passed_but_left": [
-                {"layer": k, "after_step": passed[k]}
-                for k in names
-                if k in passed and k not in switched
-            ],
-            "layers": names,
-            "largest_share_sampled": worst,
-            "agreed_on_ranks": all(d == decided_all[0] for d in decided_all),
-        }
+        result["fallback"] = _fallback_report(
+            fallback, numerics, names, switched, passed, worst, decided_all
+        )
     return result
 
 

@@ -4,7 +4,7 @@ An iteration is ``scale(loss)``, ``step(optimizer)`` and ``update()`` on gradien
 there (under DDP: the backward too); the plain optimizer step (and plain backward) is counted
 alone on the same state and subtracted, so a row shows the scaler's own ops. Counts are taken in
 steady state: after a few warm-up iterations (state created), averaged over 32 iterations, which
-covers the agreement vector's period (``dscale._agreement.RANGE_EVERY``).
+covers the agreement vector's period (``dscale.scaler._program.agreement.RANGE_EVERY``).
 
 dscale's arms run its device-side decision, the path a CUDA run takes: on the CPU the scaler would
 read the agreed flag on the host for free and decide there, so the benchmark turns that off

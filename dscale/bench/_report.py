@@ -75,6 +75,41 @@ def _label(s: dict[str, Any]) -> str:
     return f"{s['count']}x{s['numel']} {s['optimizer']} {s['impl']}"
 
 
+def _distributed_lines(dist_result: dict[str, Any] | None) -> list[str]:
+    """The 2-rank part's tables (none when it did not run)."""
+    out: list[str] = []
+    if not dist_result:
+        return out
+    ranks = f"{dist_result['world_size']} ranks gloo"
+    if dist_result.get("pinned_to_own_cores"):
+        ranks += " (each pinned to a core of its own)"
+    for impl in ("foreach", "fused"):
+        rows = [(_label(s), s) for s in dist_result["no_wrapper_steps"] if s["impl"] == impl]
+        if rows:
+            out += [
+                "",
+                f"{ranks}, precomputed grads, no wrapper, {impl}: overhead of step + update "
+                "(slowest rank)",
+                step_table(rows),
+            ]
+    out.append(
+        "(fused: ShardedGradScaler makes no all-reduce and its ranks do not agree on a skip; "
+        "sharded_unscaled calls unscale_() first, which makes the same collective as dscale)"
+    )
+    for mode in ("ddp", "fsdp2"):
+        part = dist_result[mode]
+        out += [
+            "",
+            f"{ranks}, {mode}, MLP {dist_result['depth']}x{dist_result['width']}: "
+            "overhead of the whole step (backward included), then after backward",
+            step_table([(f"{mode} whole step", part)]),
+            step_table(
+                [(f"{mode} after backward", part)], "after_backward_ratios", "after_backward"
+            ),
+        ]
+    return out
+
+
 def render(result: dict[str, Any]) -> str:
     """Every section of ``result`` as text tables."""
     out = [f"machine: {result['machine']}", f"load average: {result.get('loadavg', 'n/a')}"]
@@ -136,33 +171,5 @@ def render(result: dict[str, Any]) -> str:
             out.append(
                 f"slope {name:<7} {s['us_per_tensor']:8.3f} us/tensor {s['us_per_mib']:8.2f} us/MiB"
             )
-    dist_result = result.get("distributed")
-    if dist_result:
-        ranks = f"{dist_result['world_size']} ranks gloo"
-        if dist_result.get("pinned_to_own_cores"):
-            ranks += " (each pinned to a core of its own)"
-        for impl in ("foreach", "fused"):
-            rows = [(_label(s), s) for s in dist_result["no_wrapper_steps"] if s["impl"] == impl]
-            if rows:
-                out += [
-                    "",
-                    f"{ranks}, precomputed grads, no wrapper, {impl}: overhead of step + update "
-                    "(slowest rank)",
-                    step_table(rows),
-                ]
-        out.append(
-            "(fused: ShardedGradScaler makes no all-reduce and its ranks do not agree on a skip; "
-            "sharded_unscaled calls unscale_() first, which makes the same collective as dscale)"
-        )
-        for mode in ("ddp", "fsdp2"):
-            part = dist_result[mode]
-            out += [
-                "",
-                f"{ranks}, {mode}, MLP {dist_result['depth']}x{dist_result['width']}: "
-                "overhead of the whole step (backward included), then after backward",
-                step_table([(f"{mode} whole step", part)]),
-                step_table(
-                    [(f"{mode} after backward", part)], "after_backward_ratios", "after_backward"
-                ),
-            ]
+    out += _distributed_lines(result.get("distributed"))
     return "\n".join(out)

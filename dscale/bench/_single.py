@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 
-from dscale._unscale import check_and_unscale_, group_by_device_and_dtype
 from dscale.bench._arms import (
     DEVICE_PATH_ARMS,
     FLOOR,
@@ -28,6 +27,7 @@ from dscale.bench._arms import (
 from dscale.bench._stats import compare, ratio_interval
 from dscale.bench._syncs import count_host_syncs
 from dscale.bench._timing import Arm, run_interleaved, summarize
+from dscale.scaler._program.unscale import check_and_unscale_, group_by_device_and_dtype
 
 # Single process: dscale against both peers, and torch's scaler against itself (the A/A arm).
 # The floor arm says how far below torch any scaler keeping torch's numbers could go.

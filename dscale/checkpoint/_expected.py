@@ -23,7 +23,7 @@ from dscale.checkpoint._errors import CorruptCheckpointError
 
 __all__ = ["check_declared_shapes"]
 
-# Tensor entries of a scaler state dict (dscale/_state.py, _spike_gate.py, _predictive_state.py).
+# Tensor entries of a scaler state dict (dscale/scaler/_state/: format.py, spike.py, predictive.py).
 _SCALER_TENSORS = {"spike_window_values": 2, "predictive_window": 1, "predictive_memory": 1}
 # A ring or window longer than the loading scaler's own is accepted up to this many values
 # (policy="predictive" resizes a ring saved with another growth_interval).

@@ -42,7 +42,7 @@ _GAUGES = (
     ("scale", "dscale_loss_scale", "Current loss scale."),
     ("growth_tracker", "dscale_clean_steps_in_a_row", "Clean steps since the last growth/backoff."),
     ("skipped_in_a_row", "dscale_skipped_steps_in_a_row", "Consecutive skipped iterations."),
-    # policy="predictive" only (dscale._predictive); NaN until measured.
+    # policy="predictive" only (dscale.scaler._program.predictive); NaN until measured.
     (
         "grad_max_abs",
         "dscale_grad_max_abs",

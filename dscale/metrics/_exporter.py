@@ -128,6 +128,65 @@ def _build_info() -> dict[str, str]:
     return {"version": dscale.__version__, "torch": torch.__version__.split("+")[0]}
 
 
+def _check_exporter_args(
+    port: Any, linger_s: float, certfile: str | None, keyfile: str | None
+) -> None:
+    """ValueError naming the bad argument of :func:`start_exporter`, before anything starts."""
+    if not isinstance(port, int) or not 0 <= port <= 65535:
+        raise ValueError(f"port must be an int in 0..65535, got {port!r}; e.g. port={DEFAULT_PORT}")
+    if linger_s < 0:
+        raise ValueError(f"linger_s must be >= 0, got {linger_s!r}; 0 stops serving at once")
+    if (certfile is None) != (keyfile is None):
+        raise ValueError(
+            f"certfile and keyfile go together, got certfile={certfile!r}, keyfile={keyfile!r}; "
+            "pass both for HTTPS or neither for HTTP"
+        )
+
+
+def _labels(
+    rank: int, local_rank: int, node: str | None, job_name: str | None, attempt: int | None
+) -> dict[str, str]:
+    """The labels every series of this rank carries."""
+    labels = {
+        "rank": str(rank),
+        "local_rank": str(local_rank),
+        "node": node or socket.gethostname(),
+        "job_name": job_name or default_job_name(),
+    }
+    if attempt is not None:
+        labels["attempt"] = str(attempt)
+    return labels
+
+
+def _register(
+    scaler: Any,
+    stats: NumericsStats | None,
+    labels: dict[str, str],
+    training: TrainingFigures | None,
+    check_agreement_every: int,
+    registry: CollectorRegistry | None,
+) -> tuple[CollectorRegistry, ScalerCollector, RankScaleCheck | None]:
+    """The collectors registered for one rank (and the rank check, an observer of the scaler)."""
+    rank_check = None
+    if check_agreement_every:
+        rank_check = RankScaleCheck(check_agreement_every)
+        scaler.add_observer(rank_check)
+    collector = ScalerCollector(
+        scaler,
+        stats,
+        labels=labels,
+        min_scale=_min_scale(scaler),
+        rank_check=rank_check,
+        build_info=_build_info(),
+        training=training,
+    )
+    registry = CollectorRegistry(auto_describe=False) if registry is None else registry
+    registry.register(collector)
+    # FP8 numerics (dscale_fp8_*) of a Float8Numerics made on this scaler, whenever it is made.
+    registry.register(AttachedFloat8Collector(scaler, labels))
+    return registry, collector, rank_check
+
+
 def start_exporter(
     scaler: Any,
     stats: NumericsStats | None = None,
@@ -185,46 +244,17 @@ def start_exporter(
         with start_exporter(scaler, stats, port=19400, linger_s=30):
             train()
     """
-    if not isinstance(port, int) or not 0 <= port <= 65535:
-        raise ValueError(f"port must be an int in 0..65535, got {port!r}; e.g. port={DEFAULT_PORT}")
-    if linger_s < 0:
-        raise ValueError(f"linger_s must be >= 0, got {linger_s!r}; 0 stops serving at once")
-    if (certfile is None) != (keyfile is None):
-        raise ValueError(
-            f"certfile and keyfile go together, got certfile={certfile!r}, keyfile={keyfile!r}; "
-            "pass both for HTTPS or neither for HTTP"
-        )
+    _check_exporter_args(port, linger_s, certfile, keyfile)
     rank = _env_int("RANK", 0) if rank is None else rank
     local_rank = _env_int("LOCAL_RANK", 0) if local_rank is None else local_rank
     if port and port + local_rank > 65535:
         raise ValueError(
             f"port={port} + local_rank={local_rank} is past 65535; pick a lower base port"
         )
-    labels = {
-        "rank": str(rank),
-        "local_rank": str(local_rank),
-        "node": node or socket.gethostname(),
-        "job_name": job_name or default_job_name(),
-    }
-    if attempt is not None:
-        labels["attempt"] = str(attempt)
-    rank_check = None
-    if check_agreement_every:
-        rank_check = RankScaleCheck(check_agreement_every)
-        scaler.add_observer(rank_check)
-    collector = ScalerCollector(
-        scaler,
-        stats,
-        labels=labels,
-        min_scale=_min_scale(scaler),
-        rank_check=rank_check,
-        build_info=_build_info(),
-        training=training,
+    labels = _labels(rank, local_rank, node, job_name, attempt)
+    registry, collector, rank_check = _register(
+        scaler, stats, labels, training, check_agreement_every, registry
     )
-    registry = CollectorRegistry(auto_describe=False) if registry is None else registry
-    registry.register(collector)
-    # FP8 numerics (dscale_fp8_*) of a Float8Numerics made on this scaler, whenever it is made.
-    registry.register(AttachedFloat8Collector(scaler, labels))
     bind_port = port + local_rank if port else 0
     server = _server.serve(addr, bind_port, registry, certfile=certfile, keyfile=keyfile)
     bound = None if server is None else int(server[0].server_address[1])

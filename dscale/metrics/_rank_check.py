@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dscale._agreement import RANGE_EVERY
+from dscale.scaler._program.agreement import RANGE_EVERY
 
 logger = logging.getLogger(__name__)
 

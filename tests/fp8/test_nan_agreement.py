@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 import dscale
-from dscale import _agreement
+from dscale.scaler._program import agreement as _agreement
 from tests.multirank import run_ranks
 
 

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 import dscale
 import dscale.fp8 as fp8
-from dscale import _agreement
+from dscale.scaler._program import agreement as _agreement
 from tests.fp8 import _models
 from tests.multirank import run_ranks
 

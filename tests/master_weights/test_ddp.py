@@ -9,7 +9,7 @@ import torch
 from multirank import run_ranks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import dscale._agreement
+import dscale.scaler._program.agreement
 from dscale import FP16Optimizer
 
 from ._setup import flat, masters, mlp, train_step
@@ -25,7 +25,7 @@ def _train(rank: int, *, agree: bool) -> dict[str, Any]:
         dynamic_loss_scale=True,
         dynamic_loss_args={"init_scale": 2.0**10},
     )
-    real = dscale._agreement.all_reduce_flag
+    real = dscale.scaler._program.agreement.all_reduce_flag
     calls = []
 
     def counted(flag: torch.Tensor, group: Any) -> Any:
@@ -33,7 +33,7 @@ def _train(rank: int, *, agree: bool) -> dict[str, Any]:
         return real(flag, group) if agree else None
 
     skipped, scales = [], []
-    with mock.patch.object(dscale._agreement, "all_reduce_flag", counted):
+    with mock.patch.object(dscale.scaler._program.agreement, "all_reduce_flag", counted):
         for step in range(STEPS):
             train_step(model, opt, step, rank=rank, poison=rank == 1 and step == POISONED_STEP)
             skipped.append(opt.overflow)

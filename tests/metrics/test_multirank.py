@@ -10,8 +10,8 @@ import torch
 from prometheus_client import CollectorRegistry
 
 import dscale
-from dscale import _agreement
 from dscale.metrics import RankScaleCheck, ScalerCollector
+from dscale.scaler._program import agreement as _agreement
 from dscale.stats import track_numerics
 from tests.multirank import run_ranks
 from tests.scaler._setup import batch, poison_first_grad, tiny_model, wrap

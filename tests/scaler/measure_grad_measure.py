@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from dscale._grad_measure import CHUNK, _largest, _measure_chunks
+from dscale.scaler._program.grad_measure import CHUNK, _largest, _measure_chunks
 
 
 def main() -> None:

@@ -18,7 +18,7 @@ from tests.scaler._setup import (
 
 
 def _train(parallel: str, rank: int, scaler: Any, poison_at: set[int], steps: int) -> dict:
-    import dscale._agreement as agreement
+    import dscale.scaler._program.agreement as agreement
 
     model = wrap(tiny_model(), parallel)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

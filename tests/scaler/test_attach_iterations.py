@@ -524,7 +524,7 @@ def _grads_kept(rank: int, parallel: str) -> dict[str, Any]:
     keep them through the next forward.
     """
     import dscale
-    from dscale._reduction_hooks import HookState
+    from dscale.scaler._attach.hooks import HookState
 
     if parallel == "ddp_bucket_view":  # step() reads one version per bucket
         model = DDP(tiny_model(), gradient_as_bucket_view=True)

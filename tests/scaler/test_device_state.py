@@ -14,9 +14,10 @@ import random
 import pytest
 import torch
 
-from dscale import _device_state, _policy
-from dscale._policy import ScalePolicy, next_host_state
-from dscale._scale_state import ScaleState, fresh_host_state
+from dscale.scaler._program import scale_rule as _policy
+from dscale.scaler._program import state_buffer as _device_state
+from dscale.scaler._program.scale_rule import ScalePolicy, next_host_state
+from dscale.scaler._state.book import ScaleState, fresh_host_state
 
 
 def _policy_of(**changes) -> ScalePolicy:

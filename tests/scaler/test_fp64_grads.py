@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import dscale
-from dscale._grad_measure import _largest_by_norm
-from dscale._unscale import norms
+from dscale.scaler._program.grad_measure import _largest_by_norm
+from dscale.scaler._program.unscale import norms
 from dscale.stats import NumericsStats
 
 

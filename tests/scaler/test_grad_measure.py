@@ -18,9 +18,9 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import dscale
-from dscale._grad_measure import CHUNK, FP16_MIN_NORMAL, GradMeasure, measure_reduced
-from dscale._predictive import OVERFLOW_MARK
-from dscale._unscale import check_and_unscale_, group_by_device_and_dtype
+from dscale.scaler._program.grad_measure import CHUNK, FP16_MIN_NORMAL, GradMeasure, measure_reduced
+from dscale.scaler._program.predictive import OVERFLOW_MARK
+from dscale.scaler._program.unscale import check_and_unscale_, group_by_device_and_dtype
 from tests.scaler._setup import decide_on_device
 
 

@@ -160,7 +160,7 @@ def test_a_frozen_parameter_in_the_optimizer_costs_no_host_read_after_the_first_
 def test_on_the_cpu_fused_and_sync_free_steps_decide_on_the_host(monkeypatch, policy) -> None:
     # The flag is in host memory there: one read of the agreed vector, no masked step, and an
     # update in host arithmetic (the scaler's host state stays the authority).
-    import dscale.scaler as scaler_module
+    import dscale.scaler._api as scaler_module
 
     for kwargs, factory in (({}, "adam-fused"), ({"sync_free": True}, "sgd-momentum")):
         scaler = dscale.GradScaler("cpu", policy=policy, **kwargs)

@@ -13,10 +13,12 @@ import torch.nn.functional as F
 from torch import nn
 
 import dscale
-from dscale import _policy, _predictive, _predictive_state
-from dscale._policy import HostState, ScalePolicy
-from dscale._predictive_state import PredictiveScaling
-from dscale._scale_state import ScaleState
+from dscale.scaler._program import predictive as _predictive
+from dscale.scaler._program import scale_rule as _policy
+from dscale.scaler._program.scale_rule import HostState, ScalePolicy
+from dscale.scaler._state import predictive as _predictive_state
+from dscale.scaler._state.book import ScaleState
+from dscale.scaler._state.predictive import PredictiveScaling
 from tests.scaler._setup import decide_on_device
 
 

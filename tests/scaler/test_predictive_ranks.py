@@ -31,8 +31,8 @@ def _train(
     abandon: bool = False,
 ) -> dict[str, Any]:
     import dscale
-    import dscale._agreement as agreement
-    from dscale import _predictive
+    import dscale.scaler._program.agreement as agreement
+    from dscale.scaler._program import predictive as _predictive
 
     model = tiny_model()
     if parallel is not None:

@@ -203,7 +203,7 @@ def test_misuse_raises_with_the_fix() -> None:
 
 
 def test_the_bf16_warning_points_to_step_guard() -> None:
-    from dscale import _warnings
+    from dscale.scaler import _warnings
 
     _warnings._checked = False
     scaler = dscale.GradScaler("cpu")

@@ -47,7 +47,7 @@ def _train(
     inf_at: int | None = None,
     leave_out: int | None = None,
 ) -> dict[str, Any]:
-    import dscale._agreement as agreement
+    import dscale.scaler._program.agreement as agreement
 
     model = _model(parallel, dtype)
     opt = _optimizer(model, kind)

@@ -18,7 +18,7 @@ from tests.scaler._setup import batch, tiny_model
 
 
 def _count_flag_collectives() -> tuple[list[Any], Callable[[], None]]:
-    import dscale._agreement as agreement
+    import dscale.scaler._program.agreement as agreement
 
     calls: list[Any] = []
     real = agreement.all_reduce_flag
@@ -61,7 +61,7 @@ def _ddp_run(rank: int, hook: bool, poison_step: int, accumulate: bool) -> dict[
 
 def _fsdp2_run(rank: int, hook: bool) -> dict[str, Any]:
     import dscale
-    import dscale._check as check_module
+    import dscale.scaler._check as check_module
     from tests.scaler._setup import full_params, wrap
 
     model = wrap(tiny_model(), "fsdp2")

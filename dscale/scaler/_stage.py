@@ -2,7 +2,7 @@
 
 One :class:`OptimizerState` per optimizer per iteration (``GradScaler._per_optimizer_states``;
 torch's code reads it through ``_torch_compat.TorchOptimizerState``). The check
-(``dscale/_check.py``) fills the agreement part, the decision (``dscale/_decision.py``) reads it,
+(``_check.py``) fills the agreement part, the decision (``_decision.py``) reads it,
 update() forgets it.
 """
 
@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from dscale._agreement import Layout
+from dscale.scaler._program.agreement import Layout
 
 
 class Stage(Enum):
@@ -43,7 +43,7 @@ class OptimizerState:
     # A rank-local flag written by code made for torch's scaler (["found_inf_per_device"]).
     user_found: torch.Tensor | None = None
     overflowed: bool | None = None  # with `applied`: whether the skip was for inf/NaN grads
-    # The spike gate (dscale/_spike_gate.py) once decided: the spike flag, the step's values
+    # The spike gate (_program/spike_gate.py) once decided: the spike flag, the step's values
     # and the skip flag (overflow or spike).
     spike: torch.Tensor | None = None
     spike_values: torch.Tensor | None = None

@@ -53,7 +53,7 @@ def update_(
     """Apply one iteration's outcome to the scale and both trackers, in place on the device.
 
     ``found_inf`` is the agreed flag of the iteration (> 0: an optimizer overflowed on some rank).
-    The event counters are not touched: ``_device_state`` derives them from its log of updates.
+    The event counters are not touched: ``state_buffer`` derives them from its log of updates.
     torch's own rule (:func:`is_torch_rule`) runs as torch's ``_amp_update_scale_`` instead.
     """
     found = found_inf > 0

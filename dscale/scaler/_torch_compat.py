@@ -18,14 +18,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.amp.grad_scaler import OptState
 
-from dscale import _legacy_step
-from dscale._agreement import OVERFLOW
-from dscale._policy import f32
-from dscale._state import check_scale_args
+from dscale.scaler import _legacy_step
+from dscale.scaler._program.agreement import OVERFLOW
+from dscale.scaler._program.scale_rule import f32
+from dscale.scaler._state.format import check_scale_args
 
 if TYPE_CHECKING:
-    from dscale._policy import ScalePolicy
-    from dscale._scale_state import ScaleState
+    from dscale.scaler._program.scale_rule import ScalePolicy
+    from dscale.scaler._state.book import ScaleState
 
 __all__ = ["OptimizerStates", "TorchGradScalerSurface"]
 
@@ -298,7 +298,7 @@ class TorchGradScalerSurface(torch.amp.GradScaler):
     def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[Any, Any]:
         """torch's check without unscaling, for optimizers that unscale themselves: ``{device:
         flag}``, the flag agreed by every rank inside ``optimizer``'s step(grad_scaler=...);
-        elsewhere this rank's, as torch's (``dscale/_legacy_step.py``)."""
+        elsewhere this rank's, as torch's (``dscale/scaler/_legacy_step.py``)."""
         return _legacy_step.check_inf_per_device(self, optimizer)  # type: ignore[arg-type]
 
     def _found_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[Any, Any]:

@@ -14,25 +14,33 @@ import math
 import types
 import warnings
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
-from dscale import _check, _decision
-from dscale._masked_step import (
+from dscale.scaler import _check, _decision
+from dscale.scaler._program.masked_step import (
     ids_with_state,
     remove_state_created_by_skipped_step,
     state_created_since,
 )
-from dscale._optimizer_state import OptimizerState, Stage
-from dscale._unscale import group_by_device_and_dtype, optimizer_grads
+from dscale.scaler._program.unscale import group_by_device_and_dtype, optimizer_grads
+from dscale.scaler._stage import OptimizerState, Stage
 
-if TYPE_CHECKING:
-    from dscale.scaler import GradScaler
+
+class Scaler(_check.Scaler, _decision.Scaler, Protocol):
+    """What torch's older contract reads and writes of the scaler, beyond the check's and the
+    decision's (``GradScaler`` is one; nothing here imports it)."""
+
+    _scale_for_step: torch.Tensor | None
+    _stepping: int | None
+    _outcomes: dict[int, bool | torch.Tensor]
+
+    def _found_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[Any, Any]: ...
 
 
 def step_passing_scaler(
-    scaler: GradScaler,
+    scaler: Scaler,
     optimizer: torch.optim.Optimizer,
     state: OptimizerState,
     args: tuple[Any, ...],
@@ -80,7 +88,7 @@ def step_passing_scaler(
     return retval
 
 
-def agree_now(scaler: GradScaler, optimizer: torch.optim.Optimizer) -> None:
+def agree_now(scaler: Scaler, optimizer: torch.optim.Optimizer) -> None:
     """Start the agreement that unscale_() left for later, where every rank reads the flag.
 
     That is inside ``optimizer``'s step(grad_scaler=...) (it reads the flag it skips on).
@@ -96,7 +104,7 @@ def agree_now(scaler: GradScaler, optimizer: torch.optim.Optimizer) -> None:
         _decision.start_deferred(scaler, state)
 
 
-def check_inf_per_device(scaler: GradScaler, optimizer: torch.optim.Optimizer) -> dict[Any, Any]:
+def check_inf_per_device(scaler: Scaler, optimizer: torch.optim.Optimizer) -> dict[Any, Any]:
     """torch's check without unscaling: ``{device: flag}``, agreed inside the optimizer's step.
 
     Called elsewhere (it may be on one rank only), it checks this rank's grads, as torch's

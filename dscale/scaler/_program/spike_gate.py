@@ -55,8 +55,9 @@ from typing import Any
 
 import torch
 
-from dscale import _spike_state, _unscale
-from dscale._spike_state import ENTRIES, FACTORS, ONES, SPIKES
+from dscale.scaler._program import unscale as _unscale
+from dscale.scaler._state import spike as _spike_state
+from dscale.scaler._state.spike import ENTRIES, FACTORS, ONES, SPIKES
 
 #: The values the gate can watch, in their order in the agreement vector and the window.
 SIGNALS = ("loss", "grad_norm")

@@ -4,25 +4,45 @@ The collective the check started completes here: :func:`agreed` waits for it, an
 the one ``unscale_()`` left for the flag's first read (:func:`start_deferred`), which a flag
 written since then joins, or which a backward since then turns into a refusal.
 
-After :mod:`dscale._check` started the collective, a step needs the agreed vector: on the device
-(fused and ``sync_free`` steps skip on the flag itself, no host sync) or on the host (a plain
+After :mod:`dscale.scaler._check` started the collective, a step needs the agreed vector: on the
+device (fused and ``sync_free`` steps skip on the flag itself, no host sync) or on the host (a plain
 step's one sync, which brings the whole small vector: the measurement, the scale range and the
 spike decision come with it). update() reads the iteration's flag and scale range here too.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import torch
 
-from dscale import _agreement, _dist
-from dscale._grad_measure import mark_overflow
-from dscale._optimizer_state import OptimizerState
-from dscale._unscale import NoGrad, copy_to
+from dscale import _dist
+from dscale.scaler._program import agreement as _agreement
+from dscale.scaler._program.grad_measure import mark_overflow
+from dscale.scaler._program.unscale import NoGrad, copy_to
+from dscale.scaler._stage import OptimizerState
 
 if TYPE_CHECKING:
-    from dscale.scaler import GradScaler
+    from dscale.scaler._attach.hooks import ReductionHooks
+    from dscale.scaler._program.spike_gate import SpikeGate
+    from dscale.scaler._state.predictive import PredictiveScaling
+
+
+class Scaler(Protocol):
+    """What the decision reads of the scaler (``GradScaler`` is one; nothing here imports it)."""
+
+    @property
+    def _sync_free(self) -> bool: ...
+    @property
+    def _spike(self) -> SpikeGate | None: ...
+    @property
+    def _predictive(self) -> PredictiveScaling | None: ...
+    @property
+    def _hooks(self) -> ReductionHooks: ...
+    def _decides_on_host(self, agreed: torch.Tensor) -> bool: ...
+    def _require_scale(self, funcname: str) -> torch.Tensor: ...
+    def _process_group(self) -> Any | None: ...
+
 
 #: :meth:`GradScaler.agreed_scale_range` of an iteration with no group: the scale itself.
 OWN_SCALE = "own scale"
@@ -39,7 +59,7 @@ class StepDecision(NamedTuple):
     outcome: bool | torch.Tensor
 
 
-def for_step(scaler: GradScaler, state: OptimizerState, *, fused: bool) -> StepDecision:
+def for_step(scaler: Scaler, state: OptimizerState, *, fused: bool) -> StepDecision:
     """The decision ``optimizer``'s step obeys, waiting for the agreement.
 
     A fused kernel always gets the flag; ``sync_free`` steps get it where the host cannot read
@@ -57,7 +77,7 @@ def for_step(scaler: GradScaler, state: OptimizerState, *, fused: bool) -> StepD
     return StepDecision(None, decide_on_host(scaler, state))
 
 
-def agreed(scaler: GradScaler, state: OptimizerState) -> torch.Tensor:
+def agreed(scaler: Scaler, state: OptimizerState) -> torch.Tensor:
     """The agreed vector of ``state`` on the scale's device (waits for the collective)."""
     if state.deferred:
         start_deferred(scaler, state)
@@ -71,12 +91,12 @@ def agreed(scaler: GradScaler, state: OptimizerState) -> torch.Tensor:
     return state.agreed
 
 
-def overflow_flag(scaler: GradScaler, state: OptimizerState) -> torch.Tensor:
+def overflow_flag(scaler: Scaler, state: OptimizerState) -> torch.Tensor:
     """The agreed overflow flag (0-d; > 0: some rank's grads held an inf or NaN)."""
     return agreed(scaler, state)[_agreement.OVERFLOW]
 
 
-def skip_flag(scaler: GradScaler, state: OptimizerState) -> torch.Tensor:
+def skip_flag(scaler: Scaler, state: OptimizerState) -> torch.Tensor:
     """The flag the step obeys (> 0: skip): the overflow flag, or with the spike gate on the
     larger of it and the gate's decision (0 or 1 either way: fused kernels test == 1).
 
@@ -94,7 +114,7 @@ def skip_flag(scaler: GradScaler, state: OptimizerState) -> torch.Tensor:
     return state.skip
 
 
-def decide_on_host(scaler: GradScaler, state: OptimizerState) -> bool:
+def decide_on_host(scaler: Scaler, state: OptimizerState) -> bool:
     """Read the agreed vector on the host (one sync on GPU): whether the step is applied.
 
     The whole (small) vector comes in that one copy: policy="predictive" uses its
@@ -116,15 +136,13 @@ def decide_on_host(scaler: GradScaler, state: OptimizerState) -> bool:
     return state.applied
 
 
-def iteration_flag(scaler: GradScaler, states: list[OptimizerState]) -> torch.Tensor:
+def iteration_flag(scaler: Scaler, states: list[OptimizerState]) -> torch.Tensor:
     """The iteration's agreed flag on the scale's device (> 0: some step overflowed)."""
     flags = [overflow_flag(scaler, s) for s in states]
     return flags[0] if len(flags) == 1 else torch.stack(flags).amax()  # stays 0 or 1
 
 
-def scale_range_source(
-    scaler: GradScaler, states: list[OptimizerState]
-) -> torch.Tensor | str | None:
+def scale_range_source(scaler: Scaler, states: list[OptimizerState]) -> torch.Tensor | str | None:
     """What the scale range over the group is read from after this iteration.
 
     After a collective: its agreed vector (turned into the range only when asked for), or None
@@ -140,7 +158,7 @@ def scale_range_source(
     return None
 
 
-def end_spike_iteration(scaler: GradScaler, states: list[OptimizerState]) -> torch.Tensor | None:
+def end_spike_iteration(scaler: Scaler, states: list[OptimizerState]) -> torch.Tensor | None:
     """The spike gate's end of an iteration: the window and counters; the skip flag."""
     gate = scaler._spike
     if gate is None:
@@ -155,7 +173,7 @@ def end_spike_iteration(scaler: GradScaler, states: list[OptimizerState]) -> tor
     return skip
 
 
-def start_deferred(scaler: GradScaler, state: OptimizerState) -> None:
+def start_deferred(scaler: Scaler, state: OptimizerState) -> None:
     """Start the agreement unscale_() left for later, with a flag written since then.
 
     The written flag joins this rank's as torch's would (MAX: it adds a found overflow, it
@@ -192,7 +210,7 @@ def start_deferred(scaler: GradScaler, state: OptimizerState) -> None:
 
 
 def refuse_a_backward_since_unscale(
-    scaler: GradScaler, optimizer: torch.optim.Optimizer, state: OptimizerState
+    scaler: Scaler, optimizer: torch.optim.Optimizer, state: OptimizerState
 ) -> None:
     """attach(): raise if a backward changed ``optimizer``'s grads after unscale_() checked."""
     if not state.backwards or scaler._hooks.backwards(optimizer) == state.backwards:

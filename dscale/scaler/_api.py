@@ -9,29 +9,24 @@ from typing import Any, Protocol
 
 import torch
 
-from dscale import (
-    _agreement,
-    _check,
-    _decision,
-    _dist,
-    _legacy_step,
-    _policy,
-    _predictive,
-    _predictive_state,
-    _scaler_state,
-    _spike_gate,
-    _state,
-    _unscale,
-    _watchdogs,
-)
-from dscale._masked_step import fused_step, masked_step
-from dscale._optimizer_state import OptimizerState, Stage
-from dscale._reduction_hooks import AttachRefusal, ReductionHooks
-from dscale._scale_state import ScaleState, fresh_host_state
-from dscale._torch_compat import TorchGradScalerSurface
-from dscale._unscale import copy_to
-from dscale._warnings import warn_if_scaling_is_not_needed
-from dscale._watchdogs import ScaleCollapsedError, StuckPolicy
+from dscale import _dist
+from dscale.scaler import _check, _decision, _legacy_step, _watchdogs
+from dscale.scaler._attach.hooks import AttachRefusal, ReductionHooks
+from dscale.scaler._program import agreement as _agreement
+from dscale.scaler._program import predictive as _predictive
+from dscale.scaler._program import scale_rule as _policy
+from dscale.scaler._program import spike_gate as _spike_gate
+from dscale.scaler._program import unscale as _unscale
+from dscale.scaler._program.masked_step import fused_step, masked_step
+from dscale.scaler._program.unscale import copy_to
+from dscale.scaler._stage import OptimizerState, Stage
+from dscale.scaler._state import format as _state
+from dscale.scaler._state import predictive as _predictive_state
+from dscale.scaler._state import readings as _scaler_state
+from dscale.scaler._state.book import ScaleState, fresh_host_state
+from dscale.scaler._torch_compat import TorchGradScalerSurface
+from dscale.scaler._warnings import warn_if_scaling_is_not_needed
+from dscale.scaler._watchdogs import ScaleCollapsedError, StuckPolicy
 
 __all__ = ["GradObserver", "GradScaler", "ScaleCollapsedError"]
 
@@ -53,6 +48,27 @@ class GradObserver(Protocol):
 _eager = torch.compiler.disable
 
 
+def _predictive_setup(
+    policy: _predictive_state.Policy,
+    window: int | None,
+    init_scale: float,
+    growth_interval: int,
+    min_scale: float | None,
+    max_scale: float | None,
+) -> tuple[_predictive_state.PredictiveScaling | None, float, int]:
+    """policy="predictive"'s state, the scale its first step runs at, and its device words
+    (None, ``init_scale`` and 0 for the dynamic policy)."""
+    if policy != "predictive":
+        return None, init_scale, 0
+    window = window or _predictive_state.DEFAULT_WINDOW
+    # Overflows are remembered as long as the dynamic rule stays backed off.
+    return (
+        _predictive_state.PredictiveScaling(window, growth_interval),
+        _predictive.first_scale(init_scale, min_scale, max_scale),
+        _predictive_state.tail_words(window, growth_interval),
+    )
+
+
 # issue 13: a subclass of torch.amp.GradScaler; torch's internals are answered in _torch_compat.
 class GradScaler(TorchGradScalerSurface):
     """Dynamic loss scaler for fp16 training that keeps every rank in agreement.
@@ -64,7 +80,7 @@ class GradScaler(TorchGradScalerSurface):
 
     This class keeps torch's API and the per-optimizer stage machine; the step's work is done by
     the stage modules it calls: ``_check`` (grads to this rank's agreement vector), ``_decision``
-    (the agreed vector read), ``_masked_step`` (the optimizer's step, skipped on the device), then
+    (the agreed vector read), ``masked_step`` (the optimizer's step, skipped on the device), then
     the book's rule in update() (``docs/CONTRACTS.md``, "The step path, in stages").
 
     Example::
@@ -96,7 +112,8 @@ class GradScaler(TorchGradScalerSurface):
             parameters and optimizer state per step. On the CPU, where reading the flag costs
             nothing, steps are skipped on the host instead.
         policy: "dynamic" (torch's rule: search for the scale by overflowing) or "predictive"
-            (set it from the measured gradient range; see ``dscale._predictive``). A predictive
+            (set it from the measured gradient range; see ``dscale.scaler._program.predictive``).
+            A predictive
             scaler's first step runs at ``min(init_scale, 1.0)`` to measure, then jumps.
         predictive_window: policy="predictive": the number of recent steps whose largest
             gradient sets the scale (default 8); an overflow is remembered for
@@ -176,17 +193,23 @@ class GradScaler(TorchGradScalerSurface):
         self._group_arg = process_group
         self._group_ranks = _dist.group_ranks(process_group)
         # The scale and trackers; on the host until the first scale() puts them on a device.
-        # policy="predictive" (dscale/_predictive.py): its measurement and state, else None.
-        self._predictive = None
-        tail = 0
-        if policy == "predictive":
-            window = predictive_window or _predictive_state.DEFAULT_WINDOW
-            # Overflows are remembered as long as the dynamic rule stays backed off.
-            self._predictive = _predictive_state.PredictiveScaling(window, growth_interval)
-            init_scale = _predictive.first_scale(init_scale, min_scale, max_scale)
-            tail = _predictive_state.tail_words(window, growth_interval)
+        # policy="predictive" (scaler/_program/predictive.py): its measurement and state.
+        self._predictive, init_scale, tail = _predictive_setup(
+            policy, predictive_window, init_scale, growth_interval, min_scale, max_scale
+        )
         self._book = ScaleState(fresh_host_state(float(init_scale), hysteresis), tail)
         self._placed_init_scale = float(init_scale)  # torch's _init_scale, once placed
+        self._init_running_state()
+        self._spike = (
+            _spike_gate.SpikeGate(
+                signals, sigma=spike_sigma, window=spike_window, warmup=spike_warmup
+            )
+            if signals
+            else None
+        )
+
+    def _init_running_state(self) -> None:
+        """What the running job keeps between calls: per-optimizer states, hooks, callbacks."""
         self._per_optimizer_states: dict[int, OptimizerState] = {}
         self._outcomes: dict[int, bool | torch.Tensor] = {}
         self._last_stepped: int | None = None
@@ -211,13 +234,6 @@ class GradScaler(TorchGradScalerSurface):
         # False for a StepGuard (dscale/step_guard.py): the scale is 1 and never moves.
         self._loss_scaling = True
         self._spike_warned_at = 0  # the spike run length last warned about
-        self._spike = (
-            _spike_gate.SpikeGate(
-                signals, sigma=spike_sigma, window=spike_window, warmup=spike_warmup
-            )
-            if signals
-            else None
-        )
 
     # ----------------------------------------------------------------- device state
     def _scale_on(self, device: torch.device) -> torch.Tensor:
@@ -317,7 +333,7 @@ class GradScaler(TorchGradScalerSurface):
         return agreed.device.type == "cpu" and self._read_host_flags
 
     def _carries_range(self) -> bool:
-        """Whether this iteration's vector carries the scale fields (see ``_agreement``).
+        """Whether this iteration's vector carries the scale fields (see ``agreement``).
 
         Always with the spike gate: its slots follow the scale fields, at a fixed place.
         """
@@ -463,8 +479,22 @@ class GradScaler(TorchGradScalerSurface):
             self._policy, found, skipped, self._predictive, pinned=not self._loss_scaling
         )
         self._end_iteration()
-        _watchdogs.watch_for_collapse(self)
-        _watchdogs.watch_spikes(self)
+        min_scale = self._policy.min_scale
+        due, self._updates_since_stuck_check = _watchdogs.collapse_check_due(
+            self._book, min_scale, self._stuck_patience, self._updates_since_stuck_check
+        )
+        if due:
+            assert min_scale is not None  # noqa: S101 - due only with a min_scale
+            _watchdogs.watch_for_collapse(
+                self._book,
+                min_scale,
+                on_stuck_at_min=self._on_stuck_at_min,
+                patience=self._stuck_patience,
+                loss_scaling=self._loss_scaling,
+            )
+        self._spike_warned_at = _watchdogs.watch_spikes(
+            self._spike, patience=self._stuck_patience, warned_at=self._spike_warned_at
+        )
         if skip_flag is not None and found is not None:
             found = skip_flag  # observers hear "the step was skipped", for a spike too
         for observer in self._observers:
@@ -538,8 +568,8 @@ class GradScaler(TorchGradScalerSurface):
 
         Carried on the step's own agreement collective, so it costs no collective of its own and
         is known on every rank alike; reading it as numbers is a host sync on GPU. The scaler
-        carries it on every ``dscale._agreement.RANGE_EVERY``-th update (the first included),
-        whatever its policy. None before the first update(), after
+        carries it on every ``dscale.scaler._program.agreement.RANGE_EVERY``-th update (the
+        first included), whatever its policy. None before the first update(), after
         an update whose collective did not carry it, and after an iteration in which no scaler
         collective ran.
         """
@@ -586,7 +616,7 @@ class GradScaler(TorchGradScalerSurface):
 
         ``field.values(optimizer)`` gives this rank's values (or None), which ride the one MAX
         all-reduce (NaN sent as +inf); ``field.agreed(slots)`` is handed its slots in the vector
-        (see ``dscale._agreement.AgreementField``). Returns an unregister function.
+        (see ``dscale.scaler._program.agreement.AgreementField``). Returns an unregister function.
         """
         self._fields.append(field)
 
@@ -628,7 +658,7 @@ class GradScaler(TorchGradScalerSurface):
 
     # ----------------------------------------------------------------- state dict
     def state_dict(self) -> dict[str, Any]:
-        """The scaler state: torch's five keys plus dscale's trackers (see ``dscale._state``).
+        """The scaler state: torch's five keys plus dscale's trackers (``_state.format``).
 
         Empty when disabled. Call it after update(). Waits for the GPU only after fused or
         sync-free steps (otherwise the host holds the state).

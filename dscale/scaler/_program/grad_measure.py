@@ -1,9 +1,9 @@
 """What ``policy="predictive"`` measures on each rank: the largest gradient magnitude of the step.
 
 The measurement reads the grad groups the check pass already builds and writes its result
-straight into the agreement vector (``_agreement``), in scaled units (the grads as the backward
+straight into the agreement vector (``agreement``), in scaled units (the grads as the backward
 left them). A rank whose grads hold an inf or NaN writes ``OVERFLOW_MARK`` instead, which is what
-the rule needs from an overflowed step (``_predictive``). The fastest exact form per device (a
+the rule needs from an overflowed step (``predictive``). The fastest exact form per device (a
 maximum is exact in any order, so both give the same bits):
 
 - on a GPU, one ``torch._foreach_norm(ord=inf)`` per (device, dtype) group (one multi-tensor
@@ -44,8 +44,8 @@ from typing import Any
 
 import torch
 
-from dscale._predictive import OVERFLOW_MARK
-from dscale._unscale import GradGroups, copy_to, norms
+from dscale.scaler._program.predictive import OVERFLOW_MARK
+from dscale.scaler._program.unscale import GradGroups, copy_to, norms
 
 #: fp16's smallest normal number. Scaled grads below it lose precision (subnormal) or flush to 0.
 FP16_MIN_NORMAL = 2.0**-14

@@ -1,7 +1,7 @@
 """``policy="predictive"``: set the scale from a window of measured gradient magnitudes.
 
 Every rank measures the largest gradient magnitude of its step, in scaled units (``g``: the grads
-as the backward left them, carrying the scale ``s``; ``_grad_measure``); a rank whose grads hold
+as the backward left them, carrying the scale ``s``; ``grad_measure``); a rank whose grads hold
 an inf or NaN reports :data:`OVERFLOW_MARK` instead. The value rides on the step's one MAX
 all-reduce, so every rank computes the same next scale here.
 
@@ -44,7 +44,14 @@ from dataclasses import dataclass
 
 import torch
 
-from dscale._policy import BACKOFFS, GROWTHS, HostState, ScalePolicy, f32, is_torch_rule
+from dscale.scaler._program.scale_rule import (
+    BACKOFFS,
+    GROWTHS,
+    HostState,
+    ScalePolicy,
+    f32,
+    is_torch_rule,
+)
 
 FP16_MAX = 65504.0
 #: The headroom kept above the largest magnitude in the rings: 2**1. With the power of two

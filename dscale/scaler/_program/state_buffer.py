@@ -24,7 +24,7 @@ import struct
 
 import torch
 
-from dscale._policy import NUM_COUNTERS, HostState, ScalePolicy
+from dscale.scaler._program.scale_rule import NUM_COUNTERS, HostState, ScalePolicy
 
 SCALE, GROWTH, HYSTERESIS, FOLD_SCALE, COUNTERS = 0, 1, 2, 3, 4
 LOG = COUNTERS + 2 * NUM_COUNTERS

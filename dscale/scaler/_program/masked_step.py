@@ -28,8 +28,8 @@ from typing import Any
 
 import torch
 
-from dscale._flat_snapshot import FlatSnapshot
-from dscale._unscale import copy_to
+from dscale.scaler._program.flat_snapshot import FlatSnapshot
+from dscale.scaler._program.unscale import copy_to
 
 
 def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

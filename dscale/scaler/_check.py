@@ -8,7 +8,7 @@
 3. **measure**: ``policy="predictive"``'s largest magnitude, before the unscale;
 4. **check**: the fused inf/NaN check, unscaling where the step wants unscaled grads;
 5. **signals**: flags from elsewhere (the hooks', a user's), the registered fields and the
-   spike gate's values join the vector (its :class:`~dscale._agreement.Layout`);
+   spike gate's values join the vector (its :class:`~dscale.scaler._program.agreement.Layout`);
 6. **agree**: the one MAX all-reduce starts (``unscale_()`` defers it to the flag's first read:
    ``_decision.start_deferred``).
 
@@ -24,17 +24,20 @@ from __future__ import annotations
 
 import math
 import operator
+from collections.abc import Sequence
 from itertools import repeat
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from dscale import _agreement, _dist, _predictive, _unscale
-from dscale._agreement import Layout
-from dscale._grad_measure import mark_overflow
-from dscale._optimizer_state import OptimizerState, Stage
-from dscale._reduction_hooks import AttachRefusal, HookReport
-from dscale._unscale import (
+from dscale import _dist
+from dscale.scaler._attach.hooks import AttachRefusal, HookReport
+from dscale.scaler._program import agreement as _agreement
+from dscale.scaler._program import predictive as _predictive
+from dscale.scaler._program import unscale as _unscale
+from dscale.scaler._program.agreement import Layout
+from dscale.scaler._program.grad_measure import mark_overflow
+from dscale.scaler._program.unscale import (
     GradGroups,
     check_and_unscale_,
     copy_to,
@@ -42,9 +45,47 @@ from dscale._unscale import (
     local_tensor,
     optimizer_grads,
 )
+from dscale.scaler._stage import OptimizerState, Stage
 
 if TYPE_CHECKING:
-    from dscale.scaler import GradScaler
+    from dscale.scaler._attach.hooks import ReductionHooks
+    from dscale.scaler._program.spike_gate import SpikeGate
+    from dscale.scaler._state.book import ScaleState
+    from dscale.scaler._state.predictive import PredictiveScaling
+
+
+class _GradsObserver(Protocol):
+    def on_grads(
+        self, optimizer: torch.optim.Optimizer, grads: list[torch.Tensor], scale: torch.Tensor
+    ) -> None: ...
+
+
+class Scaler(Protocol):
+    """What the check reads of the scaler (``GradScaler`` is one; nothing here imports it)."""
+
+    @property
+    def _book(self) -> ScaleState: ...
+    @property
+    def _factors(self) -> _unscale.UnscaleFactors: ...
+    @property
+    def _fields(self) -> Sequence[_agreement.AgreementField]: ...
+    @property
+    def _hooks(self) -> ReductionHooks: ...
+    @property
+    def _loss_scaling(self) -> bool: ...
+    @property
+    def _observers(self) -> Sequence[_GradsObserver]: ...
+    @property
+    def _per_optimizer_states(self) -> dict[int, Any]: ...
+    @property
+    def _predictive(self) -> PredictiveScaling | None: ...
+    @property
+    def _spike(self) -> SpikeGate | None: ...
+    def _carries_range(self) -> bool: ...
+    def _decides_on_host(self, agreed: torch.Tensor) -> bool: ...
+    def _process_group(self) -> Any | None: ...
+    def _require_scale(self, funcname: str) -> torch.Tensor: ...
+
 
 _LOCAL_SHARD = operator.attrgetter("_local_tensor")  # a DTensor's rank-local shard
 
@@ -53,7 +94,7 @@ _FULL_PRECISION = (torch.float32, torch.float64)
 
 
 def check(
-    scaler: GradScaler,
+    scaler: Scaler,
     optimizer: torch.optim.Optimizer,
     state: OptimizerState,
     *,
@@ -70,12 +111,7 @@ def check(
     scale = scaler._require_scale("unscale_")
     group = scaler._process_group()
     state.lone = group is None
-    if scaler._spike is not None and len(scaler._per_optimizer_states) > 1:
-        raise RuntimeError(
-            "the spike gate decides once per iteration on the loss and the grad norm, but a "
-            "second optimizer was checked in this iteration; with several optimizers use "
-            "one GradScaler per optimizer, or turn the spike gate off (spike_signals=())"
-        )
+    _refuse_a_second_gated_optimizer(scaler)
     # 1. collect
     try:
         report = _hooks_report(scaler, optimizer, state, group, scale, unscaled_by_caller)
@@ -137,8 +173,18 @@ def check(
     return unscale
 
 
+def _refuse_a_second_gated_optimizer(scaler: Scaler) -> None:
+    """The spike gate decides once per iteration: a second optimizer in it is an error."""
+    if scaler._spike is not None and len(scaler._per_optimizer_states) > 1:
+        raise RuntimeError(
+            "the spike gate decides once per iteration on the loss and the grad norm, but a "
+            "second optimizer was checked in this iteration; with several optimizers use "
+            "one GradScaler per optimizer, or turn the spike gate off (spike_signals=())"
+        )
+
+
 def _hooks_report(
-    scaler: GradScaler,
+    scaler: Scaler,
     optimizer: torch.optim.Optimizer,
     state: OptimizerState,
     group: Any,
@@ -162,7 +208,7 @@ def _hooks_report(
     return report
 
 
-def _leading_layout(scaler: GradScaler) -> Layout:
+def _leading_layout(scaler: Scaler) -> Layout:
     """This iteration's leading fields, for the check and a refusal alike (the peers' length)."""
     return Layout.leading(scaler._carries_range(), scaler._predictive is not None)
 
@@ -192,7 +238,7 @@ def _covered_grads(optimizer: torch.optim.Optimizer, report: HookReport) -> list
     return grads
 
 
-def _unscales_for_fused(scaler: GradScaler, scale: torch.Tensor, groups: GradGroups) -> bool:
+def _unscales_for_fused(scaler: Scaler, scale: torch.Tensor, groups: GradGroups) -> bool:
     """Whether the check unscales for a fused optimizer (else its kernel does, as torch's).
 
     Where the host decides (the CPU), the check writes every grad anyway, so unscaling there is
@@ -211,7 +257,7 @@ def _unscales_for_fused(scaler: GradScaler, scale: torch.Tensor, groups: GradGro
 
 
 def _fold_flags(
-    scaler: GradScaler,
+    scaler: Scaler,
     vector: torch.Tensor,
     layout: Layout,
     flag: torch.Tensor,
@@ -238,7 +284,7 @@ def _fold_flags(
 
 
 def _field_values(
-    scaler: GradScaler, optimizer: torch.optim.Optimizer
+    scaler: Scaler, optimizer: torch.optim.Optimizer
 ) -> list[tuple[_agreement.AgreementField, torch.Tensor]]:
     """The registered fields' values for this step (those that send any)."""
     sent = []
@@ -250,7 +296,7 @@ def _field_values(
 
 
 def _spike_values(
-    scaler: GradScaler,
+    scaler: Scaler,
     grads: list[torch.Tensor],
     carried: torch.Tensor | None,
     device: torch.device,
@@ -266,7 +312,7 @@ def _spike_values(
 
 
 def _join_peers_refusing(
-    scaler: GradScaler,
+    scaler: Scaler,
     optimizer: torch.optim.Optimizer,
     state: OptimizerState,
     exc: AttachRefusal,

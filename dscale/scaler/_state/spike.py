@@ -1,9 +1,10 @@
 """The spike gate's state: its state-dict keys, their checks, and the window matrix they map to.
 
 The state dict keeps the window as a ring (slot ``i % spike_window`` holds the i-th value that
-entered) with three counters; :class:`dscale._spike_gate.SpikeGate` keeps a shift-register matrix
-on the device (its module docstring says why). This module converts between the two on the host,
-so that a saved window loads into the same decisions whatever layout the gate uses.
+entered) with three counters; :class:`~dscale.scaler._program.spike_gate.SpikeGate` keeps a
+shift-register matrix on the device (its module docstring says why). This module converts between
+the two on the host, so that a saved window loads into the same decisions whatever layout the
+gate uses.
 
 Matrix rows, after one row per watched value (``n`` of them), at ``n + offset``: ``ONES`` (1
 where a slot holds a value), ``FACTORS`` (slot j: the threshold factor for the count j more

@@ -2,7 +2,7 @@
 
 Each rank looks only at the gradients it holds: for a DTensor (FSDP2, tensor parallel) that is the
 local shard, whatever its placement, because unscaling is linear and an inf in any local piece makes
-the global value non-finite too. Agreement across ranks is the job of ``_agreement``.
+the global value non-finite too. Agreement across ranks is the job of ``agreement``.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import cast
 
 import torch
 
-from dscale._policy import HostState, f32
+from dscale.scaler._program.scale_rule import HostState, f32
 
 try:
     from torch.distributed.tensor import DTensor

@@ -5,10 +5,10 @@ this single function. What travels is a small float32 vector reduced with MAX, w
 :class:`Layout` declares, in order: the overflow flag; the scale and its negation (so MAX gives
 the largest and, negated back, the smallest scale over the ranks: the rank-agreement check costs
 no extra collective and, being part of the step, cannot be called on some ranks only);
-``policy="predictive"``'s measurement (``_grad_measure``: the largest gradient magnitude, scaled,
+``policy="predictive"``'s measurement (``grad_measure``: the largest gradient magnitude, scaled,
 ``OVERFLOW_MARK`` from a rank that overflowed, and the sampled underflow share plus one); the
 fields that features register (``GradScaler.add_agreement_field``: dscale.fp8's amaxes); the
-spike gate's slots (``_spike_gate``). Each is a value whose MAX over the ranks is what the
+spike gate's slots (``spike_gate``). Each is a value whose MAX over the ranks is what the
 feature needs, so every rank decides alike.
 
 Both policies send the scale fields only on every :data:`RANGE_EVERY`-th iteration (the first
@@ -29,12 +29,12 @@ from typing import Any, NamedTuple, Protocol
 import torch
 import torch.distributed as dist
 
-from dscale._unscale import copy_to
+from dscale.scaler._program.unscale import copy_to
 
 #: Fixed indices of the leading fields (:class:`Layout` places the rest): the flag, then on
 #: range iterations the scale and its negation.
 OVERFLOW, SCALE, NEG_SCALE = range(3)
-#: The Layout key of the spike gate's slots (``_spike_gate``), always the last part.
+#: The Layout key of the spike gate's slots (``spike_gate``), always the last part.
 SPIKE = "spike"
 
 
@@ -89,7 +89,7 @@ class Layout:
         if with_range:
             self._add("scale", 2)  # the scale, then its negation
         if measured:
-            self._add("measured", 2)  # grad_max_abs, underflow (``_grad_measure``)
+            self._add("measured", 2)  # grad_max_abs, underflow (``grad_measure``)
 
     @staticmethod
     @functools.lru_cache(maxsize=4)

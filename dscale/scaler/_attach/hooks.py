@@ -40,9 +40,9 @@ import torch
 import torch.distributed as dist
 
 from dscale import _dist
-from dscale._grad_measure import GradMeasure, measure_reduced
-from dscale._param_sets import ParamSet, param_set
-from dscale._unscale import DTensor, copy_to, local_tensor
+from dscale.scaler._attach.param_sets import ParamSet, param_set
+from dscale.scaler._program.grad_measure import GradMeasure, measure_reduced
+from dscale.scaler._program.unscale import DTensor, copy_to, local_tensor
 
 
 @dataclasses.dataclass(frozen=True)

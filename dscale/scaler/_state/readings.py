@@ -1,6 +1,6 @@
 """A GradScaler's state beyond the step: its readings, its state dict and its pickled form.
 
-``dscale/_state.py`` owns the format of the scale and trackers; here the features' parts join
+``format.py`` owns the format of the scale and trackers; here the features' parts join
 it (predictive's rings, the spike gate's window, a StepGuard's fixed scale), are checked as one
 before anything is applied, and a pickled copy leaves behind what belongs to the running job.
 """
@@ -8,18 +8,44 @@ before anything is applied, and a pickled copy leaves behind what belongs to the
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from dscale import _policy, _predictive, _predictive_state, _spike_gate, _state, _unscale
-from dscale._reduction_hooks import ReductionHooks
+from dscale.scaler._attach.hooks import ReductionHooks
+from dscale.scaler._program import predictive as _predictive
+from dscale.scaler._program import scale_rule as _policy
+from dscale.scaler._program import spike_gate as _spike_gate
+from dscale.scaler._program import unscale as _unscale
+from dscale.scaler._state import format as _state
+from dscale.scaler._state import predictive as _predictive_state
 
 if TYPE_CHECKING:
-    from dscale.scaler import GradScaler
+    from dscale.scaler._state.book import ScaleState
 
 
-def counters(scaler: GradScaler) -> dict[str, torch.Tensor]:
+class Scaler(Protocol):
+    """What the readings, the state dict and pickling read of the scaler (``GradScaler`` is one;
+    nothing here imports it). Loading a state dict writes ``scale_rule``; unpickling its
+    ``__dict__``."""
+
+    _policy: _policy.ScalePolicy
+
+    @property
+    def _book(self) -> ScaleState: ...
+    @property
+    def _enabled(self) -> bool: ...
+    @property
+    def _loss_scaling(self) -> bool: ...
+    @property
+    def _per_optimizer_states(self) -> dict[int, Any]: ...
+    @property
+    def _predictive(self) -> _predictive_state.PredictiveScaling | None: ...
+    @property
+    def _spike(self) -> _spike_gate.SpikeGate | None: ...
+
+
+def counters(scaler: Scaler) -> dict[str, torch.Tensor]:
     """``GradScaler.counters()``: the live tensors, or new CPU ones before the first scale()."""
     if not scaler._book.placed:
         return {k: torch.tensor(v) for k, v in _numbers(scaler._book.read()).items()}
@@ -31,7 +57,7 @@ def counters(scaler: GradScaler) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def snapshot(scaler: GradScaler, *, wait: bool = True) -> dict[str, float | int]:
+def snapshot(scaler: Scaler, *, wait: bool = True) -> dict[str, float | int]:
     """``GradScaler.snapshot()``: the counters as numbers, with the features' readings."""
     book = scaler._book
     values = _numbers(book.read() if wait else book.latest())
@@ -44,7 +70,7 @@ def snapshot(scaler: GradScaler, *, wait: bool = True) -> dict[str, float | int]
 
 
 def telemetry(
-    scaler: GradScaler, predictive: _predictive_state.PredictiveScaling, *, wait: bool = True
+    scaler: Scaler, predictive: _predictive_state.PredictiveScaling, *, wait: bool = True
 ) -> _predictive.Telemetry:
     """policy="predictive"'s telemetry of the last update, from the device if it is there."""
     book = scaler._book
@@ -64,10 +90,10 @@ def _numbers(state: _policy.HostState) -> dict[str, float | int]:
     }
 
 
-def state_dict(scaler: GradScaler) -> dict[str, Any]:
-    """torch's five keys, dscale's trackers, then each feature's keys (``_state`` says which)."""
+def state_dict(scaler: Scaler) -> dict[str, Any]:
+    """torch's five keys, dscale's trackers, then each feature's keys (``format`` says which)."""
     state = _state.to_state_dict(scaler._policy, scaler._book.read())
-    if scaler._predictive is not None:  # version 2 and the keys of dscale/_predictive_state.py
+    if scaler._predictive is not None:  # version 2, and the keys of _state/predictive.py
         state.update(scaler._predictive.state_dict())
     if not scaler._loss_scaling:
         state["loss_scaling"] = False
@@ -80,7 +106,7 @@ def state_dict(scaler: GradScaler) -> dict[str, Any]:
     return state
 
 
-def checked(scaler: GradScaler, state_dict: Mapping[str, Any]) -> tuple[Any, Any, Any, Any]:
+def checked(scaler: Scaler, state_dict: Mapping[str, Any]) -> tuple[Any, Any, Any, Any]:
     """(policy, host state, predictive rings, spike window) that loading would apply, or
     ValueError; changes nothing."""
     policy, host = _state.from_state_dict(state_dict, scaler._policy)
@@ -99,7 +125,7 @@ def checked(scaler: GradScaler, state_dict: Mapping[str, Any]) -> tuple[Any, Any
     return policy, host, predictive, spike
 
 
-def load(scaler: GradScaler, state_dict: Mapping[str, Any]) -> None:
+def load(scaler: Scaler, state_dict: Mapping[str, Any]) -> None:
     """Check the whole dict, then apply it."""
     policy, host, predictive, spike = checked(scaler, state_dict)
     scaler._policy = policy
@@ -113,7 +139,7 @@ def load(scaler: GradScaler, state_dict: Mapping[str, Any]) -> None:
         _predictive_state.note_ignored(state_dict)
 
 
-def picklable(scaler: GradScaler) -> dict[str, Any]:
+def picklable(scaler: Scaler) -> dict[str, Any]:
     """``scaler.__dict__`` without what belongs to the running job (between iterations only)."""
     state = scaler.__dict__.copy()
     if scaler._enabled and scaler._per_optimizer_states:
@@ -151,7 +177,7 @@ _ADDED_SINCE = (
 )
 
 
-def unpickle(scaler: GradScaler, state: dict[str, Any]) -> None:
+def unpickle(scaler: Scaler, state: dict[str, Any]) -> None:
     """Restore a pickled scaler, from this version or an earlier one."""
     for name, default in _ADDED_SINCE:
         state.setdefault(name, default)

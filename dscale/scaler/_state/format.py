@@ -12,7 +12,7 @@ Keys:
     _hysteresis_tracker: overflows still tolerated (int).
     num_steps, num_skipped_steps, num_skipped_in_a_row, num_growths, num_backoffs: counters (int).
 
-Version 3 (a StepGuard, or the spike gate on; ``dscale/_spike_gate.py``) adds:
+Version 3 (a StepGuard, or the spike gate on; ``dscale/scaler/_program/spike_gate.py``) adds:
     loss_scaling: False for a StepGuard (its scale is fixed at 1); absent means True.
     spike_signals: the watched values, comma-separated ("loss,grad_norm").
     spike_window_values: the window, a float64 tensor [signals, spike_window] (a ring).
@@ -30,12 +30,12 @@ from typing import Any
 
 import torch
 
-from dscale._policy import COUNTER_NAMES, HostState, ScalePolicy, f32
+from dscale.scaler._program.scale_rule import COUNTER_NAMES, HostState, ScalePolicy, f32
 
 logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
-#: Version 2 adds policy="predictive"'s keys (``dscale._predictive_state``); dynamic dicts stay 1.
+#: Version 2 adds policy="predictive"'s keys (``_state.predictive``); dynamic dicts stay 1.
 #: Version 3 adds a StepGuard's and the spike gate's keys; dicts without them keep 1 or 2.
 #: Version 4: policy="predictive"'s window replaces its margin keys.
 GUARD_FORMAT_VERSION = 3

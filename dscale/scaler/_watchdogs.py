@@ -9,10 +9,11 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any, Literal
 
-from dscale import _policy
+from dscale.scaler._program import scale_rule as _policy
 
 if TYPE_CHECKING:
-    from dscale.scaler import GradScaler
+    from dscale.scaler._program.spike_gate import SpikeGate
+    from dscale.scaler._state.book import ScaleState
 
 logger = logging.getLogger("dscale.scaler")
 
@@ -35,22 +36,39 @@ def check_stuck_args(on_stuck_at_min: Any, stuck_patience: Any) -> None:
         raise ValueError(f"stuck_patience must be an int >= 1, got {stuck_patience!r}")
 
 
-def watch_for_collapse(scaler: GradScaler) -> None:
-    """Act on a scale stuck at min_scale; after device-side updates, checks every N steps."""
-    min_scale = scaler._policy.min_scale
+def collapse_check_due(
+    book: ScaleState, min_scale: float | None, patience: int, unchecked: int
+) -> tuple[bool, int]:
+    """Whether :func:`watch_for_collapse` runs after this update, and the updates left unchecked.
+
+    Free while the host holds the state: every update is checked. After device-side updates
+    the read waits for the device, so only every ``patience``-th update is.
+    """
     if min_scale is None:
-        return
-    if scaler._book.host is None:
-        scaler._updates_since_stuck_check += 1
-        if scaler._updates_since_stuck_check < scaler._stuck_patience:
-            return
-        scaler._updates_since_stuck_check = 0
-    state = scaler._book.read()  # free while the host holds the state
+        return False, unchecked
+    if book.host is None:
+        unchecked += 1
+        if unchecked < patience:
+            return False, unchecked
+        unchecked = 0
+    return True, unchecked
+
+
+def watch_for_collapse(
+    book: ScaleState,
+    min_scale: float,
+    *,
+    on_stuck_at_min: StuckPolicy,
+    patience: int,
+    loss_scaling: bool,
+) -> None:
+    """Act on a scale stuck at min_scale for ``patience`` skipped steps in a row."""
+    state = book.read()  # free while the host holds the state
     in_a_row = state.counters[_policy.SKIPPED_IN_A_ROW]
-    if state.scale > min_scale or in_a_row < scaler._stuck_patience:
+    if state.scale > min_scale or in_a_row < patience:
         return
     latest = state.counters[_policy.STEPS] - 1
-    if not scaler._loss_scaling:  # a StepGuard: no scale to blame
+    if not loss_scaling:  # a StepGuard: no scale to blame
         logger.warning(
             "the last %d steps in a row were skipped for inf/NaN gradients on some rank (the "
             "latest at step index %d): look for the parameters with non-finite grads "
@@ -66,22 +84,23 @@ def watch_for_collapse(scaler: GradScaler) -> None:
         "for the parameters with non-finite grads (dscale_nonfinite_grads_total) or a "
         "diverged loss, or lower min_scale."
     )
-    if scaler._on_stuck_at_min == "raise":
+    if on_stuck_at_min == "raise":
         raise ScaleCollapsedError(message)
     logger.warning("%s", message)
 
 
-def watch_spikes(scaler: GradScaler) -> None:
-    """Warn when the spike gate has skipped ``stuck_patience`` steps in a row."""
-    gate = scaler._spike
+def watch_spikes(gate: SpikeGate | None, *, patience: int, warned_at: int) -> int:
+    """Warn when the spike gate has skipped ``patience`` steps in a row.
+
+    ``warned_at``: the run length last warned about (0: none); returns the new one.
+    """
     if gate is None:
-        return
+        return warned_at
     # The newest counters the host holds (no wait): a warning may come a step or two late.
     in_a_row = int(gate.snapshot(wait=False)["spike_skipped_in_a_row"])
-    if in_a_row < scaler._stuck_patience:
-        scaler._spike_warned_at = 0
-    elif in_a_row >= scaler._spike_warned_at + scaler._stuck_patience:
-        scaler._spike_warned_at = in_a_row
+    if in_a_row < patience:
+        return 0
+    if in_a_row >= warned_at + patience:
         logger.warning(
             "the spike gate skipped the last %d steps in a row: the loss or grad norm has "
             "stayed above the window's mean + %g standard deviations. Skipped values never "
@@ -91,3 +110,5 @@ def watch_spikes(scaler: GradScaler) -> None:
             in_a_row,
             gate.sigma,
         )
+        return in_a_row
+    return warned_at

@@ -4,7 +4,7 @@ A plain optimizer step reads the agreed overflow flag on the host anyway (to ski
 update after it is a few lines of arithmetic (``_policy.next_host_state``); the device only hears
 about it when the scale itself changes, because ``scale()`` multiplies by the device tensor. Fused
 optimizers and ``sync_free`` decide on the device, so there the update runs as a few tensor ops
-on one buffer (``_device_state``: torch's ``_amp_update_scale_`` and a log row) and the host copy
+on one buffer (``state_buffer``: torch's ``_amp_update_scale_`` and a log row) and the host copy
 is dropped for good; reading it back then waits for the GPU.
 """
 
@@ -15,11 +15,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dscale import _device_state, _policy
-from dscale._policy import COUNTER_NAMES, HostState
+from dscale.scaler._program import scale_rule as _policy
+from dscale.scaler._program import state_buffer as _device_state
+from dscale.scaler._program.scale_rule import COUNTER_NAMES, HostState
 
 if TYPE_CHECKING:
-    from dscale._predictive_state import PredictiveScaling
+    from dscale.scaler._state.predictive import PredictiveScaling
 
 
 def fresh_host_state(init_scale: float, hysteresis: int) -> HostState:
@@ -32,11 +33,11 @@ class ScaleState:
 
     def __init__(self, host: HostState, tail_words: int = 0) -> None:
         self.host: HostState | None = host  # the authority while not None
-        # Words after the state's own for policy="predictive" (dscale/_predictive_state.py):
+        # Words after the state's own for policy="predictive" (dscale/scaler/_state/predictive.py):
         # one buffer, so one copy publishes both.
         self.tail_words = tail_words
         self._flushed: HostState | None = None  # the host state last written to the device
-        # The device state (dscale/_device_state.py) and views of it; scale() reads `scale`.
+        # The device state (_program/state_buffer.py) and views of it; scale() reads `scale`.
         self.words: torch.Tensor | None = None
         self._log_rows: list[torch.Tensor] | None = None  # views of the log's rows (place())
         self._logged_words: torch.Tensor | None = None  # what a row logs: scale, growth tracker
@@ -212,8 +213,8 @@ class ScaleState:
         ``found_inf`` (the agreed flag as a tensor) is needed for the device path only. The
         device path is the scale rule, one row written to the log, and one copy to publish.
 
-        ``predictive`` (policy="predictive", ``dscale._predictive``) adjusts the dynamic rule's
-        result in the same place, before anyone can read it.
+        ``predictive`` (policy="predictive", ``dscale.scaler._program.predictive``) adjusts the
+        dynamic rule's result in the same place, before anyone can read it.
         """
         host = self.host
         if found is not None and host is not None:
@@ -240,7 +241,7 @@ class ScaleState:
         lean = predictive is not None and predictive.is_lean(policy)
         before = self.scale.clone() if predictive is not None and not lean else None
         if lean:
-            pass  # the predictive rule alone sets the scale (dscale/_predictive.py)
+            pass  # the predictive rule alone sets the scale (dscale/scaler/_program/predictive.py)
         elif _policy.is_torch_rule(policy) or (pinned and policy.hysteresis == 1):
             self._clamp_tracker(policy)
             factors = (1.0, 1.0) if pinned else (policy.growth_factor, policy.backoff_factor)

@@ -1,12 +1,12 @@
 """A predictive GradScaler's own state: its two rings, where they live, its state-dict keys.
 
-Like the scale (``_scale_state``), the rings stay on the host while every decision is known there
+Like the scale (``_state.book``), the rings stay on the host while every decision is known there
 (plain optimizer steps) and move to the device after a fused or ``sync_free`` step, into the tail
 of the scale state's own buffer, so the device update needs no extra copy to publish them.
 
 Device tail layout (float32 words after the scale state's): ``[underflow share + 1 (0: never
 sampled), the last step's ask (its measurement in scaled units, BUDGET: measured nothing), FLOOR,
-memory ring..., window ring...]`` (``_predictive`` says what each holds). The ask and the overflow
+memory ring..., window ring...]`` (``predictive`` says what each holds). The ask and the overflow
 counters tell what the last step measured whatever happened since (a fold of the log, a scale set
 by ``update(new_scale=...)``), as the host form's telemetry does.
 
@@ -31,10 +31,11 @@ from typing import Any, Literal
 
 import torch
 
-from dscale import _device_state, _predictive
-from dscale._grad_measure import GradMeasure
-from dscale._policy import SKIPPED_IN_A_ROW, HostState, ScalePolicy
-from dscale._predictive import Telemetry, Window
+from dscale.scaler._program import predictive as _predictive
+from dscale.scaler._program import state_buffer as _device_state
+from dscale.scaler._program.grad_measure import GradMeasure
+from dscale.scaler._program.predictive import Telemetry, Window
+from dscale.scaler._program.scale_rule import SKIPPED_IN_A_ROW, HostState, ScalePolicy
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,1 @@
+"""``GradScaler.attach()``: the check folded into DDP's / FSDP2's gradient reduction."""
