@@ -13,7 +13,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from torch.distributed.run import parse_min_max_nnodes
 
 from launch.integrations import STEP_GUARD_FIELDS
@@ -115,8 +117,29 @@ RULES: tuple[Needs, ...] = (
 
 
 def typed_keys(overrides: Iterable[str]) -> dict[str, str]:
-    """``{key: override as typed}`` for Hydra's task overrides (``+k=v``, ``~k`` included)."""
-    return {o.lstrip("+~").split("=", 1)[0]: o for o in overrides}
+    """``{key: override as typed}`` for Hydra's task overrides (``+k=v``, ``~k`` included).
+
+    A node given a dict (``fp8={float8_all_gather:true}``) types each of its leaves
+    (``fp8.float8_all_gather``), as ``fp8.float8_all_gather=true`` would.
+    """
+    parser = OverridesParser.create()
+    found: dict[str, str] = {}
+    for typed in overrides:
+        try:
+            (override,) = parser.parse_overrides([typed])
+        except Exception:  # not Hydra's syntax (Hydra refused it before): its key as written
+            found[typed.lstrip("+~").split("=", 1)[0]] = typed
+            continue
+        value = None if override.is_sweep_override() else override.value()
+        for key in _leaves(override.key_or_group, value):
+            found[key] = typed
+    return found
+
+
+def _leaves(key: str, value: Any) -> list[str]:
+    if isinstance(value, dict) and value:
+        return [leaf for k, v in value.items() for leaf in _leaves(f"{key}.{k}", v)]
+    return [key]
 
 
 def unused_keys(job: JobConfig, overrides: Iterable[str]) -> str | None:
