@@ -142,14 +142,26 @@ def _leaves(key: str, value: Any) -> list[str]:
     return [key]
 
 
-def unused_keys(job: JobConfig, overrides: Iterable[str]) -> str | None:
-    """Typed keys that ``job`` would not use, each with the settings it needs; None if none."""
-    problems = []
+def unused(job: JobConfig, overrides: Iterable[str]) -> dict[str, str]:
+    """``{key: why}`` for each typed key that ``job`` would not use."""
+    problems = {}
     for key, typed in typed_keys(overrides).items():
         missing = [r.setting for r in RULES if r.covers(key) and not r.holds(job)]
         if missing:
-            problems.append(
+            problems[key] = (
                 f"{typed} is read only with {' and '.join(missing)}, so this job would ignore "
                 f"it: add that, or drop {key}"
             )
-    return "; ".join(problems) or None
+    return problems
+
+
+def unused_keys(
+    job: JobConfig, overrides: Iterable[str], read_elsewhere: Iterable[str] = ()
+) -> str | None:
+    """Typed keys that ``job`` would not use, each with the settings it needs; None if none.
+
+    ``read_elsewhere``: keys another job of the same multirun reads (launch/sweep.py); a sweep
+    over ``trainer.precision=fp8,bf16`` types ``fp8.*`` for its fp8 jobs.
+    """
+    skip = set(read_elsewhere)
+    return "; ".join(v for k, v in unused(job, overrides).items() if k not in skip) or None
