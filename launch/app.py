@@ -30,12 +30,12 @@ from launch.elastic import (
     worker_env,
 )
 from launch.failures import explain_failure
-from launch.hydra_record import save_hydra_record
+from launch.hydra_record import multirun_record_kept, save_hydra_record
 from launch.preemption import PREEMPTED_EXIT_CODE, failures_were_preemption
 from launch.rerun import check_same_job, nothing_to_train, resume_advice, world_size_change
 from launch.schema import JobConfig, register
 from launch.summary import build_summary, format_summary, write_summary
-from launch.sweep import read_elsewhere, sweep_problem
+from launch.sweep import read_elsewhere, sweep_dir, sweep_problem
 from launch.targets import remove_targets, scrape_host
 from launch.typos import misspelt_key
 from launch.validate import ConfigError, check_known_keys, validate
@@ -159,7 +159,8 @@ def main() -> None:
     if hint:
         print(f"dscale-launch: bad config: {hint}", file=sys.stderr)
         sys.exit(2)
-    _hydra_main()
+    with multirun_record_kept(sweep_dir(sys.argv[1:], CONFIG_DIR, "job")):
+        _hydra_main()
 
 
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="job")

@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from pathlib import Path
 from typing import cast
 
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
+from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf
 
@@ -104,3 +106,20 @@ def _without_hydras_values(cfg: DictConfig) -> None:
                 cfg[key] = str(node._value()).replace("${", "$[")
             except Exception:  # not a str field: the job's own check resolves it
                 pass
+
+
+def sweep_dir(argv: Sequence[str], config_dir: str, name: str) -> Path | None:
+    """The folder a ``-m`` command's sweep writes ``multirun.yaml`` into (``hydra.sweep.dir``,
+    resolved as Hydra will); None for a plain run, ``--config-dir`` or a folder not known here."""
+    if not any(a in _MULTIRUN for a in argv) or GlobalHydra.instance().is_initialized():
+        return None
+    if any(a.split("=", 1)[0] in OTHER_CONFIGS for a in argv):
+        return None
+    hydra_keys = [a for a in argv if a.startswith("hydra.") and "=" in a]
+    try:
+        with initialize_config_dir(config_dir=config_dir, version_base="1.3"):
+            cfg = compose(primary_name(argv, name), hydra_keys, return_hydra_config=True)
+            HydraConfig.instance().set_config(cfg)  # what ${hydra:job.name} reads
+            return Path(str(OmegaConf.select(cfg, "hydra.sweep.dir")))
+    except Exception:  # Hydra words its own refusals
+        return None
