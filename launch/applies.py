@@ -108,7 +108,18 @@ RULES: tuple[Needs, ...] = (
     ),
     Needs(("script_args",), "script=PATH", lambda j: j.script is not None),
     Needs(
-        ("launcher.master_addr", "launcher.master_port", "launcher.node_rank"),
+        ("launcher.master_addr", "launcher.master_port"),
+        "launcher.rdzv_backend=static on several nodes (launcher.nnodes) without "
+        "launcher.rdzv_endpoint (an endpoint is the store's address; one node without one gets "
+        "a private c10d store)",
+        lambda j: (
+            j.launcher.rdzv_backend == "static"
+            and not _one_node_standalone(j)
+            and not j.launcher.rdzv_endpoint
+        ),
+    ),
+    Needs(
+        ("launcher.node_rank",),
         "launcher.rdzv_backend=static on several nodes (launcher.nnodes) or with "
         "launcher.rdzv_endpoint (one node without an endpoint gets a private c10d store)",
         lambda j: j.launcher.rdzv_backend == "static" and not _one_node_standalone(j),
