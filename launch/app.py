@@ -30,7 +30,7 @@ from launch.elastic import (
     worker_env,
 )
 from launch.failures import explain_failure
-from launch.hydra_record import save_hydra_record
+from launch.hydra_record import multirun_record_kept, save_hydra_record
 from launch.preemption import PREEMPTED_EXIT_CODE, failures_were_preemption
 from launch.rerun import (
     check_same_job,
@@ -41,6 +41,7 @@ from launch.rerun import (
 )
 from launch.schema import JobConfig, register
 from launch.summary import build_summary, format_summary, write_summary
+from launch.sweep import read_elsewhere, sweep_dir, sweep_problem
 from launch.targets import remove_targets, scrape_host
 from launch.typos import misspelt_key
 from launch.validate import ConfigError, check_known_keys, validate
@@ -98,7 +99,7 @@ def run_job(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
     the run's checkpoint is already at ``trainer.max_steps`` (nothing is launched then)."""
     check_known_keys(cfg)
     job = cast(JobConfig, OmegaConf.to_object(cfg))  # Hydra built it from launch/schema.py
-    nproc = validate(job, typed=HydraConfig.get().overrides.task)
+    nproc = validate(job, typed=HydraConfig.get().overrides.task, read_elsewhere=read_elsewhere())
     # A plain dict crosses into the workers: picklable, fully resolved, no Hydra needed there.
     plain = cast(
         dict[str, Any],
@@ -155,13 +156,17 @@ def run_job(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
 def main() -> None:
     """Entry point of ``python -m launch`` and ``dscale-launch``.
 
-    A mistyped key is named with its likely fix first (launch/typos.py); then Hydra composes.
+    A mistyped key is named with its likely fix first (launch/typos.py), and every job of a
+    multirun is checked before the first starts (launch/sweep.py); then Hydra composes.
     """
-    hint = misspelt_key(sys.argv[1:], CONFIG_DIR, "job")
+    hint = misspelt_key(sys.argv[1:], CONFIG_DIR, "job") or sweep_problem(
+        sys.argv[1:], CONFIG_DIR, "job"
+    )
     if hint:
         print(f"dscale-launch: bad config: {hint}", file=sys.stderr)
         sys.exit(2)
-    _hydra_main()
+    with multirun_record_kept(sweep_dir(sys.argv[1:], CONFIG_DIR, "job")):
+        _hydra_main()
 
 
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="job")

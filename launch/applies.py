@@ -13,7 +13,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from torch.distributed.run import parse_min_max_nnodes
 
 from launch.integrations import STEP_GUARD_FIELDS
@@ -106,7 +108,18 @@ RULES: tuple[Needs, ...] = (
     ),
     Needs(("script_args",), "script=PATH", lambda j: j.script is not None),
     Needs(
-        ("launcher.master_addr", "launcher.master_port", "launcher.node_rank"),
+        ("launcher.master_addr", "launcher.master_port"),
+        "launcher.rdzv_backend=static on several nodes (launcher.nnodes) without "
+        "launcher.rdzv_endpoint (an endpoint is the store's address; one node without one gets "
+        "a private c10d store)",
+        lambda j: (
+            j.launcher.rdzv_backend == "static"
+            and not _one_node_standalone(j)
+            and not j.launcher.rdzv_endpoint
+        ),
+    ),
+    Needs(
+        ("launcher.node_rank",),
         "launcher.rdzv_backend=static on several nodes (launcher.nnodes) or with "
         "launcher.rdzv_endpoint (one node without an endpoint gets a private c10d store)",
         lambda j: j.launcher.rdzv_backend == "static" and not _one_node_standalone(j),
@@ -115,18 +128,51 @@ RULES: tuple[Needs, ...] = (
 
 
 def typed_keys(overrides: Iterable[str]) -> dict[str, str]:
-    """``{key: override as typed}`` for Hydra's task overrides (``+k=v``, ``~k`` included)."""
-    return {o.lstrip("+~").split("=", 1)[0]: o for o in overrides}
+    """``{key: override as typed}`` for Hydra's task overrides (``+k=v``, ``~k`` included).
+
+    A node given a dict (``fp8={float8_all_gather:true}``) types each of its leaves
+    (``fp8.float8_all_gather``), as ``fp8.float8_all_gather=true`` would.
+    """
+    parser = OverridesParser.create()
+    found: dict[str, str] = {}
+    for typed in overrides:
+        try:
+            (override,) = parser.parse_overrides([typed])
+        except Exception:  # not Hydra's syntax (Hydra refused it before): its key as written
+            found[typed.lstrip("+~").split("=", 1)[0]] = typed
+            continue
+        value = None if override.is_sweep_override() else override.value()
+        for key in _leaves(override.key_or_group, value):
+            found[key] = typed
+    return found
 
 
-def unused_keys(job: JobConfig, overrides: Iterable[str]) -> str | None:
-    """Typed keys that ``job`` would not use, each with the settings it needs; None if none."""
-    problems = []
+def _leaves(key: str, value: Any) -> list[str]:
+    if isinstance(value, dict) and value:
+        return [leaf for k, v in value.items() for leaf in _leaves(f"{key}.{k}", v)]
+    return [key]
+
+
+def unused(job: JobConfig, overrides: Iterable[str]) -> dict[str, str]:
+    """``{key: why}`` for each typed key that ``job`` would not use."""
+    problems = {}
     for key, typed in typed_keys(overrides).items():
         missing = [r.setting for r in RULES if r.covers(key) and not r.holds(job)]
         if missing:
-            problems.append(
+            problems[key] = (
                 f"{typed} is read only with {' and '.join(missing)}, so this job would ignore "
                 f"it: add that, or drop {key}"
             )
-    return "; ".join(problems) or None
+    return problems
+
+
+def unused_keys(
+    job: JobConfig, overrides: Iterable[str], read_elsewhere: Iterable[str] = ()
+) -> str | None:
+    """Typed keys that ``job`` would not use, each with the settings it needs; None if none.
+
+    ``read_elsewhere``: keys another job of the same multirun reads (launch/sweep.py); a sweep
+    over ``trainer.precision=fp8,bf16`` types ``fp8.*`` for its fp8 jobs.
+    """
+    skip = set(read_elsewhere)
+    return "; ".join(v for k, v in unused(job, overrides).items() if k not in skip) or None

@@ -39,31 +39,37 @@ def wrap_model(model: nn.Module, strategy: str, device: torch.device) -> nn.Modu
 def fsdp_blocks(model: nn.Module) -> list[nn.Module]:
     """The modules FSDP2 shards one by one: ``model.blocks``, in either of two forms.
 
-    An attribute that is an ``nn.ModuleList`` or ``nn.Sequential`` (its modules) or an
-    ``nn.ModuleDict`` (its values), as in ``self.blocks = nn.ModuleList(...)``; or a method
-    ``blocks()`` returning an iterable of modules. No ``blocks``: [] (only the root is sharded).
-    Anything else is a ValueError saying what is expected (a container module is callable:
-    calling it ran its missing ``forward``).
+    An attribute (or property) that holds the modules: an ``nn.ModuleList`` or ``nn.Sequential``
+    (its modules), an ``nn.ModuleDict`` (its values) or a list of modules, as in
+    ``self.blocks = nn.ModuleList(...)``; or a method ``blocks()`` returning the same (``return
+    self.layers``, a list, a generator). No ``blocks``: [] (only the root is sharded). Anything
+    else is a ValueError saying what is expected (a container module is callable: calling it ran
+    its missing ``forward``).
     """
     blocks = getattr(model, "blocks", None)
     if blocks is None:
         return []
-    if isinstance(blocks, nn.ModuleDict):
-        return list(blocks.values())
-    if isinstance(blocks, (nn.ModuleList, nn.Sequential)):
-        return list(blocks)
-    if callable(blocks) and not isinstance(blocks, nn.Module):
-        found = blocks()
-        if isinstance(found, Iterable) and not isinstance(found, nn.Module):
-            modules = list(found)
-            if all(isinstance(m, nn.Module) for m in modules):
-                return modules
-        what = f"a method returning {type(found).__name__} {found!r:.60}"
-    else:
-        what = f"{type(blocks).__name__} {blocks!r:.60}"
+    method = callable(blocks) and not isinstance(blocks, nn.Module)
+    found = blocks() if method else blocks
+    modules = _modules(found)
+    if modules is not None:
+        return modules
+    what = f"{'a method returning ' if method else ''}{type(found).__name__} {found!r:.60}"
     raise ValueError(
         f"parallel=fsdp shards each module of {type(model).__name__}.blocks, but it is {what}; "
         "make it an nn.ModuleList attribute (self.blocks = nn.ModuleList([...])) or a method "
         "returning the modules (def blocks(self): return [...]), or give it another name if "
         "it is not the model's blocks"
     )
+
+
+def _modules(found: object) -> list[nn.Module] | None:
+    """The modules ``found`` holds (a container module, or an iterable of modules), else None."""
+    if isinstance(found, nn.ModuleDict):
+        return list(found.values())
+    if isinstance(found, (nn.ModuleList, nn.Sequential)):
+        return list(found)
+    if isinstance(found, nn.Module) or not isinstance(found, Iterable) or isinstance(found, str):
+        return None
+    modules = list(found)
+    return modules if all(isinstance(m, nn.Module) for m in modules) else None

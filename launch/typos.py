@@ -24,11 +24,11 @@ from omegaconf.errors import ValidationError
 from launch.choices import choice_keys, not_one_of
 
 # Flags that change which configs are read; with them, Hydra's own message stands.
-_OTHER_CONFIGS = ("--config-dir", "-cd", "--config-path", "-cp")
+OTHER_CONFIGS = ("--config-dir", "-cd", "--config-path", "-cp")
 _REFUSED = re.compile(r"Could not override '([^']+)'")
 
 
-def _config_name(argv: Sequence[str], default: str) -> str:
+def primary_name(argv: Sequence[str], default: str) -> str:
     for i, arg in enumerate(argv):
         if arg in ("--config-name", "-cn") and i + 1 < len(argv):
             return argv[i + 1]
@@ -39,7 +39,7 @@ def _config_name(argv: Sequence[str], default: str) -> str:
 
 def misspelt_key(argv: Sequence[str], config_dir: str, config_name: str) -> str | None:
     """``K is not a config key; did you mean L?`` for the first override Hydra would refuse."""
-    if any(a.split("=", 1)[0] in _OTHER_CONFIGS for a in argv):
+    if any(a.split("=", 1)[0] in OTHER_CONFIGS for a in argv):
         return None
     lines = [a for a in argv if "=" in a and not a.startswith("-")]
     try:
@@ -48,26 +48,29 @@ def misspelt_key(argv: Sequence[str], config_dir: str, config_name: str) -> str 
         return None
     # hydra.* keys configure Hydra itself, which compose() does not take on the command line;
     # a multirun sweep (``-m key=a,b``) is composed with its first value.
-    keys = {
-        (
-            f"{o.get_key_element()}={next(iter(o.sweep_string_iterator()))}"
-            if o.is_sweep_override()
-            else str(o.input_line)
-        ): o.key_or_group
-        for o in parsed
-        if not o.key_or_group.startswith("hydra.")
-    }
+    try:
+        keys = {
+            (
+                f"{o.get_key_element()}={next(iter(o.sweep_string_iterator()))}"
+                if o.is_sweep_override()
+                else str(o.input_line)
+            ): o.key_or_group
+            for o in parsed
+            if not o.key_or_group.startswith("hydra.")
+        }
+    except Exception:  # a sweep only Hydra's sweeper expands (glob(*) reads the config groups)
+        return None
     overrides = list(keys)
     changed = {o.key_or_group for o in parsed if o.type == OverrideType.CHANGE}
     if GlobalHydra.instance().is_initialized():  # a caller's own Hydra session: not ours to end
         return None
     with initialize_config_dir(config_dir=config_dir, version_base="1.3"):
-        name = _config_name(argv, config_name)
+        name = primary_name(argv, config_name)
         try:
             compose(name, overrides=overrides)
             return None
         except Exception as exc:
-            choice = _outside_an_enum(exc)
+            choice = outside_an_enum(exc)
             if choice:
                 return choice
             found = _REFUSED.search(str(exc))
@@ -88,7 +91,7 @@ def misspelt_key(argv: Sequence[str], config_dir: str, config_name: str) -> str 
     return f"{key} is not a config key; did you mean {parent}{dot}{close[0]}?"
 
 
-def _outside_an_enum(exc: Exception) -> str | None:
+def outside_an_enum(exc: Exception) -> str | None:
     """Hydra's refusal of a value outside an Enum field's choices, in launch/choices.py's words
     (the nearest value named); None for any other error."""
     cause = exc.__cause__

@@ -335,14 +335,15 @@ def check_known_keys(cfg: DictConfig, prefix: str = "") -> None:
             check_known_keys(node, f"{prefix}{key}.")
 
 
-def validate(job: JobConfig, typed: Iterable[str] = ()) -> int:
+def validate(job: JobConfig, typed: Iterable[str] = (), read_elsewhere: Iterable[str] = ()) -> int:
     """Check ``job`` in place (paths made absolute); return the resolved ``nproc_per_node``.
 
     ``typed``: the overrides of the command line (Hydra's task overrides); a key among them
-    that this job would not read is refused (launch/applies.py).
+    that this job would not read is refused (launch/applies.py), unless it is in
+    ``read_elsewhere`` (another job of the same multirun reads it: launch/sweep.py).
     """
     _choices(job)
-    _need(not (unused := unused_keys(job, typed)), unused or "")
+    _need(not (unused := unused_keys(job, typed, read_elsewhere)), unused or "")
     _entry(job)
     nproc = _launcher(job)
     _, max_nodes = parse_min_max_nnodes(job.launcher.nnodes)

@@ -47,7 +47,11 @@ SETTINGS: dict[str, tuple[list[str], list[str]]] = {
     "metrics.:scaler": (["scaler.enabled=false"], []),
     "checkpoint.": (["checkpoint.enabled=false"], []),
     "script_args": ([], [f"script={__file__}"]),
-    "launcher.master_addr": ([], ["launcher.nnodes=2"]),
+    "launcher.master_addr": (
+        ["launcher.nnodes=2", "launcher.rdzv_endpoint=h:29500"],
+        ["launcher.nnodes=2"],
+    ),
+    "launcher.node_rank": ([], ["launcher.nnodes=2", "launcher.rdzv_endpoint=h:29500"]),
 }
 
 
@@ -111,6 +115,59 @@ def test_the_issues_fsdp_float8_run_without_fp8_is_refused_naming_the_missing_ke
         "fp8.float8_all_gather"
     ), err
     assert not (run_dir / "logs").exists() and not (run_dir / "torchelastic").exists()
+
+
+@pytest.mark.parametrize(
+    ("typed", "breaks", "key"),
+    [
+        ("fp8={float8_all_gather:true}", ["trainer.precision=bf16"], "fp8.float8_all_gather"),
+        ("scaler={init_scale:4.0}", ["trainer.precision=bf16"], "scaler.init_scale"),
+        ("metrics={port:1234}", ["metrics.enabled=false"], "metrics.port"),
+        ("checkpoint={every:5}", ["checkpoint.enabled=false"], "checkpoint.every"),
+    ],
+)
+def test_a_node_given_as_a_dict_is_refused_like_its_keys(
+    typed: str, breaks: list[str], key: str
+) -> None:
+    """``fp8={float8_all_gather:true}`` types fp8.float8_all_gather as the dotted form does.
+
+    Old code (i41d) read the typed key as ``fp8``, which no rule covers: the issue's FSDP float8
+    all-gather run, typed in Hydra's dict form without trainer.precision=fp8, trained plain
+    bf16 with status 0.
+    """
+    said = unused_keys(_job(*breaks, typed), [typed]) or ""
+    assert said.startswith(f"{typed} is read only with "), said
+    assert said.endswith(f"drop {key}"), said
+
+
+def test_the_issues_run_in_dict_form_exits_2_before_any_worker(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Through the launcher's main (a worker start fails the test); old code started them."""
+    run_dir = tmp_path / "run"
+    status = _main(run_dir, "fp8={float8_all_gather:true}", monkeypatch)
+    err = capsys.readouterr().err
+    assert status == 2, err
+    assert "read only with trainer.precision=fp8" in err and "drop fp8.float8_all_gather" in err
+
+
+def test_master_addr_and_port_typed_beside_an_endpoint_are_refused_node_rank_is_read() -> None:
+    """launch/elastic.py's static rendezvous uses ``launcher.rdzv_endpoint`` when it is given, and
+    ``master_addr:master_port`` only without one (the oracle: the LaunchConfig it builds).
+
+    On i41d (4d7c75b) both keys were accepted beside an endpoint, and silently ignored.
+    """
+    from launch.elastic import launch_config
+
+    job = _job("launcher.nnodes=2", "launcher.rdzv_endpoint=h:29500")
+    for typed in ("launcher.master_addr=10.0.0.9", "launcher.master_port=29999"):
+        moved = _job("launcher.nnodes=2", "launcher.rdzv_endpoint=h:29500", typed)
+        assert launch_config(moved.launcher, 1, Path("/tmp")).rdzv_endpoint == "h:29500"
+        said = unused_keys(job, [typed]) or ""
+        assert said.startswith(f"{typed} is read only with launcher.rdzv_backend=static"), said
+        assert "without launcher.rdzv_endpoint" in said, said
+        assert unused_keys(_job("launcher.nnodes=2"), [typed]) is None  # read there
+    assert unused_keys(job, ["launcher.node_rank=1"]) is None  # the static store's rank
 
 
 def test_validate_without_typed_keys_refuses_nothing_for_them() -> None:

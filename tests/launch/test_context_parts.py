@@ -147,3 +147,40 @@ def test_metrics_tensorboard_without_tensorboard_is_a_bad_config(monkeypatch) ->
     )
     with pytest.raises(ConfigError, match=r"metrics\.tensorboard=true needs TensorBoard"):
         validate(OmegaConf.to_object(cfg))
+
+
+class _Layers(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(2, 2) for _ in range(3))
+
+
+class _ReturnsModuleList(_Layers):
+    def blocks(self) -> torch.nn.ModuleList:  # what old code sharded: it iterated blocks()
+        return self.layers
+
+
+class _ReturnsGenerator(_Layers):
+    def blocks(self):  # type: ignore[no-untyped-def]
+        return (layer for layer in self.layers)
+
+
+class _PropertyList(_Layers):
+    @property
+    def blocks(self) -> list[torch.nn.Module]:
+        return list(self.layers)
+
+
+@pytest.mark.parametrize("model", [_ReturnsModuleList, _ReturnsGenerator, _PropertyList])
+def test_fsdp_blocks_of_a_method_returning_a_module_list_are_its_modules(model: type) -> None:
+    """``def blocks(self): return self.layers`` (a ModuleList) shards each layer, as on main.
+
+    The oracle is the attribute form, ``list(model.layers)``: the same modules, in order. i41d
+    (4d7c75b) refused a method returning a ModuleList on every rank ("a method returning
+    ModuleList"), a form d4d559b's ``for block in model.blocks()`` sharded block by block.
+    """
+    from launch.parallel import fsdp_blocks
+
+    m = model()
+    got = fsdp_blocks(m)
+    assert len(got) == 3 and all(a is b for a, b in zip(got, m.layers, strict=True))

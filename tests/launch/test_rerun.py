@@ -219,3 +219,45 @@ def test_a_rerun_of_a_complete_run_writes_nothing_and_says_the_run_is_complete(
         assert changed == [], (changed, output(proc))
         assert "the run is complete" in proc.stdout, output(proc)
         assert "nothing to train" in proc.stdout, output(proc)
+
+
+@pytest.mark.slow
+def test_a_rerun_of_a_complete_multirun_leaves_its_sweep_record_as_it_was(tmp_path: Path) -> None:
+    """``multirun.yaml`` (the sweep's record, beside its jobs' folders) is left as it was too.
+
+    On i41d (4d7c75b) each job's folder was left alone, but Hydra's sweeper rewrote the sweep's
+    ``multirun.yaml`` before the first job, so a rerun asking for fewer steps left a record naming
+    ``trainer.max_steps=2``, a command that trained nothing.
+    """
+    from launch_helpers import launch
+
+    sweep = tmp_path / "sweep"
+    job = [*JOB, "trainer.max_steps=3", "scaler.growth_interval=100,1000"]
+    first = launch(tmp_path / "unused", "-m", f"hydra.sweep.dir={sweep}", *job, timeout_s=300)
+    assert first.returncode == 0, output(first)
+    before = _folder_state(sweep)
+    assert "multirun.yaml" in before and "0/.hydra/overrides.yaml" in before, sorted(before)
+    for again in (job, [*job, "trainer.max_steps=2"]):
+        proc = launch(tmp_path / "unused", "-m", f"hydra.sweep.dir={sweep}", *again, timeout_s=120)
+        assert proc.returncode == 0, output(proc)
+        assert proc.stdout.count("the run is complete") == 2, output(proc)
+        after = _folder_state(sweep)
+        changed = [p for p in sorted(set(before) | set(after)) if before.get(p) != after.get(p)]
+        assert changed == [], (changed, output(proc))
+
+
+@pytest.mark.parametrize("typed", ["hydra.output_subdir=null", "++hydra.output_subdir=null"])
+def test_hydra_output_subdir_null_typed_in_any_form_writes_no_record(
+    typed: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The user's ``hydra.output_subdir=null`` is honoured however it is typed.
+
+    On i41d (4d7c75b) launch/hydra_record.py saw the choice only without a prefix, so
+    ``++hydra.output_subdir=null`` (Hydra's force-add form) still got a ``.hydra/`` record.
+    """
+    from test_sweep import _launch
+
+    status, started = _launch(tmp_path, monkeypatch, typed, multirun=False)
+    assert (status, started) == (0, ["fp16"])
+    assert (tmp_path / "run" / "config.resolved.yaml").is_file()  # the job did start
+    assert not (tmp_path / "run" / ".hydra").exists()
