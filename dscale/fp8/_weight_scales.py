@@ -40,6 +40,39 @@ class LayoutMismatchError(ValueError):
     """Ranks converted different layers to float8 (raised on every rank, naming them)."""
 
 
+def _agreed_layout(
+    model: nn.Module, conversion: Float8Conversion, predict: str, group: Any
+) -> tuple[list[str], list[Any]]:
+    """The float8 all-gather weights and their names, refused on every rank unless every rank
+    converted the same layers with float8 all-gather (one collective)."""
+    names, weights = _float8_gathered_weights(model)
+    problem: ValueError | None = None
+    if not conversion.float8_all_gather:
+        problem = ValueError(
+            "WeightScales agrees the scales of weights that FSDP2 all-gathers in float8, but "
+            f"this model was converted without float8 all-gather (layers "
+            f"{list(conversion.converted)} cast their weights themselves, each forward, with "
+            "nothing to agree on); convert with convert_to_float8(model, "
+            "float8_all_gather=True) before fully_shard(), or do not use WeightScales"
+        )
+    elif tuple(names) != conversion.converted:
+        problem = LayoutMismatchError(
+            f"WeightScales: the model's float8 all-gather weights {names} differ from the "
+            f"layers convert_to_float8() converted {list(conversion.converted)}; call "
+            "fully_shard() after convert_to_float8(float8_all_gather=True), on every layer"
+        )
+    layouts = _dist.all_gather_objects((names, conversion.layout(), predict), group)
+    if problem is None and any(lay != layouts[0] for lay in layouts):
+        problem = LayoutMismatchError(
+            "ranks converted different layers to float8: "
+            + "; ".join(f"rank {r}: {lay[0]} ({lay[2]})" for r, lay in enumerate(layouts))
+            + "; convert the same layers on every rank (the same keep_high_precision)"
+        )
+    errors = (LayoutMismatchError, ValueError)
+    _dist.gather_then_raise(problem, group, "WeightScales", errors)
+    return names, weights
+
+
 class WeightScales:
     """Agreed float8 all-gather weight scales for an FSDP2 model, with no extra collective.
 
@@ -82,31 +115,7 @@ class WeightScales:
         self._model = model
         self._optimizer = optimizer
         self._group = scaler._process_group()
-        names, weights = _float8_gathered_weights(model)
-        problem: ValueError | None = None
-        if not conversion.float8_all_gather:
-            problem = ValueError(
-                "WeightScales agrees the scales of weights that FSDP2 all-gathers in float8, but "
-                f"this model was converted without float8 all-gather (layers "
-                f"{list(conversion.converted)} cast their weights themselves, each forward, with "
-                "nothing to agree on); convert with convert_to_float8(model, "
-                "float8_all_gather=True) before fully_shard(), or do not use WeightScales"
-            )
-        elif tuple(names) != conversion.converted:
-            problem = LayoutMismatchError(
-                f"WeightScales: the model's float8 all-gather weights {names} differ from the "
-                f"layers convert_to_float8() converted {list(conversion.converted)}; call "
-                "fully_shard() after convert_to_float8(float8_all_gather=True), on every layer"
-            )
-        layouts = _dist.all_gather_objects((names, conversion.layout(), predict), self._group)
-        if problem is None and any(lay != layouts[0] for lay in layouts):
-            problem = LayoutMismatchError(
-                "ranks converted different layers to float8: "
-                + "; ".join(f"rank {r}: {lay[0]} ({lay[2]})" for r, lay in enumerate(layouts))
-                + "; convert the same layers on every rank (the same keep_high_precision)"
-            )
-        errors = (LayoutMismatchError, ValueError)
-        _dist.gather_then_raise(problem, self._group, "WeightScales", errors)
+        names, weights = _agreed_layout(model, conversion, predict, self._group)
         self.names = tuple(names)
         self._weights = weights
         self._shapes = [tuple(w.shape) for w in weights]
