@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from dscale.fp8 import _attached, _torchao
-from dscale.fp8._layers import check_layouts, clean, refuse_other_layers, state_int
+from dscale.fp8._layers import check_layouts, named_layers, refuse_other_layers, state_int
 
 TENSORS = (("input", torch.float8_e4m3fn), ("weight", torch.float8_e4m3fn))
 GRAD = ("grad_output", torch.float8_e5m2)
@@ -78,10 +78,7 @@ class Float8Numerics:
         if not isinstance(every, int) or every < 1:
             raise ValueError(f"every must be a positive int (sample every N steps), got {every!r}")
         cls = _torchao.float8_linear_class()
-        self.layers: list[tuple[str, Any]] = sorted(
-            ((clean(n), m) for n, m in model.named_modules() if isinstance(m, cls)),
-            key=lambda item: item[0],
-        )
+        self.layers: list[tuple[str, Any]] = named_layers(model, cls)
         rowwise = [
             n
             for n, m in self.layers
