@@ -67,7 +67,8 @@ def convert_to_float8(
             or names as ``model.named_modules()`` gives them (a layer whose name equals or
             starts with ``name + "."`` is kept; each name must hold at least one
             ``nn.Linear``, any subclass counting; a block compiled alone may be named without
-            its ``_orig_mod`` part, as Float8Numerics names it). Heads and the first/last layers are the usual choice.
+            its ``_orig_mod`` part, as Float8Numerics names it). Heads and the first/last
+            layers are the usual choice.
         float8_all_gather: FSDP2 all-gathers the weights in float8 (tensorwise only); then use
             :class:`dscale.fp8.WeightScales` for the weights' scales.
         emulate: torchao's emulation (no ``torch._scaled_mm``), for hardware without FP8.

@@ -99,6 +99,11 @@ class Float8Fallback:
         if not self._numerics.sampled_last_step or self._numerics.sample_step == self._decided:
             return  # no new sample (or one already decided on, by a first optimizer): no op
         self._decided = self._numerics.sample_step
+        if not applied:
+            # A skipped step (an overflow, which a dynamic scaler provokes by design, or a
+            # spike) trained nothing, and an inf makes its tensor's scale 0 (every element reads
+            # flushed): it neither extends nor ends a run. Every rank has the same outcome.
+            return
         snap = self._numerics.snapshot()
         for name, module in self._modules.items():
             if name in self.fallen:

@@ -360,3 +360,56 @@ def test_a_fallback_decides_on_no_sample_twice_once_its_numerics_closed():
     assert fallback.runs["blocks.1.fc2"] == 1
     assert max(fallback.runs.values()) <= numerics.num_samples
     assert not numerics.sampled_last_step
+
+
+def _overflow_run(overflow_at, scaler):
+    """Fallback over ``samples=1``; an inf written into blocks.1.fc1's grad_output at
+    ``overflow_at`` (a loss scale too high for one element, as fp16 overflows)."""
+    model = _models.net()
+    fp8.convert_to_float8(model, emulate=True)
+    at = {"step": -1}
+
+    def overflow(module, args, out):
+        if at["step"] == overflow_at:
+
+            def write_inf(grad):
+                grad = grad.clone()
+                grad.view(-1)[0] = float("inf")
+                return grad
+
+            out.register_hook(write_inf)
+
+    model.blocks[1].fc1.register_forward_hook(overflow)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    fallback = None
+    if isinstance(scaler, dscale.GradScaler):
+        numerics = fp8.Float8Numerics(model, scaler, every=1)
+        fallback = fp8.Float8Fallback(numerics, scaler, threshold=0.05, samples=1)
+    out = []
+    for step in range(4):
+        at["step"] = step
+        tokens, target = _models.batch(step)
+        scaler.scale(_models.loss_of(model, tokens, target)).backward()
+        scale = scaler.get_scale()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        skipped = scaler.get_scale() < scale
+        out.append((skipped, list(fallback.fallen) if fallback else None))
+    return out
+
+
+def test_a_step_the_scaler_skips_for_an_overflow_switches_no_layer():
+    """Review of issue 41 (item 9): the fallback decided on every sample, also a skipped step's:
+    one inf in a grad_output (the loss scale too high for one element, which a dynamic scaler
+    provokes by design) makes that tensor's scale 0, so its sample reads 'flushed' ~1.0, and with
+    samples=1 the layer switched to high precision for good over a step that trained nothing.
+    Oracle: torch's GradScaler skips that step too (the overflow is the scaler's business), and
+    the same run without the overflow switches nothing; a skipped step neither extends nor ends
+    a run."""
+    torch_run = _overflow_run(2, torch.amp.GradScaler("cpu", init_scale=1024.0))
+    assert [s for s, _ in torch_run] == [False, False, True, False]
+    clean_run = _overflow_run(None, dscale.GradScaler("cpu", init_scale=1024.0))
+    run = _overflow_run(2, dscale.GradScaler("cpu", init_scale=1024.0))
+    assert [s for s, _ in run] == [s for s, _ in torch_run]
+    assert [f for _, f in run] == [f for _, f in clean_run] == [[]] * 4
