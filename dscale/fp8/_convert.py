@@ -141,6 +141,12 @@ def _keep_function(
     # Here, not at the top: _layers imports _weight_scales, which imports this module.
     from dscale.fp8._layers import clean
 
+    if not isinstance(keep, Iterable):
+        raise ValueError(
+            f"keep_high_precision={keep!r} is neither layer names nor a function; pass a list "
+            "of names (as model.named_modules() gives them) or a function (name, module) -> "
+            "bool (for a pattern: lambda name, module: bool(pattern.fullmatch(name)))"
+        )
     names = tuple(keep)
     odd = [n for n in names if not isinstance(n, str)]
     if odd:

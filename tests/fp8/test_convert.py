@@ -188,3 +188,22 @@ def test_kept_names_count_any_linear_and_the_names_without_a_blocks_compile_wrap
     compiled = convert_to_float8(model, keep_high_precision=["blocks.1.fc1"])
     assert [n.replace("_orig_mod.", "") for n in compiled.converted] == list(bare.converted)
     assert "blocks.1._orig_mod.fc1" in compiled.left
+
+
+def test_a_pattern_for_keep_high_precision_is_refused_with_the_forms_it_takes():
+    """Review of issue 41 (item 11): a compiled regex (not a documented form) raised a bare
+    TypeError from tuple(); it is a ValueError naming the forms, the model left unconverted, and
+    the documented function form with the pattern keeps what it matches (oracle: the same layers
+    kept by their names)."""
+    import re
+
+    pattern = re.compile(r"blocks\.0\..*")
+    model = _models.net()
+    with pytest.raises(ValueError, match="neither layer names nor a function"):
+        convert_to_float8(model, keep_high_precision=pattern)
+    assert _float8_names(model) == []
+    by_function = convert_to_float8(
+        _models.net(), keep_high_precision=lambda name, module: bool(pattern.fullmatch(name))
+    )
+    by_names = convert_to_float8(_models.net(), keep_high_precision=["blocks.0"])
+    assert by_function.converted == by_names.converted == ("blocks.1.fc1", "blocks.1.fc2")
