@@ -10,8 +10,9 @@ from dscale.fp8._bound import adam_update_bound
 from dscale.fp8._collector import Float8NumericsCollector
 from dscale.fp8._convert import Float8Conversion, convert_to_float8
 from dscale.fp8._fallback import Float8Fallback
+from dscale.fp8._layers import LayoutMismatchError
 from dscale.fp8._numerics import Float8Numerics, tensor_stats
-from dscale.fp8._weight_scales import LayoutMismatchError, WeightScales
+from dscale.fp8._weight_scales import WeightScales
 
 __all__ = [
     "Float8Conversion",

@@ -65,8 +65,10 @@ def convert_to_float8(
             ``"rowwise"`` (one scale per row; all-gathers in high precision).
         keep_high_precision: layers to leave as they are: a function ``(name, module) -> bool``
             or names as ``model.named_modules()`` gives them (a layer whose name equals or
-            starts with ``name + "."`` is kept; each name must keep at least one
-            ``nn.Linear``). Heads and the first/last layers are the usual choice.
+            starts with ``name + "."`` is kept; each name must hold at least one
+            ``nn.Linear``, any subclass counting; a block compiled alone may be named without
+            its ``_orig_mod`` part, as Float8Numerics names it). Heads and the first/last
+            layers are the usual choice.
         float8_all_gather: FSDP2 all-gathers the weights in float8 (tensorwise only); then use
             :class:`dscale.fp8.WeightScales` for the weights' scales.
         emulate: torchao's emulation (no ``torch._scaled_mm``), for hardware without FP8.
@@ -136,6 +138,15 @@ def _keep_function(
             f"keep_high_precision={keep!r} is one string; pass a list of layer names "
             f"([{keep!r}]) or a function (name, module) -> bool"
         )
+    # Here, not at the top: _layers imports _weight_scales, which imports this module.
+    from dscale.fp8._layers import clean
+
+    if not isinstance(keep, Iterable):
+        raise ValueError(
+            f"keep_high_precision={keep!r} is neither layer names nor a function; pass a list "
+            "of names (as model.named_modules() gives them) or a function (name, module) -> "
+            "bool (for a pattern: lambda name, module: bool(pattern.fullmatch(name)))"
+        )
     names = tuple(keep)
     odd = [n for n in names if not isinstance(n, str)]
     if odd:
@@ -144,7 +155,7 @@ def _keep_function(
             "strings (as model.named_modules() gives them) or a function (name, module) -> bool"
         )
     _refuse_names_keeping_nothing(names, model)
-    return lambda name, module: any(_within(name, n) for n in names)
+    return lambda name, module: any(_within(name, n) or _within(clean(name), n) for n in names)
 
 
 def _within(name: str, kept: str) -> bool:
@@ -157,7 +168,12 @@ def _refuse_names_keeping_nothing(names: tuple[str, ...], model: nn.Module) -> N
 
     A mistyped name would otherwise keep nothing and convert the layer it meant, silently.
     """
-    linears = [n for n, m in model.named_modules() if type(m) is nn.Linear]
+    from dscale.fp8._layers import clean  # (see _keep_function)
+
+    # Any linear counts (a subclass torchao leaves, as MultiheadAttention's out_proj, is kept
+    # as asked), by its name or its name without wrappers' parts (a block compiled alone).
+    found = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    linears = sorted({*found, *map(clean, found)})
     unmatched = [n for n in names if not any(_within(linear, n) for linear in linears)]
     if not unmatched:
         return

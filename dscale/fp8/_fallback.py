@@ -87,6 +87,7 @@ class Float8Fallback:
         self.fallen: list[str] = []
         self.runs = dict.fromkeys(self._modules, 0)
         self._left_logged: set[str] = set()
+        self._decided: int | None = None  # the sample decided on last (several optimizers)
         self._unregister = scaler.register_step_callback(self._after_step)
         self._scaler = scaler
         _attached.attach_fallback(scaler, self)  # the exporter serves its switched layers
@@ -95,8 +96,14 @@ class Float8Fallback:
         # Registered after the numerics' callback, so a sample of this step is already read.
         # Whether this step was sampled follows from the numerics' own state (restored with
         # it), so a resume at any step decides on the same samples as the uninterrupted run.
-        if not self._numerics.sampled_last_step:
-            return  # no new sample: nothing to decide, no op
+        if not self._numerics.sampled_last_step or self._numerics.sample_step == self._decided:
+            return  # no new sample (or one already decided on, by a first optimizer): no op
+        self._decided = self._numerics.sample_step
+        if not applied:
+            # A skipped step (an overflow, which a dynamic scaler provokes by design, or a
+            # spike) trained nothing, and an inf makes its tensor's scale 0 (every element reads
+            # flushed): it neither extends nor ends a run. Every rank has the same outcome.
+            return
         snap = self._numerics.snapshot()
         for name, module in self._modules.items():
             if name in self.fallen:

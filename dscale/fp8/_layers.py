@@ -10,17 +10,52 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch import nn
 
 from dscale import _dist
-from dscale.fp8._weight_scales import LayoutMismatchError
+
+#: Parts that wrappers insert anywhere in a name: torch.compile (of the model or of a block),
+#: activation checkpointing, FSDP1. Reserved names: no model's own module is called so.
+WRAPPER_PARTS = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
+
+
+class LayoutMismatchError(ValueError):
+    """Ranks converted different layers to float8 (raised on every rank, naming them)."""
 
 
 def clean(name: str) -> str:
-    """A module name without the wrappers' leading parts (DDP's ``module.``, ``_orig_mod.``)."""
-    parts = name.split(".")
-    while parts and parts[0] in ("module", "_orig_mod"):
-        parts.pop(0)
-    return ".".join(parts)
+    """A module name without the wrappers' parts (``_orig_mod``, ``_checkpoint_wrapped_module``)."""
+    return ".".join(p for p in name.split(".") if p not in WRAPPER_PARTS)
+
+
+def unwrapped(model: nn.Module) -> nn.Module:
+    """The model inside its outer wrappers: a module whose only child is ``module`` (DDP,
+    DataParallel) or ``_orig_mod`` (torch.compile). A model's own ``module`` beside other
+    children is the model's, and stays in the names."""
+    while True:
+        children = list(model.named_children())
+        if len(children) != 1 or children[0][0] not in ("module", "_orig_mod"):
+            return model
+        model = children[0][1]
+
+
+def named_layers(model: nn.Module, cls: type) -> list[tuple[str, Any]]:
+    """``(name, module)`` of the ``cls`` modules, sorted, named as in the bare model.
+
+    The same layer gets the same name wrapped or not (DDP, torch.compile of the model or of its
+    blocks, activation checkpointing), so ranks and checkpoints compare by name across wrappers.
+    """
+    found: dict[str, Any] = {}
+    for name, module in unwrapped(model).named_modules():
+        if isinstance(module, cls):
+            key = clean(name)
+            if key in found:
+                raise ValueError(
+                    f"two float8 layers are both named {key!r} once wrappers' parts are "
+                    f"dropped ({WRAPPER_PARTS}); rename one of them"
+                )
+            found[key] = module
+    return sorted(found.items(), key=lambda item: item[0])
 
 
 def state_int(value: Any) -> int:

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from dscale.fp8 import _attached, _torchao
-from dscale.fp8._layers import check_layouts, clean, refuse_other_layers, state_int
+from dscale.fp8._layers import check_layouts, named_layers, refuse_other_layers, state_int
 
 TENSORS = (("input", torch.float8_e4m3fn), ("weight", torch.float8_e4m3fn))
 GRAD = ("grad_output", torch.float8_e5m2)
@@ -67,7 +67,8 @@ class Float8Numerics:
         ...  # train; after a sampled step:
         numerics.snapshot()  # {"blocks.0.fc1/input": {"amax": ..., "flushed": ...}, ...}
 
-    Steps are counted by the scaler's step() calls, which every rank makes alike: steps 0,
+    Steps are counted by the scaler's step() calls, which every rank makes alike (with several
+    optimizers, the first step() of each iteration: one iteration, one step): steps 0,
     ``every``, 2 x ``every``, ... are sampled on every rank. Tensorwise recipe only. Make it on
     every rank after ``init_process_group`` (construction compares the ranks' layers: one
     collective, once; :class:`~dscale.fp8.LayoutMismatchError` on every rank if they differ).
@@ -77,10 +78,7 @@ class Float8Numerics:
         if not isinstance(every, int) or every < 1:
             raise ValueError(f"every must be a positive int (sample every N steps), got {every!r}")
         cls = _torchao.float8_linear_class()
-        self.layers: list[tuple[str, Any]] = sorted(
-            ((clean(n), m) for n, m in model.named_modules() if isinstance(m, cls)),
-            key=lambda item: item[0],
-        )
+        self.layers: list[tuple[str, Any]] = named_layers(model, cls)
         rowwise = [
             n
             for n, m in self.layers
@@ -126,8 +124,25 @@ class Float8Numerics:
 
     @property
     def sampled_last_step(self) -> bool:
-        """Whether the step just finished was sampled (its values are in :meth:`snapshot`)."""
-        return self.sample_step is not None and self.sample_step == self.num_steps - 1
+        """Whether the step just finished was sampled (its values are in :meth:`snapshot`).
+
+        False once closed: a closed numerics counts no more steps, so its last sample is old.
+        """
+        return (
+            not self._closed
+            and self.sample_step is not None
+            and self.sample_step == self.num_steps - 1
+        )
+
+    def _stepped(self) -> int:
+        """How many optimizers the scaler stepped in this iteration so far (0 if it cannot say).
+
+        A step counts an iteration: with several optimizers, the first step() after update()
+        takes the sample and counts; the further ones send nothing and count nothing (their
+        check sees no new forward, so they would sample zeros).
+        """
+        count = getattr(self._scaler, "_stepped_this_iteration", None)
+        return 0 if count is None else int(count())
 
     def _hook(self, name: str) -> Any:
         def forward_hook(module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> None:
@@ -161,8 +176,8 @@ class Float8Numerics:
     # --------------------------------------------------------- the agreement field protocol
     def values(self, optimizer: Any) -> torch.Tensor | None:
         """On sampled steps, every layer's stats (missing ones 0); else None (nothing sent)."""
-        if not self._armed:
-            return None
+        if not self._armed or self._stepped():
+            return None  # unsampled, or a further optimizer of a sampled iteration
         device = next(iter(self._stats.values())).device if self._stats else None
         blank = torch.zeros(len(FIELDS), device=device)
         return torch.cat([self._stats.get(k, blank).to(device) for k in self.keys])
@@ -172,6 +187,8 @@ class Float8Numerics:
         self._sent = slots
 
     def _after_step(self, optimizer: Any, applied: bool) -> None:
+        if self._stepped() > 1:
+            return  # a further optimizer's step in this iteration: counted with the first
         if self._armed and self._sent is not None:
             width = len(self.keys) * len(FIELDS)
             values = self._sent[:width].tolist()  # host read

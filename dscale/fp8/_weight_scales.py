@@ -23,9 +23,10 @@ import torch
 from torch import nn
 
 from dscale import _dist
-from dscale.fp8 import _attached, _bound, _predict, _torchao
+from dscale.fp8 import _attached, _bound, _layers, _predict, _torchao
 from dscale.fp8 import _weight_scales_state as _state
 from dscale.fp8._convert import Float8Conversion
+from dscale.fp8._layers import LayoutMismatchError
 from dscale.step_guard import StepGuard
 
 logger = logging.getLogger(__name__)
@@ -34,10 +35,6 @@ logger = logging.getLogger(__name__)
 ROUNDING_MARGIN = 2.0**-16
 #: torchao's floor on an amax (float8_utils.EPS), so an all-zero weight gets a finite scale.
 AMAX_FLOOR = 1e-12
-
-
-class LayoutMismatchError(ValueError):
-    """Ranks converted different layers to float8 (raised on every rank, naming them)."""
 
 
 def _agreed_layout(
@@ -310,10 +307,10 @@ def _float8_gathered_weights(model: nn.Module) -> tuple[list[str], list[Any]]:
     cls = _torchao.float8_linear_class()
     wrapper = _torchao.fsdp_utils().WeightWithDynamicFloat8CastTensor
     found = []
-    for name, module in model.named_modules():
+    for name, module in _layers.unwrapped(model).named_modules():
         weight = getattr(module, "weight", None)
         if isinstance(module, cls) and isinstance(getattr(weight, "_local_tensor", None), wrapper):
-            found.append((_clean(name), weight))
+            found.append((_layers.clean(name), weight))
     found.sort(key=lambda item: item[0])
     return [n for n, _ in found], [w for _, w in found]
 
@@ -321,10 +318,3 @@ def _float8_gathered_weights(model: nn.Module) -> tuple[list[str], list[Any]]:
 def _shards(weights: list[Any]) -> tuple[list[torch.Tensor], list[Any]]:
     """Each DTensor weight's local shard as a plain tensor, and its float8 wrapper."""
     return [w._local_tensor._tensor for w in weights], [w._local_tensor for w in weights]
-
-
-def _clean(name: str) -> str:
-    """A module name without wrappers' prefixes (DDP's ``module.``, compile's ``_orig_mod.``)."""
-    for prefix in ("module.", "_orig_mod."):
-        name = name.replace(prefix, "")
-    return name

@@ -611,6 +611,11 @@ class GradScaler(TorchGradScalerSurface):
         self._callbacks.append(callback)
         return lambda: self._callbacks.remove(callback)
 
+    def _stepped_this_iteration(self) -> int:
+        """How many optimizers step() stepped since the last update() (dscale.fp8 counts
+        iterations by the first)."""
+        return sum(s.stage is Stage.STEPPED for s in self._per_optimizer_states.values())
+
     def add_agreement_field(self, field: _agreement.AgreementField) -> Callable[[], None]:
         """Let ``field`` send values on every step's agreement vector (dscale.fp8's amaxes).
 

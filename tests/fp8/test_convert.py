@@ -163,3 +163,47 @@ def test_float8_model_trains_under_step_guard_as_without_it_in_bf16():
     (plain_losses, plain_params), (losses, params) = runs
     assert losses == plain_losses
     assert all(torch.equal(a, b) for a, b in zip(params, plain_params))
+
+
+def test_kept_names_count_any_linear_and_the_names_without_a_blocks_compile_wrapper():
+    """Review of issue 41 (item 11): the new check counted only exact nn.Linear, so keeping a
+    MultiheadAttention (whose out_proj is a Linear subclass torchao leaves in high precision
+    anyway) was refused as "keeps nothing", a true statement turned into an error; and a block
+    compiled alone (torchtitan's idiom) had to be kept by its ``_orig_mod`` name, while
+    Float8Numerics and Float8Fallback name the same layer without it. Oracle: the conversion
+    of the bare model with the same names (the same layers converted and kept)."""
+
+    class WithAttention(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = torch.nn.MultiheadAttention(32, 2, batch_first=True)
+            self.fc = torch.nn.Linear(32, 32)
+
+    with_attn = convert_to_float8(WithAttention(), keep_high_precision=["attn"])
+    assert with_attn.converted == convert_to_float8(WithAttention()).converted == ("fc",)
+
+    bare = convert_to_float8(_models.net(), keep_high_precision=["blocks.1.fc1"])
+    model = _models.net()
+    model.blocks[1] = torch.compile(model.blocks[1])  # nothing runs: names only
+    compiled = convert_to_float8(model, keep_high_precision=["blocks.1.fc1"])
+    assert [n.replace("_orig_mod.", "") for n in compiled.converted] == list(bare.converted)
+    assert "blocks.1._orig_mod.fc1" in compiled.left
+
+
+def test_a_pattern_for_keep_high_precision_is_refused_with_the_forms_it_takes():
+    """Review of issue 41 (item 11): a compiled regex (not a documented form) raised a bare
+    TypeError from tuple(); it is a ValueError naming the forms, the model left unconverted, and
+    the documented function form with the pattern keeps what it matches (oracle: the same layers
+    kept by their names)."""
+    import re
+
+    pattern = re.compile(r"blocks\.0\..*")
+    model = _models.net()
+    with pytest.raises(ValueError, match="neither layer names nor a function"):
+        convert_to_float8(model, keep_high_precision=pattern)
+    assert _float8_names(model) == []
+    by_function = convert_to_float8(
+        _models.net(), keep_high_precision=lambda name, module: bool(pattern.fullmatch(name))
+    )
+    by_names = convert_to_float8(_models.net(), keep_high_precision=["blocks.0"])
+    assert by_function.converted == by_names.converted == ("blocks.1.fc1", "blocks.1.fc2")

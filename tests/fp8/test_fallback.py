@@ -275,3 +275,141 @@ def test_a_state_switching_a_float8_all_gather_layer_is_refused_and_changes_noth
         fallback.load_state_dict({"fallen": ["blocks.0.fc1"], "runs": {}})
     assert fallback.fallen == []
     assert model.blocks[0].fc1.config.cast_config_input.scaling_type.value != "disabled"
+
+
+def _two_optimizer_steps(split, unscale_first, every, steps=7):
+    """``split``: AdamW over the first half of the parameters and one over the rest, stepped
+    in one iteration (torch's recipe for several optimizers, with ``unscale_`` of each first
+    or not); else one AdamW over all."""
+    model = _models.net()
+    fp8.convert_to_float8(model, emulate=True)
+    model.blocks[1].fc2.register_forward_pre_hook(_blow_up)
+    params = list(model.parameters())
+    groups = [params[: len(params) // 2], params[len(params) // 2 :]] if split else [params]
+    opts = [torch.optim.AdamW(g, lr=1e-3) for g in groups]
+    guard = dscale.StepGuard("cpu")
+    numerics = fp8.Float8Numerics(model, guard, every=every)
+    fallback = fp8.Float8Fallback(numerics, guard, threshold=0.05, samples=2)
+    out = []
+    for step in range(steps):
+        tokens, target = _models.batch(step)
+        loss = _models.loss_of(model, tokens, target)
+        guard.scale(loss).backward()
+        for opt in opts if unscale_first else ():
+            guard.unscale_(opt)
+        for opt in opts:
+            guard.step(opt)
+        guard.update()
+        for opt in opts:
+            opt.zero_grad()
+        out.append(
+            (
+                loss.item(),
+                numerics.snapshot(),
+                list(fallback.fallen),
+                dict(fallback.runs),
+                numerics.num_steps,
+                numerics.num_samples,
+            )
+        )
+    return out
+
+
+@pytest.mark.parametrize(("unscale_first", "every"), [(False, 1), (True, 2)])
+def test_with_two_optimizers_the_samples_and_switches_are_the_one_optimizer_runs(
+    unscale_first, every
+):
+    """Review of issue 41 (items 8, 9): the numerics counted every step() call, so with two
+    optimizers (a) the second optimizer's step of a sampled iteration was sampled too: it saw no
+    forward and sent zeros, every snapshot read all zeros and the fallback, deciding on them,
+    never switched the troubled layer; (b) with unscale_() of both first, every=2 sampled every
+    iteration (two steps each) and switched the layer an iteration early. Oracle: the same
+    training with one AdamW over every parameter (AdamW is per parameter, so the losses are
+    bitwise equal): the same snapshots, switched layers, runs and counts at every iteration."""
+    one = _two_optimizer_steps(False, unscale_first, every)
+    two = _two_optimizer_steps(True, unscale_first, every)
+    assert one[every][2] == ["blocks.1.fc2"]  # the oracle switches it at its second sample
+    assert [r[1:3] for r in two] == [r[1:3] for r in one]  # the same samples and switches
+    assert [r[0] for r in two] == [r[0] for r in one]  # so the same training
+    assert two == one
+
+
+def test_a_fallback_decides_on_no_sample_twice_once_its_numerics_closed():
+    """Review of issue 41 (item 9): closed right after a sampled step, the numerics stopped
+    counting steps, so "the step just finished was sampled" stayed true and the fallback read the
+    same old sample on every later step: the troubled layer switched after one sample where
+    ``samples=3`` asks for three. Oracle: the count of samples the numerics took (1): no run may
+    exceed it, and nothing switches."""
+    model = _models.net()
+    fp8.convert_to_float8(model, emulate=True)
+    model.blocks[1].fc2.register_forward_pre_hook(_blow_up)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    guard = dscale.StepGuard("cpu")
+    numerics = fp8.Float8Numerics(model, guard, every=1)
+    fallback = fp8.Float8Fallback(numerics, guard, threshold=0.05, samples=3)
+    for step in range(5):
+        tokens, target = _models.batch(step)
+        guard.scale(_models.loss_of(model, tokens, target)).backward()
+        guard.step(opt)
+        guard.update()
+        opt.zero_grad()
+        if step == 0:
+            numerics.close()
+    assert numerics.num_samples == 1
+    assert fallback.fallen == []
+    assert fallback.runs["blocks.1.fc2"] == 1
+    assert max(fallback.runs.values()) <= numerics.num_samples
+    assert not numerics.sampled_last_step
+
+
+def _overflow_run(overflow_at, scaler):
+    """Fallback over ``samples=1``; an inf written into blocks.1.fc1's grad_output at
+    ``overflow_at`` (a loss scale too high for one element, as fp16 overflows)."""
+    model = _models.net()
+    fp8.convert_to_float8(model, emulate=True)
+    at = {"step": -1}
+
+    def overflow(module, args, out):
+        if at["step"] == overflow_at:
+
+            def write_inf(grad):
+                grad = grad.clone()
+                grad.view(-1)[0] = float("inf")
+                return grad
+
+            out.register_hook(write_inf)
+
+    model.blocks[1].fc1.register_forward_hook(overflow)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    fallback = None
+    if isinstance(scaler, dscale.GradScaler):
+        numerics = fp8.Float8Numerics(model, scaler, every=1)
+        fallback = fp8.Float8Fallback(numerics, scaler, threshold=0.05, samples=1)
+    out = []
+    for step in range(4):
+        at["step"] = step
+        tokens, target = _models.batch(step)
+        scaler.scale(_models.loss_of(model, tokens, target)).backward()
+        scale = scaler.get_scale()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        skipped = scaler.get_scale() < scale
+        out.append((skipped, list(fallback.fallen) if fallback else None))
+    return out
+
+
+def test_a_step_the_scaler_skips_for_an_overflow_switches_no_layer():
+    """Review of issue 41 (item 9): the fallback decided on every sample, also a skipped step's:
+    one inf in a grad_output (the loss scale too high for one element, which a dynamic scaler
+    provokes by design) makes that tensor's scale 0, so its sample reads 'flushed' ~1.0, and with
+    samples=1 the layer switched to high precision for good over a step that trained nothing.
+    Oracle: torch's GradScaler skips that step too (the overflow is the scaler's business), and
+    the same run without the overflow switches nothing; a skipped step neither extends nor ends
+    a run."""
+    torch_run = _overflow_run(2, torch.amp.GradScaler("cpu", init_scale=1024.0))
+    assert [s for s, _ in torch_run] == [False, False, True, False]
+    clean_run = _overflow_run(None, dscale.GradScaler("cpu", init_scale=1024.0))
+    run = _overflow_run(2, dscale.GradScaler("cpu", init_scale=1024.0))
+    assert [s for s, _ in run] == [s for s, _ in torch_run]
+    assert [f for _, f in run] == [f for _, f in clean_run] == [[]] * 4

@@ -140,3 +140,73 @@ def test_numerics_state_is_keyed_by_layer_name_and_another_models_is_refused():
     restored.load_state_dict(state)
     assert restored.snapshot() == saved.snapshot() != {}
     assert (restored.num_steps, restored.num_samples, restored.sample_step) == (3, 2, 2)
+
+
+def _wrapped_run(wrap, steps=2):
+    """Numerics and a fallback over the test model, its blocks wrapped by ``wrap``."""
+    from tests.fp8.test_fallback import _blow_up
+
+    model = _models.net()
+    fp8.convert_to_float8(model, emulate=True)
+    model.blocks[1].fc2.register_forward_pre_hook(_blow_up)
+    for i, block in enumerate(model.blocks):
+        model.blocks[i] = wrap(block)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    guard = dscale.StepGuard("cpu")
+    numerics = fp8.Float8Numerics(model, guard, every=1)
+    fallback = fp8.Float8Fallback(numerics, guard, threshold=0.05, samples=2)
+    for step in range(steps):
+        tokens, target = _models.batch(step)
+        guard.scale(_models.loss_of(model, tokens, target)).backward()
+        guard.step(opt)
+        guard.update()
+        opt.zero_grad()
+    return numerics, fallback
+
+
+def test_layer_names_are_the_bare_models_under_wrappers_inside_the_model():
+    """Review of issue 41 (items 7, 10): names dropped only leading ``module.``/``_orig_mod.``,
+    so blocks wrapped inside the model (activation checkpointing, torch.compile of each block,
+    as torchtitan does) were named ``blocks.0._checkpoint_wrapped_module.fc1``: a state saved
+    without the wrapper was refused by the same model with it (and the reverse); and a model's
+    own ``module`` child beside others lost its prefix, so ``module.fc`` and ``fc`` collided
+    into one key (one layer dropped from the fallback and the state). Oracle: the bare model's
+    names, snapshot and switched layers; its states load into the wrapped one."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    bare_numerics, bare_fallback = _wrapped_run(lambda block: block)
+    names = [n for n, _ in bare_numerics.layers]
+    assert names == ["blocks.0.fc1", "blocks.0.fc2", "blocks.1.fc1", "blocks.1.fc2"]
+    numerics, fallback = _wrapped_run(checkpoint_wrapper)
+    assert [n for n, _ in numerics.layers] == names
+    assert numerics.snapshot() == bare_numerics.snapshot()
+    assert fallback.fallen == bare_fallback.fallen == ["blocks.1.fc2"]
+    fresh, fresh_fallback = _wrapped_run(checkpoint_wrapper, steps=0)
+    fresh.load_state_dict(bare_numerics.state_dict())
+    fresh_fallback.load_state_dict(bare_fallback.state_dict())
+    assert fresh_fallback.fallen == ["blocks.1.fc2"]
+
+    compiled = _models.net()  # compiled per block and whole (names only: nothing runs)
+    fp8.convert_to_float8(compiled, emulate=True)
+    compiled.blocks[1] = torch.compile(compiled.blocks[1])
+    guard = dscale.StepGuard("cpu")
+    whole = fp8.Float8Numerics(torch.compile(compiled), guard, every=1)
+    assert [n for n, _ in whole.layers] == names
+    whole.close()
+
+    class Inner(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(32, 32)
+
+    class Outer(torch.nn.Module):  # its own "module" child beside another: not a wrapper
+        def __init__(self):
+            super().__init__()
+            self.module = Inner()
+            self.fc = torch.nn.Linear(32, 32)
+
+    outer = Outer()
+    fp8.convert_to_float8(outer, emulate=True)
+    numerics = fp8.Float8Numerics(outer, dscale.StepGuard("cpu"), every=1)
+    assert [n for n, _ in numerics.layers] == ["fc", "module.fc"]
+    assert len(fp8.Float8Fallback(numerics, dscale.StepGuard("cpu")).runs) == 2

@@ -147,3 +147,52 @@ def test_unsampled_steps_run_the_collectives_and_ops_of_a_run_without_numerics_u
         for step in (0, 2, 4):  # sampled: the values ride that same all-reduce, no second one
             assert with_[step]["agreements"] == 1, (rank, step)
             assert with_[step]["allreduces"] == without[step]["allreduces"], (rank, step)
+
+
+def _two_optimizers(rank: int, world: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for arm in ("one", "two"):
+        model, wrapped = _ddp_model(None)
+        if rank == 1:  # an outlier on rank 1 only: the agreed sample is rank 1's
+            model.blocks[1].fc2.register_forward_pre_hook(
+                lambda module, args: (args[0] + 1e4 * (args[0] == args[0].max()),)
+            )
+        params = list(wrapped.parameters())
+        groups = (
+            [params[: len(params) // 2], params[len(params) // 2 :]] if arm == "two" else [params]
+        )
+        opts = [torch.optim.AdamW(g, lr=1e-3) for g in groups]
+        guard = dscale.StepGuard("cpu")
+        guard.attach(wrapped)
+        numerics = fp8.Float8Numerics(wrapped, guard, every=2)
+        fallback = fp8.Float8Fallback(numerics, guard, threshold=0.05, samples=2)
+        rows = []
+        for step in range(5):
+            tokens, target = _models.batch(step, rank)
+            loss = _models.loss_of(wrapped, tokens, target)
+            guard.scale(loss).backward()
+            for opt in opts:
+                guard.step(opt)
+            guard.update()
+            for opt in opts:
+                opt.zero_grad()
+            rows.append((loss.item(), numerics.snapshot(), list(fallback.fallen)))
+        out[arm] = {"rows": rows, "counts": (numerics.num_steps, numerics.num_samples)}
+    return out
+
+
+def test_two_optimizers_under_attach_sample_and_switch_as_one_optimizer_on_two_ranks():
+    """Review of issue 41 (items 8, 9): the numerics counted each optimizer's step(), so with
+    two optimizers under DDP and attach() ``every=2`` sampled every iteration (and with
+    ``every=1`` the second optimizer's step sent zeros). Oracle: the same DDP training with one
+    AdamW over all parameters, on both ranks: the same agreed samples (rank 1's outlier on both
+    ranks), switched layers and losses at every iteration, and no hang."""
+    out = run_ranks(_two_optimizers, world_size=2, timeout_s=180.0)
+    for rank in (0, 1):
+        one, two = out[rank]["one"], out[rank]["two"]
+        assert one["counts"] == (5, 3)  # iterations 0, 2, 4 sampled
+        assert any(rows[2] for rows in one["rows"])  # the oracle switches a layer
+        assert [r[1:] for r in two["rows"]] == [r[1:] for r in one["rows"]], rank
+        assert [r[0] for r in two["rows"]] == [r[0] for r in one["rows"]], rank
+        assert two["counts"] == one["counts"]
+    assert [r[1:] for r in out[0]["two"]["rows"]] == [r[1:] for r in out[1]["two"]["rows"]]
