@@ -262,7 +262,7 @@ def figure(run_dir: str | os.PathLike[str], *, fp8: Sequence[str] = FP8_VIEWS) -
     for (view, data), ax in zip(heatmaps, all_axes[len(names) :], strict=True):
         _fp8_heatmap(ax, data, view)
     if heatmaps:
-        all_axes[-1].set_xlabel(f"{STEP_AXIS} (FP8 samples)")
+        all_axes[-1].set_xlabel(STEP_AXIS.replace(")", "; FP8 samples)"))
     ranks = sorted(set(by_rank) | set(losses))
     for i, rank in enumerate(ranks):
         style = _style(i, len(ranks))
