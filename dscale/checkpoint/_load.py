@@ -98,8 +98,9 @@ def _check_keys(path: Path, metadata: Metadata, name: str, staged: Any) -> None:
         hint = (
             "is it a checkpoint of another model?"
             if name == "model"
-            else "is the optimizer's state initialized (one step taken), and is it of the same "
-            "kind over the same parameters?"
+            else "is the optimizer's state initialized (one step taken), is it of the same kind "
+            "over the same parameters, with an lr scheduler where the run had one (a scheduler "
+            "adds initial_lr to the param groups), or is it another run's checkpoint?"
         )
         raise CheckpointError(f"{path} does not match the {name}: {'; '.join(parts)}; {hint}")
 

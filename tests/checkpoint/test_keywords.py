@@ -79,3 +79,19 @@ def test_an_extra_under_another_name_is_refused_naming_the_saved_ones(tmp_path) 
         CheckpointManager(tmp_path / "b").resume("auto", model=model, extra={"nothing": nothing})
         == 1
     )
+
+
+def test_another_runs_optimizer_is_refused_with_the_scheduler_named_as_a_cause(tmp_path) -> None:
+    """docs/checkpoints.md's train_extra.py pointed at train_ckpt.py's folder: the saved optimizer
+    has no initial_lr (no lr scheduler there). The refusal used to ask only whether the optimizer
+    had stepped; it names the scheduler and the other run as causes."""
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    CheckpointManager(tmp_path).save(1, model=model, optimizer=opt)
+    again = torch.optim.AdamW(model.parameters(), lr=0.1)
+    torch.optim.lr_scheduler.StepLR(again, step_size=5)  # adds initial_lr to the param groups
+    with pytest.raises(ValueError, match=r"initial_lr.*lr scheduler.*another run") as exc:
+        CheckpointManager(tmp_path).resume("auto", model=model, optimizer=again)
+    assert "does not match the optimizer" in str(exc.value)
