@@ -16,7 +16,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -c "import torch; print('torch==' + torch.__version__)" > $(TORCH_PIN)
+	$(PY) -W 'ignore:Failed to initialize NumPy' -c "import torch; print('torch==' + torch.__version__)" > $(TORCH_PIN)
 	$(PY) -m pip install -q -c $(TORCH_PIN) -e ".[test,dev,fp8,tensorboard]"
 	$(PY) -m pip install -q --no-deps "$(TIMM_SPEC)"
 	touch $@ $(VENV)/.installed-run
@@ -26,7 +26,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 $(VENV)/.installed-run: pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -c "import torch; print('torch==' + torch.__version__)" > $(TORCH_PIN)
+	$(PY) -W 'ignore:Failed to initialize NumPy' -c "import torch; print('torch==' + torch.__version__)" > $(TORCH_PIN)
 	$(PY) -m pip install -q -c $(TORCH_PIN) -e ".[report]"
 	touch $@
 

@@ -76,6 +76,9 @@ def read_loss_log(run_dir: str | os.PathLike[str]) -> dict[int, list[dict[str, A
 # for the gradients of the outputs (torch.finfo(torch.float8_e4m3fn).max, ...e5m2).
 _FP8_MAX = {"e4m3fn": 448.0, "e5m2": 57344.0}
 
+#: The x axis: the log's 0-based optimizer steps, where the launcher prints steps from 1.
+STEP_AXIS = "optimizer step (from 0: the launcher's step N is at N-1)"
+
 #: The FP8 views ``python -m dscale.report --fp8`` can draw, each a heatmap of layer x step.
 FP8_VIEWS = ("flushed", "subnormal", "saturated", "headroom")
 _FP8_LABELS = {
@@ -256,7 +259,7 @@ def figure(run_dir: str | os.PathLike[str], *, fp8: Sequence[str] = FP8_VIEWS) -
     for (view, data), ax in zip(heatmaps, all_axes[len(names) :], strict=True):
         _fp8_heatmap(ax, data, view)
     if heatmaps:
-        all_axes[-1].set_xlabel("optimizer step (FP8 samples)")
+        all_axes[-1].set_xlabel(STEP_AXIS.replace(")", "; FP8 samples)"))
     ranks = sorted(set(by_rank) | set(losses))
     for i, rank in enumerate(ranks):
         style = _style(i, len(ranks))
@@ -334,7 +337,7 @@ def _dress_axes(
         ax_norm.yaxis.set_major_formatter(plain)
         ax_norm.yaxis.set_minor_formatter(plain)
     if not heatmaps:
-        ax_norm.set_xlabel("optimizer step")
+        ax_norm.set_xlabel(STEP_AXIS)
     for ax in panels:
         ax.grid(True, alpha=0.3)
         if ax.get_lines():

@@ -5,7 +5,9 @@ which only leads to the launcher's refusal of an unknown key, and ``trainer.prec
 the choices but not the nearest one. Before Hydra runs, the overrides are composed once here;
 when a key is missing from its config node and a key of that node is close to it, the launcher
 names that key instead, and a value outside an Enum's choices is named with the nearest one
-(``launch/choices.py``'s words). Anything else is left to Hydra's messages.
+(``launch/choices.py``'s words), as is a group option that is not there (``parallel=dpp``: Hydra's
+own message lists the options, an internal schema node among them, and names no fix). Anything
+else is left to Hydra's messages.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import difflib
 import re
 from collections.abc import Sequence
+from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
@@ -26,6 +29,7 @@ from launch.choices import choice_keys, not_one_of
 # Flags that change which configs are read; with them, Hydra's own message stands.
 OTHER_CONFIGS = ("--config-dir", "-cd", "--config-path", "-cp")
 _REFUSED = re.compile(r"Could not override '([^']+)'")
+_NOT_FOUND = re.compile(r"Could not find '([\w.-]+)/([^'/]+)'")
 
 
 def primary_name(argv: Sequence[str], default: str) -> str:
@@ -70,7 +74,7 @@ def misspelt_key(argv: Sequence[str], config_dir: str, config_name: str) -> str 
             compose(name, overrides=overrides)
             return None
         except Exception as exc:
-            choice = outside_an_enum(exc)
+            choice = outside_an_enum(exc) or _missing_option(exc, config_dir)
             if choice:
                 return choice
             found = _REFUSED.search(str(exc))
@@ -102,3 +106,18 @@ def outside_an_enum(exc: Exception) -> str | None:
     if values is None or value is None or str(value) in values:
         return None
     return not_one_of(str(key), value, values)
+
+
+def _missing_option(exc: Exception, config_dir: str) -> str | None:
+    """``parallel=dpp is not one of ddp, fsdp, single; did you mean parallel=ddp?`` for a group
+    option that is not among the group's YAML files (its schema node ``base_*`` is not one to
+    pick); None for any other error or a group from elsewhere on the search path."""
+    found = _NOT_FOUND.search(str(exc))
+    if found is None:
+        return None
+    group, value = found.groups()
+    folder = Path(config_dir) / group
+    options = tuple(sorted(p.stem for p in folder.glob("*.yaml") if not p.stem.startswith("base_")))
+    if not options or value in options:
+        return None
+    return not_one_of(group.replace("/", "."), value, options)

@@ -98,8 +98,9 @@ def _check_keys(path: Path, metadata: Metadata, name: str, staged: Any) -> None:
         hint = (
             "is it a checkpoint of another model?"
             if name == "model"
-            else "is the optimizer's state initialized (one step taken), and is it of the same "
-            "kind over the same parameters?"
+            else "is the optimizer's state initialized (one step taken), is it of the same kind "
+            "over the same parameters, with an lr scheduler where the run had one (a scheduler "
+            "adds initial_lr to the param groups), or is it another run's checkpoint?"
         )
         raise CheckpointError(f"{path} does not match the {name}: {'; '.join(parts)}; {hint}")
 
@@ -135,8 +136,26 @@ def _stage(path: Path, states: Mapping[str, Any], metadata: Metadata) -> dict[st
                 staged[name] = placeholders(metadata, name)
             else:
                 staged[name] = empty_copy(state.state_dict())
+                _check_named(path, saved, name, staged[name])
                 _check_shapes(path, metadata, name, staged[name])
     return staged
+
+
+_NOT_EXTRAS = ("model", "optimizer", "scaler", "train")
+
+
+def _check_named(path: Path, saved: Mapping[str, Any], name: str, staged: Any) -> None:
+    """Raise CheckpointError when an extra with state has none in the checkpoint, naming the
+    extras it holds (DCP's own refusal names a missing entry, not the saved names)."""
+    flat, _ = flatten_state_dict({name: staged})
+    if not flat or any(k.startswith(name + ".") for k in saved):
+        return  # an empty state saves no entry
+    held = sorted({k.split(".", 1)[0] for k in saved} - set(_NOT_EXTRAS))
+    listed = ", ".join(repr(n) for n in held) if held else "none"
+    raise CheckpointError(
+        f"{path} holds no state for extra[{name!r}]; it holds extras: {listed}. Pass extra= "
+        "with the names the run saved, or resume a checkpoint of this run (is it another run's?)"
+    )
 
 
 def _check_extras(path: Path, states: Mapping[str, Any], staged: dict[str, Any]) -> None:

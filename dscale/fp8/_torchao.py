@@ -20,7 +20,8 @@ logger = logging.getLogger(__name__)
 TORCHAO_VERSION = "0.18.0"
 
 INSTALL_LINE = (
-    f"pip install 'dscale[fp8]' (torchao=={TORCHAO_VERSION}; it requires no torch, so yours stays)"
+    "pip install -e '.[fp8]' in a clone, pip install 'dscale[fp8]' otherwise "
+    f"(torchao=={TORCHAO_VERSION}; it requires no torch, so yours stays)"
 )
 
 

@@ -118,7 +118,9 @@ def test_without_torchao_the_error_gives_the_install_line(monkeypatch):
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.setattr(builtins, "__import__", no_torchao)
     model = _models.net()
-    with pytest.raises(ImportError, match=r"pip install 'dscale\[fp8\]'.*torchao==0\.18\.0"):
+    # The clone's install line first: from a clone, 'dscale[fp8]' would ask the registry instead.
+    fix = r"pip install -e '\.\[fp8\]' in a clone, pip install 'dscale\[fp8\]' otherwise"
+    with pytest.raises(ImportError, match=fix + r".*torchao==0\.18\.0"):
         convert_to_float8(model)
 
 

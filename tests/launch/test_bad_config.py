@@ -171,6 +171,16 @@ def test_unknown_key_fails_at_composition_before_any_worker(tmp_path: Path) -> N
         (["entrypiont=x:y"], "did you mean entrypoint?"),
         (["-m", "trainer.max_stepz=10,20"], "did you mean trainer.max_steps?"),
         (["hydra.job.name=x", "trainer.max_stepz=10"], "did you mean trainer.max_steps?"),
+        # A group option: Hydra's message lists base_parallel (a schema node) and names no fix.
+        (
+            ["parallel=dpp"],
+            "parallel=dpp is not one of ddp, fsdp, single; did you mean parallel=ddp?",
+        ),
+        (
+            ["model=gpt_smal"],
+            "model=gpt_smal is not one of gpt_small, mlp; did you mean model=gpt_small?",
+        ),
+        (["launcher=slrum"], "did you mean launcher=slurm?"),
     ],
 )
 def test_a_mistyped_key_is_named_with_its_fix_for_every_group(argv: list[str], hint: str) -> None:
@@ -183,7 +193,6 @@ def test_a_mistyped_key_is_named_with_its_fix_for_every_group(argv: list[str], h
         ["trainer.max_steps=10", "model=mlp"],  # fine: Hydra composes it
         ["+args.lr=1", "args.lr=2"],  # a user's own key, added then set
         ["trainer.zzzzzz=1"],  # nothing close: Hydra's message (and its + advice) stands
-        ["model=gpt_smal"],  # a group option: Hydra lists the options itself
         ["--config-dir", "elsewhere", "trainer.max_stepz=1"],  # other configs: Hydra's message
     ],
 )

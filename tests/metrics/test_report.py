@@ -171,3 +171,15 @@ def test_the_report_draws_the_loss_of_every_step_with_skip_and_resume_marks(tmp_
     marked = {float(p[0]) for c in ax_loss.collections for p in c.get_offsets()}
     assert marked == {2.0, 7.0}  # the skipped steps, on the loss panel
     assert any(list(ln.get_xdata()) == [5, 5] for ln in ax_loss.get_lines()), "no resume mark"
+
+
+def test_the_step_axis_says_it_counts_from_0(tmp_path) -> None:
+    """The log's steps are the scaler's 0-based iterations, while the launcher prints steps from 1:
+    a run whose launcher said `step 10 skipped` has its x at 9. The axis says so, or a reader of
+    the README's faults run looks for the skips one step off."""
+    log = _run(tmp_path, steps=4, overflow_at={2}, every=1)
+    log.close()
+    skipped = [r["step"] for r in read_metrics_log(tmp_path)[1] if r["skipped"]]
+    assert skipped == [1]  # the 2nd step, logged as 1
+    label = figure(tmp_path).axes[-1].get_xlabel()
+    assert "from 0" in label and "step N is at N-1" in label, label
