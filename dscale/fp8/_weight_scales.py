@@ -205,7 +205,12 @@ class WeightScales:
         if applied:
             moved = self._moments.advance()
             if moved is None or not bool(torch.isfinite(moved[1]).all()):
-                why = "steps were taken outside the scaler" if moved is None else "beta2 is 0"
+                why = (
+                    "steps were taken outside the scaler, or the optimizer's state was loaded "
+                    "or reset"
+                    if moved is None
+                    else "beta2 is 0, or betas or eps are outside Adam's range"
+                )
                 self._measure(f"the update bound is unknown here ({why})")
                 return
             factor, reach = (t.to(amax.device) for t in moved)
