@@ -105,7 +105,7 @@ def rollback(rank: int) -> dict[str, Any]:
                 (get_model_state_dict(model), get_optimizer_state_dict(model, opt))
             )
         if step == 5:
-            assert snapshot is not None  # noqa: S101
+            assert snapshot is not None
             set_model_state_dict(model, snapshot[0])
             set_optimizer_state_dict(model, opt, snapshot[1])
         _record(out, weights)
