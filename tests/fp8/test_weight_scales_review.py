@@ -39,15 +39,10 @@ def test_no_element_saturates_under_schedules_skips_clipping_and_late_groups(run
     assert worst <= 1.0, worst
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="issue 41 review: weights loaded outside dscale.checkpoint (a rollback with torch's "
-    "set_model_state_dict) are cast with the scales of the weights before the load at the "
-    "first forward after it; nothing tells WeightScales the weights changed",
-)
 def test_a_rollback_with_torchs_state_dict_api_does_not_saturate(runs):
-    """set_model_state_dict + set_optimizer_state_dict to a snapshot of larger weights."""
+    """set_model_state_dict + set_optimizer_state_dict to a snapshot of larger weights: the
+    load measures the scales (on 2ecb776 3054 elements saturated at the first forward after
+    it, used 2.23x exact: the scales of the weights before the load)."""
     assert _saturated(runs, "rollback") == [0] * 9
 
 
