@@ -126,6 +126,7 @@ def other_object(rank: int, directory: str) -> dict[str, Any]:
     guard = dscale.StepGuard("cpu")
     fp8.WeightScales(model, opt, guard, conv)
     impostor = torch.nn.Linear(2, 2)
+    os.makedirs(directory, exist_ok=True)
     try:
         CheckpointManager(directory, every=0).save(
             1, model=model, optimizer=opt, scaler=guard, extra={"fp8_weight_scales": impostor}
@@ -143,5 +144,84 @@ def attacks(rank: int, world: int, directory: str) -> dict[str, Any]:
         "bound_adamw": schedule_loop(rank, predict="bound", variant="adamw"),
         "bound_amsgrad": schedule_loop(rank, predict="bound", variant="amsgrad"),
         "rollback": rollback(rank),
-        "other_object": other_object(rank, directory),
+        "other_object": other_object(rank, f"{directory}/other"),
+        "two_models": two_models(rank, world, f"{directory}/two"),
     }
+
+
+def _resume_build():
+    model, conv = _fsdp_ranks.sharded()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.999), weight_decay=0.1)
+    guard = dscale.StepGuard("cpu")
+    scales = fp8.WeightScales(model, opt, guard, conv)
+    return model, opt, guard, scales, [w for _, w in _fsdp_ranks._float8_weights(model)]
+
+
+def _train(rank, model, opt, guard, weights, steps, out):
+    for step in steps:
+        if step == 3:  # a beta schedule: the resume lands in the middle of it
+            opt.param_groups[0]["betas"] = (0.9, 0.95)
+        _record(out, weights)
+        tokens, target = _models.batch(step, rank)
+        guard.scale(_models.loss_of(model, tokens, target)).backward()
+        guard.step(opt)
+        guard.update()
+        opt.zero_grad()
+    _record(out, weights)
+
+
+def save_two(rank: int, world: int, directory: str) -> dict[str, Any]:
+    """2 ranks: 4 steps (betas changed at step 3), saved at step 4; the run goes on to 7."""
+    model, opt, guard, scales, weights = _resume_build()
+    out: dict[str, Any] = {"used": [], "exact": [], "saturated": []}
+    _train(rank, model, opt, guard, weights, range(4), out)
+    CheckpointManager(directory, every=0).save(4, model=model, optimizer=opt, scaler=guard)
+    out["saved"] = scales.state_dict()
+    return out
+
+
+def resume_one(rank: int, world: int, directory: str) -> dict[str, Any]:
+    """1 rank resumes the 2-rank checkpoint and trains 4 more steps (its own batches)."""
+    from dscale.checkpoint import load_checkpoint
+
+    torch.manual_seed(1)
+    model, opt, guard, scales, weights = _resume_build()
+    step = load_checkpoint(f"{directory}/step-4", model=model, optimizer=opt, scaler=guard)
+    out: dict[str, Any] = {"used": [], "exact": [], "saturated": [], "loaded": scales.state_dict()}
+    _train(rank, model, opt, guard, weights, range(step, step + 4), out)
+    out["measured"] = scales.num_measured
+    return out
+
+
+def two_models(rank: int, world: int, directory: str) -> dict[str, Any]:
+    """torch's multi-model recipe on one scaler: two FSDP2 float8 models, a WeightScales each.
+    Only one travels under 'fp8_weight_scales': the save must refuse, or take both by name."""
+    (one, conv1), (two, conv2) = _fsdp_ranks.sharded(), _fsdp_ranks.sharded()
+    guard = dscale.StepGuard("cpu")
+    opt1 = torch.optim.AdamW(one.parameters(), lr=1e-2)
+    opt2 = torch.optim.AdamW(two.parameters(), lr=1e-2)
+    ws1 = fp8.WeightScales(one, opt1, guard, conv1)
+    ws2 = fp8.WeightScales(two, opt2, guard, conv2)
+    tokens, target = _models.batch(0, rank)
+    guard.scale(
+        _models.loss_of(one, tokens, target) + _models.loss_of(two, tokens, target)
+    ).backward()
+    guard.step(opt1)
+    guard.step(opt2)
+    guard.update()
+    out: dict[str, Any] = {}
+    try:
+        CheckpointManager(f"{directory}/auto", every=0).save(
+            1, model=one, optimizer=opt1, scaler=guard
+        )
+        out["refusal"] = "no error"
+    except (CheckpointError, ValueError) as exc:
+        out["refusal"] = f"{type(exc).__name__}: {exc}"
+    out["written"] = (
+        sorted(os.listdir(f"{directory}/auto")) if os.path.isdir(f"{directory}/auto") else []
+    )
+    CheckpointManager(f"{directory}/named", every=0).save(
+        1, model=one, optimizer=opt1, scaler=guard, extra={"ws_one": ws1, "ws_two": ws2}
+    )
+    out["named"] = sorted(os.listdir(f"{directory}/named"))
+    return out

@@ -53,3 +53,29 @@ def test_another_object_under_the_reserved_key_is_refused_on_every_rank(runs):
         assert out["refusal"] != "no error", out
         assert "fp8_weight_scales" in out["refusal"], out["refusal"]
     assert runs[0]["other_object"]["written"] == []
+
+
+def test_one_rank_resumes_a_two_rank_checkpoint_in_a_beta_schedule(tmp_path):
+    """Saved by 2 ranks at step 4, one step after betas changed; resumed on 1 rank: the
+    scales and the bound's state load as saved (agreed numbers, not per rank), nothing
+    saturates in the first forward or after, and no step needs a measurement."""
+    two = run_ranks(_review_ranks.save_two, str(tmp_path), timeout_s=300.0)
+    one = run_ranks(_review_ranks.resume_one, str(tmp_path), world_size=1, timeout_s=300.0)[0]
+    assert two[0]["saturated"] == two[1]["saturated"] == [0] * 5
+    for key in ("names", "shapes", "scales", "ratio_sq", "steps"):
+        assert two[0]["saved"][key].equal(one["loaded"][key]), key
+    assert one["used"][0] == two[0]["saved"]["scales"].tolist()
+    assert one["saturated"] == [0] * 5
+    assert one["measured"] == 0
+
+
+def test_two_weight_scales_on_one_scaler_are_refused_unless_both_are_named(runs):
+    """Two models on one scaler (torch's multi-model recipe), a WeightScales each: only one
+    would travel under 'fp8_weight_scales' (on 2ecb776 the first was dropped without a word,
+    its resume casting with fresh scales). The save refuses on every rank, writing nothing;
+    both named in extra= are saved."""
+    for rank in (0, 1):
+        out = runs[rank]["two_models"]
+        assert out["refusal"].startswith("ValueError: the scaler has 2 live WeightScales"), out
+        assert out["written"] == [], out
+        assert out["named"] == ["step-1"], out
