@@ -382,4 +382,15 @@ def _companions(scaler: Any, extra: Mapping[str, Any]) -> dict[str, Companion]:
                 "it travels with the scaler), or save yours under another key"
             )
         found[key] = Companion(key, obj)
+    for key, others in _attached.shadowed(scaler).items():
+        left = [obj for obj in others if id(obj) not in given]
+        if left:  # every rank holds the same companions: every rank raises here alike
+            kind = type(left[0]).__name__
+            raise ValueError(
+                f"the scaler has {len(others) + 1} live {kind} objects (several models or "
+                f"optimizers on one scaler, or one built again without close()), and only one "
+                f"travels with it under {key!r}: the others' state would be lost on resume. "
+                f"Pass each under its own key in extra= (e.g. extra={{'{key}_2': second}}), "
+                "close() the ones no longer used, or give each model its own scaler"
+            )
     return found

@@ -18,26 +18,35 @@ _fallback: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
 #: The checkpoint key of each companion (the launcher's, and what docs/fp8.md passed as extra=).
 KEYS = {"fp8_weight_scales": _weight_scales, "fp8_numerics": _numerics, "fp8_fallback": _fallback}
+#: Every live (not closed) companion per scaler and key: a second one (two models on one scaler,
+#: torch's multi-model recipe) would not travel under the one key (:func:`shadowed`).
+_live: weakref.WeakKeyDictionary[Any, dict[str, weakref.WeakSet[Any]]] = weakref.WeakKeyDictionary()
+
+
+def _record(key: str, scaler: Any, obj: Any) -> None:
+    KEYS[key][scaler] = obj
+    _live.setdefault(scaler, {}).setdefault(key, weakref.WeakSet()).add(obj)
 
 
 def attach_weight_scales(scaler: Any, scales: Any) -> None:
     """Record ``scales`` (a WeightScales) as ``scaler``'s (the latest one wins)."""
-    _weight_scales[scaler] = scales
+    _record("fp8_weight_scales", scaler, scales)
 
 
 def attach_numerics(scaler: Any, numerics: Any) -> None:
     """Record ``numerics`` as ``scaler``'s (the latest one wins)."""
-    _numerics[scaler] = numerics
+    _record("fp8_numerics", scaler, numerics)
 
 
 def attach_fallback(scaler: Any, fallback: Any) -> None:
     """Record ``fallback`` as ``scaler``'s (the latest one wins)."""
-    _fallback[scaler] = fallback
+    _record("fp8_fallback", scaler, fallback)
 
 
 def detach(scaler: Any, obj: Any) -> None:
     """Forget ``obj`` (a closed companion) if it is still ``scaler``'s."""
-    for table in KEYS.values():
+    for key, table in KEYS.items():
+        _live.get(scaler, {}).get(key, weakref.WeakSet()).discard(obj)
         if table.get(scaler) is obj:
             del table[scaler]
 
@@ -61,3 +70,15 @@ def companions(scaler: Any) -> dict[str, Any]:
         if obj is not None:
             found[key] = obj
     return found
+
+
+def shadowed(scaler: Any) -> dict[str, list[Any]]:
+    """Per key, the live companions of ``scaler`` that :func:`companions` does not return (an
+    earlier one, not closed, where a later one was recorded under the same key)."""
+    out = {}
+    for key, live in _live.get(scaler, {}).items():
+        latest = KEYS[key].get(scaler)
+        others = [obj for obj in list(live) if obj is not latest]
+        if others:
+            out[key] = others
+    return out

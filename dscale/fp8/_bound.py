@@ -25,7 +25,10 @@ schedule), and a weight that had no gradient was not stepped (Adam skips it: no 
 decay, its ``S`` and ``t`` unchanged). amsgrad divides by ``max(v)`` >= ``v`` and maximize
 flips the sign, so the bound holds for both; L2 decay is part of ``g``, which the bound does not
 depend on. ``b2 = 0`` with ``S > 0`` gives no finite bound (``v`` then forgets what ``m``
-keeps): :class:`MomentBound` says so and :class:`~dscale.fp8.WeightScales` measures instead.
+keeps), nor do betas outside ``[0, 1)`` or ``eps < 0`` set mid-run (torch's constructor refuses
+them, its step does not): :class:`MomentBound` says so (an infinite reach) and
+:class:`~dscale.fp8.WeightScales` measures instead. A negative ``lr`` (a schedule run past its
+end) moves by ``|lr|`` times the same bound, which is what the reach uses.
 
 For constant betas from ``S = 0`` this is the closed form :func:`adam_update_bound`: B(1) = 1,
 and B rises to about 1.165 for (0.9, 0.95) and 7.27 for (0.9, 0.999). A gradient sequence
@@ -37,6 +40,7 @@ agreed numbers: the same on every rank.
 from __future__ import annotations
 
 import math
+from operator import is_not as _is_not
 from typing import Any
 
 import torch
@@ -75,8 +79,9 @@ class MomentBound:
     """Per float8 weight, the ``S`` of the module docstring and the step count it was made at.
 
     :meth:`advance` runs after each applied step: it reads every weight's own Adam step count
-    (one ``stack`` of the optimizer's step tensors, cached until the optimizer's state changes;
-    on a GPU with a fused or capturable Adam that read is a host sync), folds the group's
+    (one ``stack`` of the optimizer's step tensors, found again whenever one of them is not the
+    tensor read before: a load, ``state.clear()``, a deleted or replaced entry; on a GPU with a
+    fused or capturable Adam that read is a host sync), folds the group's
     hyperparameters into ``S`` for the weights whose count moved by one, and returns each
     weight's decay factor and reach. A count that moved by more than one or went back (steps
     taken outside the scaler, optimizer state loaded without this state) leaves ``S`` unknown:
@@ -93,18 +98,18 @@ class MomentBound:
         n = len(weights)
         self.ratio_sq = torch.zeros(n, dtype=torch.float64)  # S per weight
         self.steps = torch.zeros(n, dtype=torch.float64)  # its step count when S was made
-        self._seen: tuple[Any, int] | None = None  # (the state dict itself, its length)
+        self._seen: list[Any] | None = None  # the step tensors last read (None: no state)
         self._step_tensors: list[torch.Tensor] = []
 
     def read_steps(self) -> torch.Tensor:
         """Every weight's own Adam step count (0 without state), float64 on the CPU."""
         state = self._optimizer.state
-        # The dict itself, not its id: a load makes a new one, which may reuse a freed id.
-        if self._seen is None or self._seen[0] is not state or self._seen[1] != len(state):
-            self._seen = (state, len(state))  # a first step or a load: find the tensors again
-            found = [
-                state[w]["step"] if "step" in state.get(w, ()) else None for w in self._weights
-            ]
+        # The step tensors themselves, compared by identity every call (one per float8 layer):
+        # a load makes a new state dict, and ``state.clear()``, a deleted entry or a replaced
+        # ``step`` keep the dict and its length but drop the tensors read before.
+        found = [state[w]["step"] if "step" in state.get(w, ()) else None for w in self._weights]
+        if self._seen is None or any(map(_is_not, found, self._seen)):
+            self._seen = found
             like = next((t for t in found if t is not None), None)
             zero = torch.zeros((), dtype=torch.float32 if like is None else like.dtype)
             if like is not None:
@@ -122,10 +127,10 @@ class MomentBound:
             decoupled = isinstance(self._optimizer, torch.optim.AdamW) or bool(
                 group.get("decoupled_weight_decay")
             )
-            lr = float(group["lr"])
-            rows.append([lr, beta1, beta2, float(group["weight_decay"]) * decoupled])
+            lr, eps = float(group["lr"]), float(group["eps"])
+            rows.append([lr, beta1, beta2, float(group["weight_decay"]) * decoupled, eps])
         table = torch.tensor(rows, dtype=torch.float64)[self._group_index]
-        return dict(zip(("lr", "beta1", "beta2", "decay"), table.unbind(1)))
+        return dict(zip(("lr", "beta1", "beta2", "decay", "eps"), table.unbind(1)))
 
     def advance(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """After an applied step: (decay factor, reach) per weight, float64; None if unknown.
@@ -148,7 +153,12 @@ class MomentBound:
         ratio_sq = torch.where(stepped, carried + (1 - beta1) ** 2 / (1 - beta2), self.ratio_sq)
         t = torch.where(stepped, now, 1.0)  # (t = 0 is never a stepped weight's)
         bound = ratio_sq.sqrt() * (1 - beta2**t).sqrt() / (1 - beta1**t)
-        reach = torch.where(stepped, lr * bound, 0.0)
+        # |lr|: a schedule run past its end (LambdaLR's 1 - t / T) gives lr < 0, which torch's
+        # Adam applies. Betas outside [0, 1) or eps < 0 (set mid-run; the constructor refuses
+        # them) have no bound: inf, so the caller measures.
+        sound = (beta1 >= 0) & (beta1 < 1) & (beta2 >= 0) & (beta2 < 1) & (h["eps"] >= 0)
+        reach = torch.where(stepped, lr.abs() * bound, 0.0)
+        reach = torch.where(stepped & ~sound, math.inf, reach)
         factor = torch.where(stepped, (1 - lr * h["decay"]).abs(), 1.0)
         self.ratio_sq, self.steps = ratio_sq, now
         return factor, reach

@@ -165,6 +165,9 @@ class WeightScales:
             )
         self._scaler = scaler
         _attached.attach_weight_scales(scaler, self)  # dscale.checkpoint saves it with it
+        # Weights loaded into the model (a rollback through torch's state-dict API): the next
+        # forward would cast them with the scales of the weights before the load.
+        self._unhook = model.register_load_state_dict_post_hook(self._after_model_load).remove
 
     # ------------------------------------------------------------ the agreement field protocol
     def values(self, optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
@@ -211,7 +214,12 @@ class WeightScales:
         if applied:
             moved = self._moments.advance()
             if moved is None or not bool(torch.isfinite(moved[1]).all()):
-                why = "steps were taken outside the scaler" if moved is None else "beta2 is 0"
+                why = (
+                    "steps were taken outside the scaler, or the optimizer's state was loaded "
+                    "or reset"
+                    if moved is None
+                    else "beta2 is 0, or betas or eps are outside Adam's range"
+                )
                 self._measure(f"the update bound is unknown here ({why})")
                 return
             factor, reach = (t.to(amax.device) for t in moved)
@@ -255,6 +263,33 @@ class WeightScales:
         self._moments.reset(agreed[n:], self._moments.read_steps())
         self._set_scales(agreed[:n])
 
+    def measure(self) -> None:
+        """Set exact scales from the weights as they are now (one collective; every rank calls it).
+
+        For weights changed outside the optimizer's step and outside ``load_state_dict`` (an
+        in-place re-initialisation, ``p.data`` written): the scales in use were made for the
+        weights before. A load into the model (``model.load_state_dict``, torch's
+        ``set_model_state_dict``, ``dscale.checkpoint``) calls it by itself.
+        """
+        _, weights = _float8_gathered_weights(self._model)
+        self._weights = weights
+        self._locals, self._wrappers = _shards(weights)
+        if self._predictor is not None:
+            self._predictor = _predict.PostStepAmax(
+                self._optimizer, weights, self._locals, int(self._group_index[0])
+            )
+        self._moments = _bound.MomentBound(self._optimizer, weights, self._group_index)
+        if self.bounded:
+            self._measure()
+            for wrapper, view in zip(self._wrappers, self.scales.unbind()):
+                wrapper._precomputed_scale = view
+        else:
+            self._precompute()
+
+    def _after_model_load(self, module: nn.Module, incompatible: Any) -> None:
+        logger.info("WeightScales: the model's weights were loaded; the scales are measured")
+        self.measure()
+
     # ------------------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
         """The scales the next forward casts with and the bound's state, by layer name.
@@ -297,6 +332,7 @@ class WeightScales:
     def close(self) -> None:
         """Stop updating the scales (the weights keep the last ones)."""
         self._unregister()
+        self._unhook()
         if self._unfield is not None:
             self._unfield()
         _attached.detach(self._scaler, self)

@@ -121,3 +121,68 @@ def test_the_bound_follows_torchs_adamw_under_changing_hyperparameters():
         moved = float((w.detach() - before).abs().max())
         assert reach.item() == pytest.approx(1e-3 * _bound.adam_update_bound(0.9, 0.999, step))
         assert moved == pytest.approx(reach.item(), rel=1e-9)
+
+
+def _moves_within_bound(opt, w, bound, steps, before_step):
+    """Run ``steps`` AdamW steps on random grads; the worst |w_after| / (factor * |w_before| +
+    reach) over elements and steps, torch's AdamW being the oracle (``before_step(step)`` may
+    change the group or the optimizer's state first). Unknown history is measured, as
+    WeightScales does."""
+    worst = 0.0
+    for step in range(steps):
+        before_step(step)
+        before = w.detach().clone()
+        w.grad = torch.randn_like(w)
+        opt.step()
+        moved = bound.advance()
+        if moved is None or not bool(torch.isfinite(moved[1]).all()):
+            bound.reset(torch.tensor(bound.measure_local()), bound.read_steps())
+            continue  # WeightScales measures the weights exactly here
+        factor, reach = moved
+        worst = max(worst, float((w.detach().abs() / (factor * before.abs() + reach)).max()))
+    return worst
+
+
+def test_the_bound_holds_for_a_negative_lr_and_out_of_range_hyperparameters():
+    """A linear-decay LambdaLR run past its end gives a negative lr, which torch's AdamW
+    applies (|move| grows with |lr|); betas and eps set outside Adam's range mid-run have no
+    bound. Every step must stay within the bound or be measured. (On 2ecb776 the negative lr
+    gave a negative reach: elements 0.3% beyond it.)"""
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(256, dtype=torch.float64))
+    opt = torch.optim.AdamW([w], lr=1e-2, betas=(0.9, 0.95), weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 - s / 6)  # 0 at 6, then < 0
+    bound = _bound.MomentBound(opt, [w], torch.zeros(1, dtype=torch.long))
+    worst = _moves_within_bound(opt, w, bound, 12, lambda step: step and sched.step())
+    assert opt.param_groups[0]["lr"] < 0
+    assert worst <= 1 + 1e-12, worst
+    for bad in ({"betas": (1.5, 0.95)}, {"betas": (-0.5, 0.95)}, {"eps": -1e-3}):
+        opt.param_groups[0].update({"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, **bad})
+        w.grad = torch.randn_like(w)
+        opt.step()
+        moved = bound.advance()
+        assert moved is not None and not bool(torch.isfinite(moved[1]).all()), bad
+        bound.reset(torch.tensor(bound.measure_local()), bound.read_steps())
+
+
+@pytest.mark.parametrize("reset", ["state.clear()", "del state[w]", "step replaced"])
+def test_the_bound_sees_optimizer_state_reset_in_place(reset):
+    """``opt.state.clear()`` (or one weight's state deleted, or its ``step`` replaced) keeps
+    the state dict object and, after the next step, its length: the weight restarts from a
+    fresh Adam state and moves by up to lr. The bound must not read the dropped step tensors
+    (on 2ecb776 it did: 'not stepped', reach 0, elements 0.3% beyond it, for good)."""
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(256, dtype=torch.float64))
+    opt = torch.optim.AdamW([w], lr=1e-2, betas=(0.9, 0.95), weight_decay=0.0)
+    bound = _bound.MomentBound(opt, [w], torch.zeros(1, dtype=torch.long))
+
+    def before_step(step):
+        if step == 5 and reset == "state.clear()":
+            opt.state.clear()
+        elif step == 5 and reset == "del state[w]":
+            del opt.state[w]
+        elif step == 5:
+            opt.state[w]["step"] = torch.tensor(0.0)  # restart the bias correction
+
+    worst = _moves_within_bound(opt, w, bound, 12, before_step)
+    assert worst <= 1 + 1e-12, worst
