@@ -188,9 +188,9 @@ class GradMeasure:
 
         Returns, when ``groups`` are all on the CPU, the largest magnitude before the overflow
         mark (a 0-d tensor on ``vector``'s device, inf or NaN exactly when a grad holds one, in
-        fp64 where fp64 grads are measured; the hooks' value is finite, their overflow comes
-        through their flag): what ``check_and_unscale_`` may read its flag from. Else None (a GPU
-        keeps its check pass).
+        fp64 where fp64 grads are measured; the hooks' value may be inf, an fp64 one beyond
+        float32 included, but where hooks ran the check unscales and never reads this): what
+        ``check_and_unscale_`` may read its flag from. Else None (a GPU keeps its check pass).
         """
         device, sampling = vector.device, self.sampling
         largest: list[torch.Tensor] = []
@@ -266,9 +266,10 @@ def measure_reduced(
     if acc is None:
         acc = torch.zeros(3, dtype=torch.float32, device=device)
     scale = scale.to(device).float().reshape(())
-    scaled = torch.nan_to_num(
-        _largest(tensors).to(device) * scale, nan=OVERFLOW_MARK, posinf=OVERFLOW_MARK
-    )
+    # An inf/NaN stays inf here and becomes the overflow mark only when GradMeasure.write
+    # combines every unit's value, as without attach(): marked per unit, 65504 lost under MAX
+    # to another unit's finite product above it (fp32/fp64 grads reach one).
+    scaled = torch.nan_to_num(_largest(tensors).to(device) * scale, nan=math.inf, posinf=math.inf)
     torch.maximum(acc[0], scaled, out=acc[0])
     if sampling:
         flat = _flat(tensors)

@@ -1,19 +1,19 @@
 """attach() under FSDP2 with fp64 grads and policy="predictive": the scale as without attach().
 
-Found in review of issue 41 item 13 (not fixed). The hooks measure each FSDP2 unit's reduced,
-unscaled shard and map a product ``u * s`` that float32 cannot hold to the overflow mark (65504)
+Found in review of issue 41 item 13. The hooks measured each FSDP2 unit's reduced,
+unscaled shard and mapped a product ``u * s`` that float32 cannot hold to the overflow mark (65504)
 before the units are combined by MAX; a finite product from another unit above 65504 (fp64 grads
-reach it) then hides the mark, and the rule backs the scale off to BUDGET / (that product / s)
+reach it) then hid the mark, and the rule backed the scale off to BUDGET / (that product / s)
 (2**-99 here) where dscale without attach() measures all grads at once, reads the inf as the
 mark and backs off to s / 2. Both satisfy "at most s / 2", but attach() promises the plain path's
-results (power-of-two scale and world size). One 2-rank spawn (gloo).
+results (power-of-two scale and world size). The hooks now keep an inf as inf and the mark is
+made once every unit's value is combined, as without attach(). One 2-rank spawn (gloo).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import pytest
 import torch
 
 from tests.multirank import run_ranks
@@ -45,11 +45,6 @@ def _both(rank: int, world_size: int) -> dict[str, Any]:
     return {"attach": _scales(rank, True), "plain": _scales(rank, False)}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="review of issue 41 item 13: the FSDP2 hooks' per-unit overflow mark (65504) loses "
-    "to another unit's larger finite fp64 product under MAX; not fixed",
-)
 def test_fsdp2_attach_with_fp64_grads_keeps_the_predictive_scale_of_the_plain_path() -> None:
     results = run_ranks(_both, timeout_s=300)
     for rank, got in results.items():
