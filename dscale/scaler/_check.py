@@ -144,7 +144,9 @@ def check(
         checked = None
         if scaler._predictive is not None:
             at = layout.start("measured")
-            checked = scaler._predictive.measure.write(vector, at, groups, report.measured)
+            checked = scaler._predictive.measure.write(
+                vector, at, groups, report.measured, scale=scale
+            )
         # 4. check (the kernel writes the flag into its slot: a view)
         flag = vector[_agreement.OVERFLOW]
         if groups:  # none left when attach()'s hooks checked every grad: no 1/scale either

@@ -146,3 +146,57 @@ def test_an_fp64_grad_above_fp32s_range_is_applied_as_torchs_scaler_applies_it(
         assert torch.equal(mine, torchs), (mine, torchs)
     if policy == "predictive":  # the value enters the float32 rule as an overflow mark: back off
         assert 0 < ours["scales"][1] <= ours["scales"][0] / 2, ours["scales"]
+
+
+def _fp64_predictive_scales(init_scale: float, optimizer: str, device_side: bool) -> dict:
+    """An fp64 model whose grads carry, at a scale below 1, a scaled magnitude that float32 holds
+    (2.5e38 at 0.25) but whose unscaled magnitude it does not (1e39): the rule's float32 entry
+    ``g / s``. torch's GradScaler runs made afresh each step at dscale's scale."""
+    from tests.scaler._setup import decide_on_device
+
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(6, dtype=torch.float64))
+    opt = (
+        torch.optim.Adam([w], lr=0.1, fused=True)
+        if optimizer == "adam_fused"
+        else torch.optim.SGD([w], lr=0.1, momentum=0.9)
+    )
+    ref = torch.nn.Parameter(w.detach().clone())
+    ref_opt = (
+        torch.optim.Adam([ref], lr=0.1, fused=True)
+        if optimizer == "adam_fused"
+        else torch.optim.SGD([ref], lr=0.1, momentum=0.9)
+    )
+    scaler = dscale.GradScaler("cpu", init_scale=init_scale, policy="predictive")
+    if device_side:
+        decide_on_device(scaler)
+    scales, same = [], []
+    for big in (1e39, 1.0, 1e39, 1e300, 1e39, 1.0, 1.0):
+        x = torch.tensor([big, 1.0, -2.0, 0.5, 3.0, -1.0], dtype=torch.float64)
+        theirs = torch.amp.GradScaler("cpu", init_scale=scaler.get_scale())
+        for s, p, o in ((scaler, w, opt), (theirs, ref, ref_opt)):
+            o.zero_grad()
+            s.scale((p * x).sum()).backward()
+            s.step(o)
+            s.update()
+        scales.append(scaler.get_scale())
+        same.append(torch.equal(w.detach(), ref.detach()))
+    return {"scales": scales, "same": same, "finite": bool(torch.isfinite(w).all())}
+
+
+@pytest.mark.parametrize("optimizer", ["adam_fused", "sgd"])
+@pytest.mark.parametrize("device_side", [False, True], ids=["host", "device"])
+@pytest.mark.parametrize("init_scale", [0.75, 1.0])
+def test_an_fp64_grad_whose_unscaled_magnitude_float32_cannot_hold_keeps_the_scale_finite(
+    init_scale, device_side, optimizer
+) -> None:
+    """The predictive rule's entry is ``g / s`` in float32: at a scale below 1 a measured ``g``
+    that float32 holds can give an inf there, and BUDGET / inf made the next scale 0 (host form;
+    the device form's ring took inf * 0 = NaN and made it inf): the weights went non-finite. The
+    scale must stay a positive, finite float32 and every step be torch's at the same scale."""
+    got = _fp64_predictive_scales(init_scale, optimizer, device_side)
+    assert all(0 < s < math.inf for s in got["scales"]), got["scales"]
+    assert got["finite"], got
+    assert got["same"] == [True] * len(got["same"]), got
+    other = _fp64_predictive_scales(init_scale, optimizer, not device_side)
+    assert other["scales"] == got["scales"]  # the host and device forms agree bit for bit

@@ -173,8 +173,14 @@ class GradMeasure:
         at: int,
         groups: GradGroups,
         hooks: torch.Tensor | None = None,
+        scale: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
         """Measure ``groups`` (scaled grads) into ``vector[at]`` and ``vector[at + 1]``.
+
+        ``scale``: the step's scale. fp64 grads' value in the vector is capped at ``scale *
+        2**127`` (two ops, fp64 measurements only): float32 holds it, but at a scale below 1 the
+        rule's float32 entry ``g / s`` of a larger one is an inf, and BUDGET / inf made the next
+        scale 0 (the device form's ring took inf * 0 = NaN and made it inf).
 
         ``hooks``: what the reduction hooks measured, ``[largest scaled magnitude, underflowing
         elements, elements]`` on ``vector``'s device. With neither, the fields stay 0 (nothing
@@ -182,9 +188,9 @@ class GradMeasure:
 
         Returns, when ``groups`` are all on the CPU, the largest magnitude before the overflow
         mark (a 0-d tensor on ``vector``'s device, inf or NaN exactly when a grad holds one, in
-        fp64 where fp64 grads are measured; the hooks' value is finite, their overflow comes
-        through their flag): what ``check_and_unscale_`` may read its flag from. Else None (a GPU
-        keeps its check pass).
+        fp64 where fp64 grads are measured; the hooks' value may be inf, an fp64 one beyond
+        float32 included, but where hooks ran the check unscales and never reads this): what
+        ``check_and_unscale_`` may read its flag from. Else None (a GPU keeps its check pass).
         """
         device, sampling = vector.device, self.sampling
         largest: list[torch.Tensor] = []
@@ -214,6 +220,11 @@ class GradMeasure:
         # rule's float32 arithmetic cannot take it), while `value`, returned for the check,
         # keeps it finite: the step is applied as torch's scaler applies it.
         torch.nan_to_num(value.float(), nan=OVERFLOW_MARK, posinf=OVERFLOW_MARK, out=vector[at])
+        if scale is not None and any(torch.float64 in d for d in groups.values()):
+            # (the GPU form's value is float32 already.) s * 2**127 is exact for a normal float32
+            # s below 2 (and inf above: no cap): the rule's entry is then at most 2**127.
+            cap = copy_to(scale, device).float().reshape(()) * 2.0**127
+            torch.minimum(vector[at], cap, out=vector[at])
         if sampling:
             elements = float(sum(t.numel() for d in groups.values() for g in d.values() for t in g))
             if hooks is not None:
@@ -255,9 +266,10 @@ def measure_reduced(
     if acc is None:
         acc = torch.zeros(3, dtype=torch.float32, device=device)
     scale = scale.to(device).float().reshape(())
-    scaled = torch.nan_to_num(
-        _largest(tensors).to(device) * scale, nan=OVERFLOW_MARK, posinf=OVERFLOW_MARK
-    )
+    # An inf/NaN stays inf here and becomes the overflow mark only when GradMeasure.write
+    # combines every unit's value, as without attach(): marked per unit, 65504 lost under MAX
+    # to another unit's finite product above it (fp32/fp64 grads reach one).
+    scaled = torch.nan_to_num(_largest(tensors).to(device) * scale, nan=math.inf, posinf=math.inf)
     torch.maximum(acc[0], scaled, out=acc[0])
     if sampling:
         flat = _flat(tensors)
