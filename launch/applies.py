@@ -93,12 +93,19 @@ RULES: tuple[Needs, ...] = (
         "fault.kill_step=N",
         lambda j: j.fault.kill_step is not None,
     ),
-    Needs(("metrics.",), "metrics.enabled=true", lambda j: j.metrics.enabled, ("metrics.enabled",)),
+    # Where the exporter binds is a deployment's setting (the Slurm and Kubernetes files set it
+    # for every job), not a choice a job with metrics off got wrong.
+    Needs(
+        ("metrics.",),
+        "metrics.enabled=true",
+        lambda j: j.metrics.enabled,
+        ("metrics.enabled", "metrics.addr", "metrics.port"),
+    ),
     Needs(
         ("metrics.",),
         "scaler.enabled=true (the exporter serves the scaler's figures)",
         lambda j: j.scaler.enabled,
-        ("metrics.enabled",),
+        ("metrics.enabled", "metrics.addr", "metrics.port"),
     ),
     Needs(
         ("checkpoint.",),

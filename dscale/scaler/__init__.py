@@ -10,3 +10,8 @@ agreement vector. ``_state/`` is where the scale lives, the state dict, snapshot
 from dscale.scaler._api import GradObserver, GradScaler, ScaleCollapsedError
 
 __all__ = ["GradObserver", "GradScaler", "ScaleCollapsedError"]
+
+# Named by their public path (in reprs, messages and pickles), as torch names its classes.
+for _public in (GradObserver, GradScaler, ScaleCollapsedError):
+    _public.__module__ = __name__
+del _public

@@ -122,7 +122,7 @@ def test_the_issues_fsdp_float8_run_without_fp8_is_refused_naming_the_missing_ke
     [
         ("fp8={float8_all_gather:true}", ["trainer.precision=bf16"], "fp8.float8_all_gather"),
         ("scaler={init_scale:4.0}", ["trainer.precision=bf16"], "scaler.init_scale"),
-        ("metrics={port:1234}", ["metrics.enabled=false"], "metrics.port"),
+        ("metrics={linger_s:1.0}", ["metrics.enabled=false"], "metrics.linger_s"),
         ("checkpoint={every:5}", ["checkpoint.enabled=false"], "checkpoint.every"),
     ],
 )
