@@ -284,8 +284,8 @@ class FP16Optimizer:
     def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's state, the loss scale (or scaler state) and the fp32 masters.
 
-        The keys are listed in ``dscale._master_state``. Tensors are references, as in torch's
-        state dicts: copy (or save) before training on. Dynamic mode waits for the device.
+        The keys are listed in ``dscale.master_weights._state``. Tensors are references, as in
+        torch's state dicts: copy (or save) before training on. Dynamic mode waits for the device.
         """
         return {
             "dscale_master_weights_version": _master_state.VERSION,
