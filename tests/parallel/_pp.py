@@ -152,6 +152,7 @@ def train_pipeline(
     optimizer: torch.optim.Optimizer | None = None,
     rebuild_at: int | None = None,
     plain_scale: bool = False,
+    evaluate_at: int | None = None,
     on_step: Callable[[int, list[Net], Any], None] | None = None,
 ) -> dict[str, Any]:
     """Train ``steps`` under a pipeline schedule; what each step did on this rank.
@@ -159,6 +160,8 @@ def train_pipeline(
     ``plain_scale``: the schedule's loss_fn returns ``scaler.scale(loss)`` and a stage without
     the loss calls ``scaler.scale(torch.zeros(()))`` (torch's scaler, and dscale before
     ``pipeline_loss()``); otherwise ``loss_fn=scaler.pipeline_loss(loss_fn)``.
+    ``evaluate_at``: run ``schedule.eval()`` on a batch before that step (its losses, and what
+    the gate recorded from it, are returned as "eval" and "recorded_by_eval").
     """
     modules = modules or stage_modules(kind, rank, world)
     params = [p for m in modules for p in m.parameters()]
@@ -173,6 +176,8 @@ def train_pipeline(
         if step == rebuild_at:  # as after a restart: the new schedule infers shapes again
             GARBAGE[0] = math.inf
             schedule = schedule_for(kind, modules, rank, world, loss_fn)
+        if step == evaluate_at:
+            out["eval"], out["recorded_by_eval"] = _evaluate(schedule, rank, scaler)
         faults.at(step)
         x, y = batch(step)
         schedule.step(x, target=y) if rank == 0 else schedule.step(target=y)
@@ -195,6 +200,18 @@ def train_pipeline(
         if on_step is not None:
             on_step(step + 1, modules, optimizer)
     return {**out, "params": params_of(modules)}
+
+
+def _evaluate(schedule: Any, rank: int, scaler: Any) -> tuple[list[float], int]:
+    """schedule.eval() on a batch: its losses (last stage) and the microbatches the gate took."""
+    x, y = batch(-1)
+    losses: list[torch.Tensor] = []
+    schedule.eval(x, target=y, losses=losses) if rank == 0 else schedule.eval(
+        target=y, losses=losses
+    )
+    spike = getattr(scaler, "_spike", None)
+    taken = 0 if spike is None else spike._microbatches + (spike._loss is not None)
+    return [float(loss) for loss in losses], taken
 
 
 # ----------------------------------------------------------------------------- the oracle

@@ -89,7 +89,8 @@ def _resume(rank: int, world: int, directory: str) -> dict[str, Any]:
     faults = Faults(INF)
     _pp.GARBAGE[0] = 1e8
     whole_scaler = gated()
-    whole = train_pipeline("gpipe", rank, world, whole_scaler, faults, range(STEPS))
+    # schedule.eval() before step 4: the resumed run, which has none, must still equal it.
+    whole = train_pipeline("gpipe", rank, world, whole_scaler, faults, range(STEPS), evaluate_at=4)
     ckpt = CheckpointManager(directory, every=3, keep=2)
     first_scaler = gated()
 
@@ -196,6 +197,12 @@ def table_row(measured: dict[str, Any]) -> dict[str, str]:
     }
 
 
+def markdown_row(row: dict[str, str]) -> str:
+    return "| " + " | ".join(row.values()) + " |"
+
+
 if __name__ == "__main__":
-    row = table_row(measure())
-    print("| " + " | ".join(row.values()) + " |")
+    # By module name, so that the spawned ranks find rank_scenarios where they import it.
+    from tests.parallel import pp_table
+
+    print(pp_table.markdown_row(pp_table.table_row(pp_table.measure())))

@@ -126,6 +126,16 @@ def test_each_stage_resumes_from_its_checkpoint_bitwise(measured: dict[str, Any]
         assert _same_state(*extras["states"])
 
 
+def test_eval_losses_are_returned_unscaled_and_not_recorded(measured: dict[str, Any]) -> None:
+    """schedule.eval() between steps 3 and 4 of the gated, scaled GPipe run: its losses come
+    back unscaled (the scale is 2^15 there), the gate takes none of them, and the run still
+    equals the resumed one, which had no eval (previous test)."""
+    first, last = (measured["ranks"][r]["gpipe_extras"]["whole"] for r in (0, 1))
+    assert first["eval"] == [] and first["recorded_by_eval"] == 0
+    assert last["recorded_by_eval"] == 0
+    assert len(last["eval"]) == 4 and all(0.1 < loss < 10.0 for loss in last["eval"])
+
+
 def test_the_table_row_says_what_was_measured(measured: dict[str, Any]) -> None:
     row = pp_table.table_row(measured)
     assert row["dscale.GradScaler"] == "both stages skip, = oracle"
