@@ -248,14 +248,29 @@ class GradScaler(TorchGradScalerSurface):
 
     def _require_scale(self, funcname: str) -> torch.Tensor:
         if self._book.scale is None:
-            raise RuntimeError(
-                f"{funcname}() was called before scale(); call scaler.scale(loss).backward() "
-                "earlier in the iteration. Under a pipeline schedule, where a stage without "
-                "the loss cannot: build every stage's schedule with "
-                "loss_fn=scaler.pipeline_loss(loss_fn) (see docs/scaler.md, 'Pipeline "
-                "parallel'); no dummy scale() call is needed then"
-            )
+            raise _no_scale_error(funcname)
         return self._book.scale
+
+    def _refuse_without_a_scale(self, optimizer: torch.optim.Optimizer, funcname: str) -> None:
+        """step() or unscale_() with no scale placed: raise, after joining the peers.
+
+        A rank that called no scale() (a pipeline stage whose schedule was built without
+        pipeline_loss() while the others' were) would otherwise leave its peers waiting in the
+        agreement until the process group's timeout: it joins them as a refusal (they skip),
+        then raises. unscale_() joins at the flag's first read, as attach()'s refusals do.
+        """
+        if self._book.scale is not None:
+            return
+        exc = _no_scale_error(funcname)
+        state = self._per_optimizer_states.get(id(optimizer))
+        if state is not None and state.refused is not None and state.deferred:
+            _decision.start_deferred(self, state)  # unscale_() refused already: join, raise
+        state = OptimizerState()
+        if _check.join_peers_without_a_scale(self, optimizer, state, exc, funcname == "unscale_"):
+            self._per_optimizer_states[id(optimizer)] = state  # step() joins, then raises
+            state.stage = Stage.UNSCALED
+            return
+        raise exc
 
     def _place_without_a_loss(self, optimizer: torch.optim.Optimizer) -> None:
         """A pipelined stage that holds no loss calls no scale(): its first step() or
@@ -296,7 +311,10 @@ class GradScaler(TorchGradScalerSurface):
     def _records_loss(self) -> bool:
         """Whether scale() adds what it is given to the spike gate's loss."""
         assert self._spike is not None  # noqa: S101 - asked with the gate on
-        if not self._spike.watches_loss or self._loss_recorded:
+        # A pipelined scaler records the schedule's microbatch losses only: a scale() of its
+        # own (the old dummy scale(torch.zeros(())) of a loss-less stage) would make that
+        # stage count as one holding the loss, and halve the step's mean.
+        if not self._spike.watches_loss or self._loss_recorded or self._pipeline is not None:
             return False
         return _pipeline.call_site() == _pipeline.TRAINING
 
@@ -370,7 +388,9 @@ class GradScaler(TorchGradScalerSurface):
         if not self._enabled:
             return
         self._place_without_a_loss(optimizer)
-        self._require_scale("unscale_")
+        self._refuse_without_a_scale(optimizer, "unscale_")
+        if self._book.scale is None:  # joined the peers as a refusal: step() raises
+            return
         state = self._per_optimizer_states.setdefault(id(optimizer), OptimizerState())
         if state.stage is Stage.UNSCALED:
             raise RuntimeError(
@@ -443,7 +463,7 @@ class GradScaler(TorchGradScalerSurface):
                 "scaler.scale(loss).backward() yourself, then scaler.step(optimizer)."
             )
         self._place_without_a_loss(optimizer)
-        self._require_scale("step")
+        self._refuse_without_a_scale(optimizer, "step")
         state = self._per_optimizer_states.setdefault(id(optimizer), OptimizerState())
         if state.stage is Stage.STEPPED:
             raise RuntimeError(
@@ -766,3 +786,13 @@ def _is_torch_fused(optimizer: torch.optim.Optimizer) -> bool:
     """One of torch.optim's own fused implementations (whose kernels dscale's tests cover)."""
     module = type(optimizer).__module__
     return module.startswith("torch.optim.") and bool(optimizer.defaults.get("fused"))
+
+
+def _no_scale_error(funcname: str) -> RuntimeError:
+    return RuntimeError(
+        f"{funcname}() was called before scale(); call scaler.scale(loss).backward() "
+        "earlier in the iteration. Under a pipeline schedule, where a stage without "
+        "the loss cannot: build every stage's schedule with "
+        "loss_fn=scaler.pipeline_loss(loss_fn) (see docs/scaler.md, 'Pipeline "
+        "parallel'); no dummy scale() call is needed then"
+    )

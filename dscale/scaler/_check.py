@@ -313,11 +313,37 @@ def _spike_values(
     return scaler._spike.tail(grads, carried, device, _dist.rank(group), _dist.world_size(group))
 
 
+def join_peers_without_a_scale(
+    scaler: Scaler,
+    optimizer: torch.optim.Optimizer,
+    state: OptimizerState,
+    exc: Exception,
+    defer: bool,
+) -> bool:
+    """A rank with no scale placed at step()/unscale_(): join the peers' agreement refusing.
+
+    Its peers may be waiting in the agreement (a pipeline stage built without pipeline_loss()
+    while the others were): joined with a refusal, they skip instead of waiting until the
+    process group's timeout. The scale sent is the initial one, made here, not placed (the
+    next iteration refuses again). True when the joining is left to step() (``defer``).
+    """
+    group = scaler._process_group()
+    if group is None or _dist.world_size(group) < 2:
+        return False
+    device = next(
+        (p.device for g in optimizer.param_groups for p in g["params"]), torch.device("cpu")
+    )
+    host = scaler._book.host
+    value = float(host.scale) if host is not None else 1.0
+    scale = torch.full((), value, dtype=torch.float32, device=device)
+    return _join_peers_refusing(scaler, optimizer, state, exc, group, scale, defer)
+
+
 def _join_peers_refusing(
     scaler: Scaler,
     optimizer: torch.optim.Optimizer,
     state: OptimizerState,
-    exc: AttachRefusal,
+    exc: Exception,
     group: Any,
     scale: torch.Tensor,
     defer: bool,

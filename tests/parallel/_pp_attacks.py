@@ -1,0 +1,131 @@
+"""Attacks on pipeline_loss() (review r42b), run inside one 2-rank spawn; see test_pipeline_attacks.
+
+Each scenario returns what it saw on this rank; the oracles are the one-process runs of
+``tests/parallel/_pp.py`` (the same model, batches and microbatching).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any
+
+import torch
+
+import dscale
+from tests.parallel import _pp
+from tests.parallel._pp import batch, first_weight, mse, params_of, stage_modules
+
+
+def schedule(modules: list[Any], rank: int, world: int, loss_fn: Any, n: int) -> Any:
+    """A GPipe schedule over the 2-stage split with ``n`` microbatches (a new one infers shapes)."""
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    stage = PipelineStage(modules[0], rank, world, torch.device("cpu"))
+    return ScheduleGPipe(stage, n_microbatches=n, loss_fn=loss_fn)
+
+
+def _run(sched: Any, rank: int, step: int) -> None:
+    x, y = batch(step)
+    sched.step(x, target=y) if rank == 0 else sched.step(target=y)
+
+
+def gate() -> dscale.StepGuard:
+    return dscale.StepGuard("cpu", spike_signals=("loss",), spike_window=8, spike_warmup=3)
+
+
+def kept_dummy_scale(rank: int, world: int) -> list[float]:
+    """pipeline_loss() with the old workaround kept: the loss-less stage still calls
+    ``scale(torch.zeros(()))`` each iteration. The gate's loss, per step."""
+    guard = gate()
+    modules = stage_modules("gpipe", rank, world)
+    opt = torch.optim.SGD(modules[0].parameters(), lr=0.1)
+    sched = schedule(modules, rank, world, guard.pipeline_loss(mse), _pp.MICROBATCHES)
+    losses = []
+    for step in range(3):
+        _run(sched, rank, step)
+        if rank == 0:
+            guard.scale(torch.zeros(()))
+        guard.step(opt)
+        guard.update()
+        opt.zero_grad()
+        losses.append(guard.snapshot()["spike_loss"])
+    return losses
+
+
+def rebuilt_with_other_microbatches(rank: int, world: int) -> dict[str, Any]:
+    """A gated run whose schedule is rebuilt at step 2 with 2 microbatches instead of 4 (shape
+    inference on inf garbage again): what the gate recorded and applied."""
+    guard = gate()
+    modules = stage_modules("gpipe", rank, world)
+    opt = torch.optim.SGD(modules[0].parameters(), lr=0.1)
+    loss_fn = guard.pipeline_loss(mse)
+    sched = schedule(modules, rank, world, loss_fn, 4)
+    out: dict[str, Any] = {"loss": [], "applied": []}
+    for step in range(4):
+        if step == 2:
+            _pp.GARBAGE[0] = math.inf
+            sched = schedule(modules, rank, world, loss_fn, 2)
+        _run(sched, rank, step)
+        guard.step(opt)
+        guard.update()
+        opt.zero_grad()
+        out["loss"].append(guard.snapshot()["spike_loss"])
+        out["applied"].append(guard.step_applied())
+    _pp.GARBAGE[0] = 1e8
+    return {**out, "params": params_of(modules)}
+
+
+def overflow_mid_accumulation(rank: int, world: int) -> dict[str, Any]:
+    """Two schedule.step() calls per optimizer step; at step 1 an inf lands in the last stage's
+    grads after the first of them only (rank 1): what each step did."""
+    scaler = dscale.GradScaler("cpu", growth_interval=3)
+    modules = stage_modules("gpipe", rank, world)
+    opt = torch.optim.SGD(modules[0].parameters(), lr=0.1)
+    sched = schedule(modules, rank, world, scaler.pipeline_loss(mse), _pp.MICROBATCHES)
+    applied = []
+    for step in range(3):
+        for half in range(2):
+            _run(sched, rank, 2 * step + half)
+            if step == 1 and half == 0 and rank == 1:
+                first_weight(modules).grad[0, 0] = math.inf
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        applied.append(scaler.step_applied())
+    return {"applied": applied, "scale": float(scaler.get_scale()), "params": params_of(modules)}
+
+
+def pipeline_loss_on_one_rank(rank: int, world: int, unscale_first: bool) -> dict[str, Any]:
+    """Only the last stage's schedule gets pipeline_loss(); the first stage's scaler never saw
+    it (nor a scale() call). What step() (after unscale_() if asked) does on each rank."""
+    scaler = dscale.GradScaler("cpu")
+    modules = stage_modules("gpipe", rank, world)
+    opt = torch.optim.SGD(modules[0].parameters(), lr=0.1)
+    loss_fn = scaler.pipeline_loss(mse) if rank == 1 else mse
+    sched = schedule(modules, rank, world, loss_fn, _pp.MICROBATCHES)
+    _run(sched, rank, 0)
+    before = params_of(modules)
+    error = ""
+    try:
+        if unscale_first:
+            scaler.unscale_(opt)
+        scaler.step(opt)
+    except RuntimeError as exc:
+        error = str(exc)
+    after = params_of(modules)
+    changed = any(not torch.equal(before[k], after[k]) for k in before)
+    return {"error": error, "changed": changed}
+
+
+def scenarios(rank: int, world: int) -> dict[str, Any]:
+    warnings.simplefilter("ignore")  # fp32 under a GradScaler warns that it needs no scaling
+    with _pp.garbage_tensors():
+        _pp.GARBAGE[0] = 1e8
+        return {
+            "dummy": kept_dummy_scale(rank, world),
+            "rebuilt": rebuilt_with_other_microbatches(rank, world),
+            "accumulation": overflow_mid_accumulation(rank, world),
+            "one_rank_step": pipeline_loss_on_one_rank(rank, world, False),
+            "one_rank_unscale": pipeline_loss_on_one_rank(rank, world, True),
+        }

@@ -1,0 +1,104 @@
+"""Review r42b's attacks on pipeline_loss() (2 gloo ranks, GPipe), against one-process oracles.
+
+One spawn (``tests/parallel/_pp_attacks.py``): the old dummy ``scale()`` kept beside
+pipeline_loss(); a schedule rebuilt mid-run with another microbatch count; an inf on one stage
+between two schedule steps of one accumulation; pipeline_loss() given to one stage only. The
+oracle is the same model and batches in one process, with torch's schedule arithmetic
+(``scale_grads``: after each schedule step, every grad of the stage is divided by its number of
+microbatches, what an earlier step accumulated included).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any
+
+import pytest
+import torch
+
+import dscale
+from tests.multirank import run_ranks
+from tests.parallel import _pp_attacks
+from tests.parallel._pp import batch, full_model, mse, params_of
+from tests.parallel.pp_table import off_oracle
+
+
+def oracle(scaler: Any, steps: list[list[int]], inf: tuple[int, int] | None = None) -> dict:
+    """One process: ``steps[i]`` lists the microbatch counts of step i's schedule steps (batch
+    ``2 * i + j`` for the j-th of two, else batch i); ``inf``: (step, layer) gets an inf grad."""
+    warnings.simplefilter("ignore")
+    model = full_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    out: dict[str, list[Any]] = {"loss": [], "applied": []}
+    for i, counts in enumerate(steps):
+        losses = []
+        for j, n in enumerate(counts):
+            x, y = batch(2 * i + j if len(counts) > 1 else i)
+            for xc, yc in zip(x.chunk(n), y.chunk(n), strict=True):
+                loss = mse(model(xc), yc)
+                losses.append(loss.detach())
+                if isinstance(scaler, dscale.StepGuard):
+                    scaler.scale(loss / n)
+                    loss.backward()
+                else:
+                    scaler.scale(loss).backward()
+            for p in model.parameters():
+                p.grad.div_(n)
+            if inf is not None and inf[0] == i and j == 0:
+                model.layers[str(inf[1])].weight.grad[0, 0] = math.inf
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        out["loss"].append(float(sum(losses) / len(losses)))
+        out["applied"].append(scaler.step_applied())
+    return {**out, "scale": float(scaler.get_scale()), "params": params_of([model])}
+
+
+@pytest.fixture(scope="module")
+def ranks() -> dict[int, Any]:
+    return run_ranks(_pp_attacks.scenarios, timeout_s=90.0, pg_timeout_s=20.0)
+
+
+def test_a_kept_dummy_scale_does_not_halve_the_gates_loss(ranks: dict[int, Any]) -> None:
+    """pipeline_loss() with the loss-less stage still calling scale(torch.zeros(())) (the old
+    workaround): the gate's loss is the one-process mean, not half of it (the zero made the
+    loss-less stage count as a holder)."""
+    expected = oracle(_pp_attacks.gate(), [[4]] * 3)["loss"]
+    for r in (0, 1):
+        assert ranks[r]["dummy"] == expected, f"rank {r}"
+
+
+def test_a_schedule_rebuilt_with_another_microbatch_count_equals_the_oracle(
+    ranks: dict[int, Any],
+) -> None:
+    """4 microbatches, then a new schedule of 2 at step 2 (its shape inference on inf): the
+    gate's loss is each step's mean, no false skip, parameters bitwise the oracle's."""
+    want = oracle(_pp_attacks.gate(), [[4], [4], [2], [2]])
+    for r in (0, 1):
+        run = ranks[r]["rebuilt"]
+        assert run["applied"] == [True] * 4, f"rank {r}"
+        assert run["loss"] == want["loss"], f"rank {r}"
+        assert off_oracle(run["params"], want["params"]) == 0.0
+
+
+def test_an_inf_on_one_stage_mid_accumulation_skips_on_both(ranks: dict[int, Any]) -> None:
+    """Two schedule steps per optimizer step; an inf in the last stage's grads after the first
+    of step 1's: both stages skip step 1, scale and parameters bitwise the oracle's."""
+    want = oracle(dscale.GradScaler("cpu", growth_interval=3), [[4, 4]] * 3, inf=(1, 2))
+    assert want["applied"] == [True, False, True]
+    for r in (0, 1):
+        run = ranks[r]["accumulation"]
+        assert run["applied"] == want["applied"] and run["scale"] == want["scale"]
+        assert off_oracle(run["params"], want["params"]) == 0.0
+
+
+@pytest.mark.parametrize("scenario", ["one_rank_step", "one_rank_unscale"])
+def test_pipeline_loss_on_one_stage_only_is_no_hang(ranks: dict[int, Any], scenario: str) -> None:
+    """The first stage's scaler got no pipeline_loss() (nor a scale() call): its step() (or
+    unscale_() then step()) joins the last stage's agreement as a refusal and raises the error
+    that names pipeline_loss; the last stage skips (nothing applied) instead of waiting in the
+    collective until the timeout (before: it got the first stage's next collective, or hung)."""
+    first, last = ranks[0][scenario], ranks[1][scenario]
+    assert "pipeline_loss(loss_fn)" in first["error"] and not first["changed"]
+    assert last["error"] == "" and not last["changed"]
