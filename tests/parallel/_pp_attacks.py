@@ -129,3 +129,50 @@ def scenarios(rank: int, world: int) -> dict[str, Any]:
             "one_rank_step": pipeline_loss_on_one_rank(rank, world, False),
             "one_rank_unscale": pipeline_loss_on_one_rank(rank, world, True),
         }
+
+
+# ----------------------------------------------------------------------------- PP x DP
+#: 4 ranks: pipeline replica r // 2 (ranks 0-1 and 2-3), stage r % 2; the replicas' grads are
+#: averaged over {0, 2} and {1, 3}. An inf goes into rank 3's grads after that average (step 2).
+DP_STEPS, DP_INF = 4, (2, 3)
+
+
+def dp_batch(step: int, replica: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return batch(100 * step + replica)
+
+
+def pipeline_by_data_parallel(rank: int, world: int) -> dict[str, Any]:
+    """GPipe x 2 replicas, dscale's StepGuard with the gate (loss and grad norm) over all 4."""
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    warnings.simplefilter("ignore")
+    pipes = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    replicas = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    stage_index, replica = rank % 2, rank // 2
+    guard = dscale.StepGuard(
+        "cpu", spike_signals=("loss", "grad_norm"), spike_window=8, spike_warmup=2
+    )
+    modules = stage_modules("gpipe", stage_index, 2)
+    opt = torch.optim.SGD(modules[0].parameters(), lr=0.1)
+    stage = PipelineStage(modules[0], stage_index, 2, torch.device("cpu"), group=pipes[replica])
+    sched = ScheduleGPipe(stage, n_microbatches=_pp.MICROBATCHES, loss_fn=guard.pipeline_loss(mse))
+    out: dict[str, list[Any]] = {"applied": [], "loss": [], "grad_norm": []}
+    with _pp.garbage_tensors():
+        _pp.GARBAGE[0] = 1e8
+        for step in range(DP_STEPS):
+            x, y = dp_batch(step, replica)
+            sched.step(x, target=y) if stage_index == 0 else sched.step(target=y)
+            for p in modules[0].parameters():
+                dist.all_reduce(p.grad, group=replicas[stage_index])
+                p.grad.div_(2)
+            if (step, rank) == DP_INF:
+                first_weight(modules).grad[0, 0] = math.inf
+            guard.step(opt)
+            guard.update()
+            opt.zero_grad()
+            snap = guard.snapshot()
+            out["applied"].append(guard.step_applied())
+            out["loss"].append(snap["spike_loss"])
+            out["grad_norm"].append(snap["spike_grad_norm"])
+    return {**out, "params": params_of(modules)}

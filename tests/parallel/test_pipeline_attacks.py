@@ -102,3 +102,44 @@ def test_pipeline_loss_on_one_stage_only_is_no_hang(ranks: dict[int, Any], scena
     first, last = ranks[0][scenario], ranks[1][scenario]
     assert "pipeline_loss(loss_fn)" in first["error"] and not first["changed"]
     assert last["error"] == "" and not last["changed"]
+
+
+def test_pipeline_by_data_parallel_on_4_ranks_agrees_and_equals_the_oracle() -> None:
+    """2 stages x 2 replicas (GPipe; grads averaged over each stage's replicas): an inf in one
+    last stage's grads after the average skips the step on all 4 ranks; the gate's loss is the
+    global batch's mean loss (the two last stages' means, averaged: not their sum over 4 ranks),
+    the grad norm the global one up to sqrt(2) (each stage counted once per replica); the
+    parameters equal the one-process run (to fp32 rounding: the average's order differs)."""
+    ranks = run_ranks(_pp_attacks.pipeline_by_data_parallel, world_size=4, timeout_s=120.0)
+    warnings.simplefilter("ignore")
+    model = full_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = dscale.StepGuard(
+        "cpu", spike_signals=("loss", "grad_norm"), spike_window=8, spike_warmup=2
+    )
+    want: dict[str, list[Any]] = {"applied": [], "loss": [], "grad_norm": []}
+    for step in range(_pp_attacks.DP_STEPS):
+        for replica in (0, 1):
+            x, y = _pp_attacks.dp_batch(step, replica)
+            for xc, yc in zip(x.chunk(4), y.chunk(4), strict=True):
+                loss = mse(model(xc), yc)
+                guard.scale(loss / 8)
+                (loss / 8).backward()
+        if step == _pp_attacks.DP_INF[0]:
+            model.layers["2"].weight.grad[0, 0] = math.inf
+        guard.step(opt)
+        guard.update()
+        opt.zero_grad()
+        snap = guard.snapshot()
+        want["applied"].append(guard.step_applied())
+        want["loss"].append(snap["spike_loss"])
+        want["grad_norm"].append(snap["spike_grad_norm"])
+    want["params"] = params_of([model])
+    assert want["applied"] == [True, True, False, True]
+    for r in range(4):
+        run = ranks[r]
+        assert run["applied"] == want["applied"], f"rank {r}"
+        assert run["loss"] == pytest.approx(want["loss"], rel=1e-6), f"rank {r}"
+        norms = [n / math.sqrt(2) for n in run["grad_norm"]]
+        assert norms == pytest.approx(want["grad_norm"], rel=1e-5), f"rank {r}"
+        assert off_oracle(run["params"], want["params"]) < 1e-6, f"rank {r}"
