@@ -118,11 +118,66 @@ def pipeline_loss_on_one_rank(rank: int, world: int, unscale_first: bool) -> dic
     return {"error": error, "changed": changed}
 
 
-def scenarios(rank: int, world: int) -> dict[str, Any]:
+#: The resumed run's layouts: GPipe over layers {0,1} | {2,3}, saved after step 3, resumed
+#: under 1F1B over {0,1,2} | {3} (layer 2 and its Adam state move to the other rank).
+SAVED_SPLIT, RESUMED_SPLIT, SAVED_AT, RESUME_STEPS, RESUME_INF = (
+    [[0, 1], [2, 3]],
+    [[0, 1, 2], [3]],
+    3,
+    6,
+    4,
+)
+
+
+def resume_on_another_layout(rank: int, world: int, directory: str) -> dict[str, Any]:
+    """Save each stage under one split and schedule, resume under another (an inf on rank 0's
+    first layer at step 4): the parameters and what each step did."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    from dscale.checkpoint import CheckpointManager
+
+    def build(split: list[list[int]], cls: Any) -> tuple[Any, Any, Any, Any]:
+        module = _pp.stage_module(split[rank])
+        opt = torch.optim.Adam(module.parameters(), lr=0.1)
+        scaler = dscale.GradScaler("cpu", growth_interval=3)
+        stage = PipelineStage(module, rank, world, torch.device("cpu"))
+        sched = cls(stage, n_microbatches=_pp.MICROBATCHES, loss_fn=scaler.pipeline_loss(mse))
+        return module, opt, scaler, sched
+
+    ckpt = CheckpointManager(directory, every=SAVED_AT, keep=1)
+    applied: list[bool] = []
+
+    def train(parts: tuple[Any, Any, Any, Any], steps: range) -> None:
+        module, opt, scaler, sched = parts
+        for step in steps:
+            _run(sched, rank, step)
+            if step == RESUME_INF and rank == 0:
+                first_weight([module]).grad[0, 0] = math.inf
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            applied.append(scaler.step_applied())
+            ckpt.maybe_save(step + 1, model=module, optimizer=opt, scaler=scaler)
+
+    first = build(SAVED_SPLIT, ScheduleGPipe)
+    train(first, range(SAVED_AT))
+    second = build(RESUMED_SPLIT, Schedule1F1B)
+    start = ckpt.resume("auto", model=second[0], optimizer=second[1], scaler=second[2])
+    train(second, range(start or 0, RESUME_STEPS))
+    return {
+        "start": start,
+        "applied": applied,
+        "scale": float(second[2].get_scale()),
+        "params": params_of([second[0]]),
+    }
+
+
+def scenarios(rank: int, world: int, directory: str) -> dict[str, Any]:
     warnings.simplefilter("ignore")  # fp32 under a GradScaler warns that it needs no scaling
     with _pp.garbage_tensors():
         _pp.GARBAGE[0] = 1e8
         return {
+            "resumed": resume_on_another_layout(rank, world, directory),
             "dummy": kept_dummy_scale(rank, world),
             "rebuilt": rebuilt_with_other_microbatches(rank, world),
             "accumulation": overflow_mid_accumulation(rank, world),

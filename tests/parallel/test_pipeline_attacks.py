@@ -56,8 +56,9 @@ def oracle(scaler: Any, steps: list[list[int]], inf: tuple[int, int] | None = No
 
 
 @pytest.fixture(scope="module")
-def ranks() -> dict[int, Any]:
-    return run_ranks(_pp_attacks.scenarios, timeout_s=90.0, pg_timeout_s=20.0)
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Any]:
+    directory = str(tmp_path_factory.mktemp("pp_layout"))
+    return run_ranks(_pp_attacks.scenarios, directory, timeout_s=120.0, pg_timeout_s=20.0)
 
 
 def test_a_kept_dummy_scale_does_not_halve_the_gates_loss(ranks: dict[int, Any]) -> None:
@@ -90,6 +91,29 @@ def test_an_inf_on_one_stage_mid_accumulation_skips_on_both(ranks: dict[int, Any
     for r in (0, 1):
         run = ranks[r]["accumulation"]
         assert run["applied"] == want["applied"] and run["scale"] == want["scale"]
+        assert off_oracle(run["params"], want["params"]) == 0.0
+
+
+def test_a_resume_on_another_split_and_schedule_equals_the_uninterrupted_run(
+    ranks: dict[int, Any],
+) -> None:
+    """Saved under GPipe with layers {0,1} | {2,3} after step 3, resumed under 1F1B with
+    {0,1,2} | {3} (layer 2, its Adam state, moves to rank 0): steps 4-6 (an inf on rank 0 at
+    step 4) equal the one-process run of 6 steps bit for bit, on both ranks."""
+    from tests.parallel._pp import Faults, train_oracle
+
+    want = train_oracle(
+        "gpipe",
+        dscale.GradScaler("cpu", growth_interval=3),
+        Faults({_pp_attacks.RESUME_INF: 0}),
+        _pp_attacks.RESUME_STEPS,
+        optimizer_cls=torch.optim.Adam,
+    )
+    for r in (0, 1):
+        run = ranks[r]["resumed"]
+        assert run["start"] == _pp_attacks.SAVED_AT
+        assert run["applied"] == want["applied"] and False in run["applied"]
+        assert run["scale"] == want["scale"][-1]
         assert off_oracle(run["params"], want["params"]) == 0.0
 
 
