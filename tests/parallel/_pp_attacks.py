@@ -172,12 +172,40 @@ def resume_on_another_layout(rank: int, world: int, directory: str) -> dict[str,
     }
 
 
+def zero_bubble_v(rank: int, world: int) -> dict[str, Any]:
+    """torch's ScheduleZBVZeroBubble (rank 0 holds stages 0 and 3, rank 1 stages 1 and 2; one
+    layer each; the backward split in input and weight halves) with the gate; an inf in rank 1's
+    stage 1 at step 2."""
+    from torch.distributed.pipelining import PipelineStage, ScheduleZBVZeroBubble
+
+    ids = [[0, 3], [1, 2]][rank]
+    modules = [_pp.stage_module([i]) for i in ids]
+    opt = torch.optim.SGD([p for m in modules for p in m.parameters()], lr=0.1)
+    guard = gate()
+    stages = [
+        PipelineStage(m, i, 4, torch.device("cpu")) for m, i in zip(modules, ids, strict=True)
+    ]
+    sched = ScheduleZBVZeroBubble(stages, n_microbatches=4, loss_fn=guard.pipeline_loss(mse))
+    out: dict[str, Any] = {"loss": [], "applied": []}
+    for step in range(4):
+        _run(sched, rank, step)
+        if step == 2 and rank == 1:
+            first_weight(modules).grad[0, 0] = math.inf
+        guard.step(opt)
+        guard.update()
+        opt.zero_grad()
+        out["loss"].append(guard.snapshot()["spike_loss"])
+        out["applied"].append(guard.step_applied())
+    return {**out, "params": params_of(modules)}
+
+
 def scenarios(rank: int, world: int, directory: str) -> dict[str, Any]:
     warnings.simplefilter("ignore")  # fp32 under a GradScaler warns that it needs no scaling
     with _pp.garbage_tensors():
         _pp.GARBAGE[0] = 1e8
         return {
             "resumed": resume_on_another_layout(rank, world, directory),
+            "zbv": zero_bubble_v(rank, world),
             "dummy": kept_dummy_scale(rank, world),
             "rebuilt": rebuilt_with_other_microbatches(rank, world),
             "accumulation": overflow_mid_accumulation(rank, world),

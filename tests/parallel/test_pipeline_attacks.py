@@ -117,6 +117,19 @@ def test_a_resume_on_another_split_and_schedule_equals_the_uninterrupted_run(
         assert off_oracle(run["params"], want["params"]) == 0.0
 
 
+def test_the_zero_bubble_v_schedule_agrees_and_reads_the_steps_loss(ranks: dict[int, Any]) -> None:
+    """ScheduleZBVZeroBubble (not tried by the builder): the inf in stage 1 at step 2 skips on
+    both ranks, the gate's loss is each step's one-process mean through the garbage of shape
+    inference, and the parameters equal the one-process run."""
+    want = oracle(_pp_attacks.gate(), [[4]] * 4, inf=(2, 1))
+    assert want["applied"] == [True, True, False, True]
+    for r in (0, 1):
+        run = ranks[r]["zbv"]
+        assert run["applied"] == want["applied"], f"rank {r}"
+        assert run["loss"] == want["loss"], f"rank {r}"
+        assert off_oracle(run["params"], want["params"]) == 0.0
+
+
 @pytest.mark.parametrize("scenario", ["one_rank_step", "one_rank_unscale"])
 def test_pipeline_loss_on_one_stage_only_is_no_hang(ranks: dict[int, Any], scenario: str) -> None:
     """The first stage's scaler got no pipeline_loss() (nor a scale() call): its step() (or
