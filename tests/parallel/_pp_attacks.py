@@ -84,8 +84,14 @@ def overflow_mid_accumulation(rank: int, world: int) -> dict[str, Any]:
     opt = torch.optim.SGD(modules[0].parameters(), lr=0.1)
     sched = schedule(modules, rank, world, scaler.pipeline_loss(mse), _pp.MICROBATCHES)
     applied = []
+    handed: list[torch.Tensor] = []  # what schedule.step(losses=...) hands back (step 0)
     for step in range(3):
         for half in range(2):
+            if step == half == 0:
+                x, y = batch(0)
+                kwargs = {"target": y, "losses": handed}
+                sched.step(x, **kwargs) if rank == 0 else sched.step(**kwargs)
+                continue
             _run(sched, rank, 2 * step + half)
             if step == 1 and half == 0 and rank == 1:
                 first_weight(modules).grad[0, 0] = math.inf
@@ -93,7 +99,12 @@ def overflow_mid_accumulation(rank: int, world: int) -> dict[str, Any]:
         scaler.update()
         opt.zero_grad()
         applied.append(scaler.step_applied())
-    return {"applied": applied, "scale": float(scaler.get_scale()), "params": params_of(modules)}
+    return {
+        "applied": applied,
+        "scale": float(scaler.get_scale()),
+        "params": params_of(modules),
+        "handed": [float(loss) for loss in handed],
+    }
 
 
 def pipeline_loss_on_one_rank(rank: int, world: int, unscale_first: bool) -> dict[str, Any]:

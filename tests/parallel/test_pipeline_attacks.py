@@ -130,6 +130,18 @@ def test_the_zero_bubble_v_schedule_agrees_and_reads_the_steps_loss(ranks: dict[
         assert off_oracle(run["params"], want["params"]) == 0.0
 
 
+def test_the_losses_a_schedule_hands_back_are_scaled(ranks: dict[int, Any]) -> None:
+    """schedule.step(losses=...) under pipeline_loss() gets what loss_fn returned: each
+    microbatch's loss times the scale (2^16 at step 0), as docs/scaler.md says."""
+    model = full_model()
+    x, y = batch(0)
+    with torch.no_grad():
+        plain = [float(mse(model(xc), yc)) for xc, yc in zip(x.chunk(4), y.chunk(4), strict=True)]
+    assert ranks[0]["accumulation"]["handed"] == []
+    handed = ranks[1]["accumulation"]["handed"]
+    assert [loss / 2.0**16 for loss in handed] == pytest.approx(plain, rel=1e-6)
+
+
 @pytest.mark.parametrize("scenario", ["one_rank_step", "one_rank_unscale"])
 def test_pipeline_loss_on_one_stage_only_is_no_hang(ranks: dict[int, Any], scenario: str) -> None:
     """The first stage's scaler got no pipeline_loss() (nor a scale() call): its step() (or
