@@ -24,9 +24,15 @@ from tests.parallel._pp import batch, full_model, mse, params_of
 from tests.parallel.pp_table import off_oracle
 
 
-def oracle(scaler: Any, steps: list[list[int]], inf: tuple[int, int] | None = None) -> dict:
+def oracle(
+    scaler: Any,
+    steps: list[list[int]],
+    inf: tuple[int, int] | None = None,
+    batches: Any = batch,
+) -> dict:
     """One process: ``steps[i]`` lists the microbatch counts of step i's schedule steps (batch
-    ``2 * i + j`` for the j-th of two, else batch i); ``inf``: (step, layer) gets an inf grad."""
+    ``2 * i + j`` for the j-th of two, else batch i); ``inf``: (step, layer) gets an inf grad.
+    Microbatches split as torch's schedule splits (``tensor_split``)."""
     warnings.simplefilter("ignore")
     model = full_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -34,8 +40,8 @@ def oracle(scaler: Any, steps: list[list[int]], inf: tuple[int, int] | None = No
     for i, counts in enumerate(steps):
         losses = []
         for j, n in enumerate(counts):
-            x, y = batch(2 * i + j if len(counts) > 1 else i)
-            for xc, yc in zip(x.chunk(n), y.chunk(n), strict=True):
+            x, y = batches(2 * i + j if len(counts) > 1 else i)
+            for xc, yc in zip(x.tensor_split(n), y.tensor_split(n), strict=True):
                 loss = mse(model(xc), yc)
                 losses.append(loss.detach())
                 if isinstance(scaler, dscale.StepGuard):
