@@ -301,6 +301,14 @@ class GradScaler(TorchGradScalerSurface):
         recorded. See ``docs/scaler.md``, "Pipeline parallel".
         """
         reduction = _pipeline.check_reduction(microbatch_reduction)
+        if self._pipeline is not None and reduction != self._pipeline:
+            # One setting per scaler: the wrappers made earlier would follow the new one.
+            raise ValueError(
+                f"pipeline_loss(microbatch_reduction={reduction!r}) on a scaler whose "
+                f"pipeline_loss() was made with {self._pipeline!r}: the step's loss is "
+                "combined one way, for every schedule of this scaler (a rebuilt schedule "
+                "included); pass the same microbatch_reduction, or use another scaler"
+            )
         wrapped = _pipeline.PipelineLoss(self, loss_fn)
         self._pipeline = reduction
         if self._spike is not None:

@@ -198,3 +198,23 @@ def test_pipeline_by_data_parallel_on_4_ranks_agrees_and_equals_the_oracle() -> 
         norms = [n / math.sqrt(2) for n in run["grad_norm"]]
         assert norms == pytest.approx(want["grad_norm"], rel=1e-5), f"rank {r}"
         assert off_oracle(run["params"], want["params"]) < 1e-6, f"rank {r}"
+
+
+# ----------------------------------------------------------------------------- one process
+def test_a_second_pipeline_loss_with_another_reduction_is_refused() -> None:
+    """pipeline_loss(microbatch_reduction="sum") then pipeline_loss() (mean) on the same scaler:
+    before, the second silently switched the first wrapper to the mean (2.5 recorded for
+    microbatches 1..4 where the sum, 10, was asked); now a ValueError names both, and the first
+    wrapper still records the sum. The same reduction again (a rebuilt schedule) is fine."""
+    guard = dscale.StepGuard("cpu", spike_signals=("loss",))
+    model = torch.nn.Linear(1, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    summed = guard.pipeline_loss(lambda o, t: o.sum() * 0 + t, microbatch_reduction="sum")
+    with pytest.raises(ValueError, match=r"microbatch_reduction='mean'.*made with 'sum'"):
+        guard.pipeline_loss(mse)
+    guard.pipeline_loss(mse, microbatch_reduction="sum")
+    for value in (1.0, 2.0, 3.0, 4.0):
+        summed(model(torch.ones(1, 1)), torch.tensor(value)).backward()
+    guard.step(opt)
+    guard.update()
+    assert guard.snapshot()["spike_loss"] == 10.0
