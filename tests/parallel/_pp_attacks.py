@@ -107,10 +107,20 @@ def overflow_mid_accumulation(rank: int, world: int) -> dict[str, Any]:
     }
 
 
-def pipeline_loss_on_one_rank(rank: int, world: int, unscale_first: bool) -> dict[str, Any]:
+def pipeline_loss_on_one_rank(
+    rank: int, world: int, unscale_first: bool, variant: str = "dynamic"
+) -> dict[str, Any]:
     """Only the last stage's schedule gets pipeline_loss(); the first stage's scaler never saw
-    it (nor a scale() call). What step() (after unscale_() if asked) does on each rank."""
-    scaler = dscale.GradScaler("cpu")
+    it (nor a scale() call). What step() (after unscale_() if asked) does on each rank.
+    ``variant``: "dynamic", "predictive_gated" (policy="predictive" with the spike gate on the
+    loss and the grad norm), or "sync_free" (the device-side decision)."""
+    if variant == "predictive_gated":
+        scaler = dscale.GradScaler(
+            "cpu", policy="predictive", spike_signals=("loss", "grad_norm"), spike_warmup=2
+        )
+    else:
+        scaler = dscale.GradScaler("cpu", sync_free=variant == "sync_free")
+        scaler._read_host_flags = variant != "sync_free"
     modules = stage_modules("gpipe", rank, world)
     opt = torch.optim.SGD(modules[0].parameters(), lr=0.1)
     loss_fn = scaler.pipeline_loss(mse) if rank == 1 else mse
@@ -222,6 +232,10 @@ def scenarios(rank: int, world: int, directory: str) -> dict[str, Any]:
             "accumulation": overflow_mid_accumulation(rank, world),
             "one_rank_step": pipeline_loss_on_one_rank(rank, world, False),
             "one_rank_unscale": pipeline_loss_on_one_rank(rank, world, True),
+            "one_rank_predictive_gated": pipeline_loss_on_one_rank(
+                rank, world, False, "predictive_gated"
+            ),
+            "one_rank_sync_free": pipeline_loss_on_one_rank(rank, world, True, "sync_free"),
         }
 
 

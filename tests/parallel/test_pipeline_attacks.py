@@ -148,12 +148,17 @@ def test_the_losses_a_schedule_hands_back_are_scaled(ranks: dict[int, Any]) -> N
     assert [loss / 2.0**16 for loss in handed] == pytest.approx(plain, rel=1e-6)
 
 
-@pytest.mark.parametrize("scenario", ["one_rank_step", "one_rank_unscale"])
+@pytest.mark.parametrize(
+    "scenario",
+    ["one_rank_step", "one_rank_unscale", "one_rank_predictive_gated", "one_rank_sync_free"],
+)
 def test_pipeline_loss_on_one_stage_only_is_no_hang(ranks: dict[int, Any], scenario: str) -> None:
     """The first stage's scaler got no pipeline_loss() (nor a scale() call): its step() (or
     unscale_() then step()) joins the last stage's agreement as a refusal and raises the error
-    that names pipeline_loss; the last stage skips (nothing applied) instead of waiting in the
-    collective until the timeout (before: it got the first stage's next collective, or hung)."""
+    that names pipeline_loss (also with policy="predictive" and the gate, whose vector is
+    longer, and sync_free's device-side decision); the last stage skips (nothing applied)
+    instead of waiting in the collective until the timeout (before: it got the first stage's
+    next collective, or hung)."""
     first, last = ranks[0][scenario], ranks[1][scenario]
     assert "pipeline_loss(loss_fn)" in first["error"] and not first["changed"]
     assert last["error"] == "" and not last["changed"]
