@@ -220,6 +220,28 @@ def zero_bubble_v(rank: int, world: int) -> dict[str, Any]:
     return {**out, "params": params_of(modules)}
 
 
+def colliding_stage_names(rank: int, world: int, directory: str) -> dict[str, Any]:
+    """Each stage built as its own ``nn.Linear`` (the same names, "weight" and "bias", on both
+    ranks, other values): saved, overwritten, loaded. What each rank got back, and any error."""
+    from dscale.checkpoint import CheckpointManager
+
+    torch.manual_seed(10 + rank)
+    module = torch.nn.Linear(_pp.WIDTH, _pp.WIDTH)
+    saved = params_of([module])
+    ckpt = CheckpointManager(f"{directory}/colliding", every=1, keep=1)
+    error = ""
+    try:
+        ckpt.maybe_save(1, model=module)
+        with torch.no_grad():
+            for p in module.parameters():
+                p.zero_()
+        ckpt.resume("auto", model=module)
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    loaded = params_of([module])
+    return {"error": error, "restored": all(torch.equal(saved[k], loaded[k]) for k in saved)}
+
+
 def scenarios(rank: int, world: int, directory: str) -> dict[str, Any]:
     warnings.simplefilter("ignore")  # fp32 under a GradScaler warns that it needs no scaling
     with _pp.garbage_tensors():
@@ -227,6 +249,7 @@ def scenarios(rank: int, world: int, directory: str) -> dict[str, Any]:
         return {
             "resumed": resume_on_another_layout(rank, world, directory),
             "zbv": zero_bubble_v(rank, world),
+            "colliding": colliding_stage_names(rank, world, directory),
             "dummy": kept_dummy_scale(rank, world),
             "rebuilt": rebuilt_with_other_microbatches(rank, world),
             "accumulation": overflow_mid_accumulation(rank, world),
