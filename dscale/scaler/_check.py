@@ -33,6 +33,7 @@ import torch
 from dscale import _dist
 from dscale.scaler._attach.hooks import AttachRefusal, HookReport
 from dscale.scaler._program import agreement as _agreement
+from dscale.scaler._program import placements as _placements
 from dscale.scaler._program import predictive as _predictive
 from dscale.scaler._program import unscale as _unscale
 from dscale.scaler._program.agreement import Layout
@@ -122,6 +123,7 @@ def check(
             return True
         raise
     state.backwards = report.backwards
+    _placements.sum_partial_grads(optimizer)  # a Partial piece is not the grad: sum it first
     # Nothing left for this rank's pass where the hooks checked every grad.
     grads = [] if report.complete else optimizer_grads(optimizer, set(report.covered))
     groups = group_by_device_and_dtype(grads)
@@ -163,7 +165,8 @@ def check(
         spike = None
         if scaler._spike is not None:  # every grad this rank holds, hooked ones too
             every = optimizer_grads(optimizer) if report.covered else grads
-            spike = _spike_values(scaler, every, None if unscale else scale, device, group)
+            roots = _placements.norm_weights(optimizer, device)  # counts a copy once
+            spike = _spike_values(scaler, every, None if unscale else scale, device, group, roots)
         vector, layout = layout.append(vector, fields, spike)
     state.agreed, state.layout = vector, layout
     # 6. agree
@@ -303,14 +306,18 @@ def _spike_values(
     carried: torch.Tensor | None,
     device: torch.device,
     group: Any,
+    roots: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The spike gate's slots: this rank's loss and grad norm in its own, -inf in the peers'.
 
     ``grads`` are every grad this rank holds for the step, carrying ``carried`` (the scale
-    while still scaled; None: unscaled).
+    while still scaled; None: unscaled); ``roots`` the square roots of their weights in the
+    squared norm (:mod:`~dscale.scaler._program.placements`; None: all 1).
     """
     assert scaler._spike is not None  # noqa: S101 - called with the gate on
-    return scaler._spike.tail(grads, carried, device, _dist.rank(group), _dist.world_size(group))
+    return scaler._spike.tail(
+        grads, carried, device, _dist.rank(group), _dist.world_size(group), roots
+    )
 
 
 def _join_peers_refusing(
