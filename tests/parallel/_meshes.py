@@ -115,6 +115,19 @@ def build(name: str, rank: int, world: int) -> Mesh:
             1,
             [[0, 1], [2, 3]],  # a TP group holds the Replicate params' dp shard alike
         )
+    if name == "fsdp":  # FSDP2 alone, 1-D: where a TP checkpoint resumes
+        mesh = init_device_mesh("cpu", (world,))
+        fully_shard(model, mesh=mesh)
+        rows = BATCH // world
+        return Mesh(
+            name,
+            model,
+            oracle,
+            lambda x: x[rank * rows : (rank + 1) * rows],
+            numel / world,
+            1,
+            [],
+        )
     if name == "hsdp":  # replicate x shard, 2 x 2
         mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
         fully_shard(model, mesh=mesh)
@@ -167,20 +180,40 @@ def true_norm(params: list[nn.Parameter]) -> float:
     return float(full(norm))
 
 
-def run(setting: Mesh, rank: int, make_scaler: Callable[[], Any], *, first: bool) -> dict[str, Any]:
-    """STEPS steps of SGD on ``setting``'s model with an inf at INF_STEP on its poisoned rank."""
+def run(
+    setting: Mesh,
+    rank: int,
+    make_scaler: Callable[[nn.Module], Any] | None,
+    *,
+    first: bool,
+    steps: range = range(STEPS),
+    opt: torch.optim.Optimizer | None = None,
+    scaler: Any = None,
+    write_grads: bool = True,
+) -> dict[str, Any]:
+    """``steps`` of SGD on ``setting``'s model with an inf at INF_STEP on its poisoned rank.
+
+    ``write_grads`` False (attach(): a grad written after the reduction is refused) puts the inf
+    into the loss's gradient instead, before the reduction, and reads no true norm (the clip
+    writes the grads).
+    """
     params = params_of(setting.model, first)
-    opt = torch.optim.SGD(params, lr=0.1)
-    scaler = make_scaler()
+    opt = opt or torch.optim.SGD(params, lr=0.1)
+    if scaler is None:
+        assert make_scaler is not None
+        scaler = make_scaler(setting.model)
     applied, scales, norms, gate = [], [], [], []
-    for step in range(STEPS):
+    for step in steps:
         opt.zero_grad()
         out = setting.model(setting.local_batch(global_batch(step)))
         loss = local(out).square().sum() / setting.loss_share
+        poisoned = step == INF_STEP and rank == setting.poisoned_rank
+        if poisoned and not write_grads:  # d loss / d out[0] = inf on this rank only
+            loss = loss + local(out).reshape(-1)[0] * math.inf
         scaler.scale(loss).backward()
-        if step == INF_STEP and rank == setting.poisoned_rank:
+        if poisoned and write_grads:
             poison(params)
-        if step != INF_STEP:
+        if step != INF_STEP and write_grads:
             norms.append(true_norm(params) * (1.0 / scaler.get_scale()))
         before = [local(p).detach().clone() for p in params]
         scaler.step(opt)
