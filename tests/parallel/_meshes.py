@@ -71,9 +71,21 @@ def _tp_plan(sequence_parallel: bool) -> dict[str, Any]:
     }
 
 
+_meshes: dict[tuple[Any, ...], Any] = {}
+
+
+def init_device_mesh(device: str, shape: tuple[int, ...], **names: Any) -> Any:
+    """torch's init_device_mesh, made once per shape and names (each call makes new groups)."""
+    from torch.distributed.device_mesh import init_device_mesh as init
+
+    key = (shape, tuple(names.get("mesh_dim_names") or ()))
+    if key not in _meshes:
+        _meshes[key] = init(device, shape, **names)
+    return _meshes[key]
+
+
 def build(name: str, rank: int, world: int) -> Mesh:
     """The model of setting ``name`` on this rank (same seed as its oracle)."""
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import parallelize_module
 
