@@ -32,7 +32,7 @@ from dscale import _dist
 from dscale.scaler._program.unscale import DTensor
 
 
-class _ParamSet:
+class ParamSet:
     """One optimizer's params with grads, as last seen: their ids, sqrt weights, Partial ones."""
 
     def __init__(self, key: tuple[int, ...], grads: list[torch.Tensor]) -> None:
@@ -56,6 +56,10 @@ class _ParamSet:
         self._placed: dict[torch.device, torch.Tensor] = {}
 
     def roots_on(self, device: torch.device) -> torch.Tensor | None:
+        """sqrt of each grad's weight in the gate's squared norm, in the optimizer's order (fp64).
+
+        None when every weight is 1 (plain tensors, or DTensors sharded on every mesh dim).
+        """
         if self.roots is None:
             return None
         if device not in self._placed:
@@ -63,10 +67,10 @@ class _ParamSet:
         return self._placed[device]
 
 
-_sets: weakref.WeakKeyDictionary[torch.optim.Optimizer, _ParamSet] = weakref.WeakKeyDictionary()
+_sets: weakref.WeakKeyDictionary[torch.optim.Optimizer, ParamSet] = weakref.WeakKeyDictionary()
 
 
-def _param_set(optimizer: torch.optim.Optimizer) -> _ParamSet | None:
+def _param_set(optimizer: torch.optim.Optimizer) -> ParamSet | None:
     """The optimizer's param set (None when no grad is a DTensor: nothing to weigh or sum)."""
     params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
     key = tuple(map(id, params))
@@ -77,30 +81,24 @@ def _param_set(optimizer: torch.optim.Optimizer) -> _ParamSet | None:
     if DTensor is None or not any(isinstance(g, DTensor) for g in grads):
         _sets.pop(optimizer, None)
         return None
-    made = _ParamSet(key, grads)  # type: ignore[arg-type]
+    made = ParamSet(key, grads)  # type: ignore[arg-type]
     _sets[optimizer] = made
     return made
 
 
-def sum_partial_grads(optimizer: torch.optim.Optimizer) -> None:
+def sum_partial_grads(optimizer: torch.optim.Optimizer) -> ParamSet | None:
     """Replace every ``Partial`` DTensor grad of ``optimizer`` by its sum (``Replicate``).
 
     The all-reduce is the one the optimizer's step would run on such a grad anyway. Only the
-    Partial grads are visited (the norms' under sequence parallel), once per step.
+    Partial grads are visited (the norms' under sequence parallel), once per step. Returns the
+    param set (None when no grad is a DTensor), whose :meth:`ParamSet.roots_on` gives the
+    gate's weights.
     """
     found = _param_set(optimizer)
     if found is None or not found.partial:
-        return
+        return found
     params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
     for position in found.partial:
         param = params[position]
         param.grad = _dist.sum_partial(param.grad)
-
-
-def norm_weights(optimizer: torch.optim.Optimizer, device: torch.device) -> torch.Tensor | None:
-    """sqrt of each grad's weight in the gate's squared norm, in the optimizer's order (fp64).
-
-    None when every weight is 1 (plain tensors, or DTensors sharded on every mesh dim).
-    """
-    found = _param_set(optimizer)
-    return None if found is None else found.roots_on(device)
+    return found
