@@ -15,6 +15,8 @@ from tests.parallel import _meshes
 SETTINGS = {2: ("tp", "tp_sp"), 4: ("fsdp_tp", "hsdp")}
 #: world size -> (the mesh a checkpoint is saved on, the mesh it resumes on)
 RESHARDS = {2: ("tp_sp", "fsdp"), 4: ("fsdp_tp", "hsdp")}
+#: settings run only for the table (torch's scaler and dscale's): their mesh is run in full as well
+CONTROLS = ("tp",)
 SAVED_AT = 2  # the checkpoint holds steps 0-1; the continuation runs the inf step and one more
 
 
@@ -58,6 +60,8 @@ def run_settings(rank: int, world_size: int, root: str | None = None) -> dict[st
             key = f"{name}_replicated_first" if first else name
             out[key] = {"oracle": _meshes.run_oracle(_meshes.build(name, rank, world_size), first)}
             for label, make in _scalers(world_size).items():
+                if key in CONTROLS and label not in ("torch", "dscale"):
+                    continue
                 setting = _meshes.build(name, rank, world_size)
                 write = label != "dscale_attach"
                 out[key][label] = _meshes.run(setting, rank, make, first=first, write_grads=write)
