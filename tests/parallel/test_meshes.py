@@ -56,8 +56,9 @@ CASES = [
 def test_every_rank_skips_the_step_one_rank_overflowed_and_matches_the_oracle(
     spawned: dict[Any, Any], key: str, scaler: str
 ) -> None:
-    """All ranks take every decision alike (the inf step skipped), scales equal, params equal to
-    the one-process oracle to fp32 rounding, ranks that hold the same values bitwise equal.
+    """All ranks take every decision alike (the inf step skipped) through one collective per step,
+    scales equal, params equal to the one-process oracle to fp32 rounding, ranks that hold the
+    same values bitwise equal.
     attach() (FSDP2 x TP, HSDP): the inf comes through the loss, before the reduction."""
     setting = _results(spawned, key)
     runs = {r: out[scaler] for r, out in setting.items()}
@@ -66,6 +67,7 @@ def test_every_rank_skips_the_step_one_rank_overflowed_and_matches_the_oracle(
         r: run["applied"] for r, run in runs.items()
     }
     assert len({tuple(run["scales"]) for run in runs.values()}) == 1
+    assert all(run["agreements"] == _meshes.STEPS for run in runs.values())  # one per step
     oracle = setting[0]["oracle"]["full"]
     for run in runs.values():
         for got, want in zip(run["full"], oracle, strict=True):
