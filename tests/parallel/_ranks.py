@@ -27,6 +27,15 @@ def _dscale(**kwargs: Any) -> Any:
     return dscale.GradScaler("cpu", **kwargs)
 
 
+def _on_device(scaler: Any) -> Any:
+    """sync_free decided on the device (masked step, device-side update), as on CUDA: on the CPU
+    the scaler would read the agreed flag in host memory instead."""
+    from dscale.bench._ops import force_device_decision
+
+    force_device_decision(scaler)
+    return scaler
+
+
 def _attached(model: torch.nn.Module) -> Any:
     scaler = _dscale()
     scaler.attach(model)
@@ -39,7 +48,7 @@ def _scalers(world: int) -> dict[str, Any]:
     scalers = {
         "torch": lambda _: torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1),
         "dscale": lambda _: _dscale(),
-        "dscale_sync_free": lambda _: _dscale(sync_free=True),
+        "dscale_sync_free": lambda _: _on_device(_dscale(sync_free=True)),
         "dscale_predictive": lambda _: _dscale(policy="predictive"),
         "step_guard_gate": lambda _: dscale.StepGuard(
             "cpu", spike_signals=("loss", "grad_norm"), spike_window=2, spike_warmup=2
