@@ -23,8 +23,8 @@ sum of the squared norms, each DTensor grad's weighted by 1 / (ranks holding a c
 (``placements``): the global norm on every mesh (FSDP2, TP, sequence parallel, HSDP, 2-D); with
 plain replicated grads (DDP) it is sqrt(world size) times the norm, a constant factor that leaves
 every decision unchanged (the z-score does not depend on the unit). Every rank reduces the same
-numbers in the same order, so every rank decides alike. The vector grows by one float per rank and watched
-value; nothing here grows with the parameter count.
+numbers in the same order, so every rank decides alike. The vector grows by one float per rank
+and watched value; nothing here grows with the parameter count.
 
 The window and the counters stay on the device (float64 tensors): no host sync. Every step is a
 handful of vector ops, whatever the window's length. One float64 matrix holds everything, a shift
