@@ -97,29 +97,39 @@ def _attach_refused(rank: int, world: int) -> str:
 def _partial_overflow(rank: int, world: int) -> dict[str, Any]:
     """Each rank's Partial piece of norm.weight's grad is finite (3e38), their sum is inf: the
     check must see the sum (as with fp16 pieces near 65504). Torch's scaler beside it checks
-    the pieces, steps, and the optimizer's own sum writes inf into the weight."""
+    the pieces, steps, and the optimizer's own sum writes inf into the weight. A clean step
+    before it counts the step's collectives (the optimizer's included) under both scalers."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
     out: dict[str, Any] = {}
     for label in ("dscale", "torch"):
         setting = _meshes.build("tp_sp", rank, world)
         params = _meshes.params_of(setting.model, False)
         opt = torch.optim.SGD(params, lr=0.1)
         scaler = (  # at a scale of 1 the unscaled pieces are the pieces
-            _dscale(init_scale=1.0)
+            _dscale(init_scale=1.0, growth_interval=100)
             if label == "dscale"
-            else torch.amp.GradScaler("cpu", init_scale=1.0, growth_interval=1)
+            else torch.amp.GradScaler("cpu", init_scale=1.0, growth_interval=100)
         )
-        out_t = setting.model(setting.local_batch(_meshes.global_batch(0)))
-        scaler.scale(_meshes.local(out_t).square().sum() / setting.loss_share).backward()
-        grad = setting.model.norm.weight.grad
-        placements = str(grad.placements)
-        _meshes.local(grad).view(-1)[0] = 3e38
-        scaler.step(opt)
-        scaler.update()
+        counts = []
+        for step in range(2):
+            opt.zero_grad()
+            out_t = setting.model(setting.local_batch(_meshes.global_batch(step)))
+            scaler.scale(_meshes.local(out_t).square().sum() / setting.loss_share).backward()
+            grad = setting.model.norm.weight.grad
+            placements = str(grad.placements)
+            if step == 1:
+                _meshes.local(grad).view(-1)[0] = 3e38
+            with CommDebugMode() as comms:  # the step's collectives, the optimizer's included
+                scaler.step(opt)
+                scaler.update()
+            counts.append(comms.get_total_counts())
         weight = _meshes.local(setting.model.norm.weight).detach()
         out[label] = {
             "grad_placements": placements,
             "finite": bool(torch.isfinite(weight).all()),
             "scale": scaler.get_scale(),
+            "clean_step_collectives": counts[0],
         }
     return out
 

@@ -93,12 +93,16 @@ def test_partial_pieces_whose_sum_overflows_skip_the_step_on_every_rank(
     """Sequence parallel leaves norm.weight's grad Partial until the optimizer sums it. Pieces
     that are finite alone but overflow summed (3e38 each) are summed before the check, so the
     step is skipped and the scale backs off on every rank; torch's scaler checks the pieces,
-    steps, and the optimizer writes inf into the weight (the negative control)."""
+    steps, and the optimizer writes inf into the weight (the negative control); with no extra
+    collective in the step."""
     for out in _spawn(spawned, 2).values():
         got = out["partial_overflow"]
         assert got["dscale"]["grad_placements"] == "(Partial(sum),)"  # torch 2.13's SP
         assert got["dscale"] == {**got["dscale"], "finite": True, "scale": 0.5}
         assert got["torch"]["finite"] is False
+        # The sum is the optimizer's own all-reduce moved forward: a clean step runs as many
+        # collectives (CommDebugMode: the optimizer's, the flag's) as under torch's scaler.
+        assert got["dscale"]["clean_step_collectives"] == got["torch"]["clean_step_collectives"]
 
 
 @pytest.mark.parametrize("world", [2, 4], ids=["tp_sp-to-fsdp2", "fsdp2_tp-to-hsdp"])
