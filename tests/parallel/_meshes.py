@@ -216,10 +216,21 @@ def run(
         scaler = make_scaler(setting.model)
     applied, scales, norms, gate = [], [], [], []
     calls, restore = _count_agreements()
+    import dscale.scaler._program.placements as placements
+
+    made = placements.ParamSet.__init__
+    sets: list[int] = []
+
+    def counted(self: Any, *args: Any) -> None:
+        sets.append(1)
+        made(self, *args)
+
+    placements.ParamSet.__init__ = counted  # type: ignore[method-assign]
     try:
         _steps(setting, rank, params, opt, scaler, steps, write_grads, applied, scales, norms, gate)
     finally:
         restore()
+        placements.ParamSet.__init__ = made  # type: ignore[method-assign]
     return {
         "applied": applied,
         "scales": scales,
@@ -229,6 +240,7 @@ def run(
         "true_norms": norms,
         "gate_norms": gate,
         "agreements": len(calls),
+        "param_sets": len(sets),  # placements worked out: once per param set, not per step
     }
 
 

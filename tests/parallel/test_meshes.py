@@ -56,9 +56,9 @@ CASES = [
 def test_every_rank_skips_the_step_one_rank_overflowed_and_matches_the_oracle(
     spawned: dict[Any, Any], key: str, scaler: str
 ) -> None:
-    """All ranks take every decision alike (the inf step skipped) through one collective per step,
-    scales equal, params equal to the one-process oracle to fp32 rounding, ranks that hold the
-    same values bitwise equal.
+    """All ranks take every decision alike (the inf step skipped) through one collective per step
+    (the grads' placements worked out once, not per step), scales equal, params equal to the
+    one-process oracle to fp32 rounding, ranks that hold the same values bitwise equal.
     attach() (FSDP2 x TP, HSDP): the inf comes through the loss, before the reduction."""
     setting = _results(spawned, key)
     runs = {r: out[scaler] for r, out in setting.items()}
@@ -68,6 +68,7 @@ def test_every_rank_skips_the_step_one_rank_overflowed_and_matches_the_oracle(
     }
     assert len({tuple(run["scales"]) for run in runs.values()}) == 1
     assert all(run["agreements"] == _meshes.STEPS for run in runs.values())  # one per step
+    assert all(run["param_sets"] == 1 for run in runs.values())  # placements read once
     oracle = setting[0]["oracle"]["full"]
     for run in runs.values():
         for got, want in zip(run["full"], oracle, strict=True):
