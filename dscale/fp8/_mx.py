@@ -1,0 +1,47 @@
+"""MXFP8 linears for convert_to_float8(): torchao's ``MXFP8Linear``, swapped in module by module.
+
+torchao 0.18 offers two routes to MXFP8 training of ``nn.Linear`` layers: its ``MXFP8Linear``
+module, and ``quantize_(model, MXFP8TrainingOpConfig...)``, which wraps each parameter of the
+chosen modules in a tensor subclass. The config route trains the weights but leaves every bias's
+gradient None (measured with torchao 0.18.0 on nn.Linear layers with a bias): the biases would
+silently stop training. So the swap here is to ``MXFP8Linear``, which adds its bias in
+plain autograd and trains it; the parameters are the original ones (moved, not copied), so an
+optimizer or a state dict keyed by name sees the same model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from torch import nn
+
+from dscale.fp8 import _torchao
+
+#: dscale's recipe names -> torchao's ``wgrad_with_hp`` (grad_weight's GEMM in high precision).
+WGRAD_WITH_HP = {"mxfp8": False, "mxfp8_wgrad_with_hp": True}
+#: MXFP8 scales one E8M0 exponent per 32 elements along a GEMM's inner dim: the forward blocks
+#: the weight along in_features, grad_input's GEMM along out_features.
+BLOCK = 32
+
+
+def swap_linears(model: nn.Module, names: Iterable[str], *, recipe: str, emulate: bool) -> None:
+    """Replace each ``nn.Linear`` named in ``names`` by an ``MXFP8Linear`` with its parameters."""
+    cls = _torchao.mxfp8_linear_class()
+    preference, mode = _torchao.mx_options(emulate)
+    modules = dict(model.named_modules())
+    for name in names:
+        old = modules[name]
+        new = cls(
+            old.in_features,
+            old.out_features,
+            bias=old.bias is not None,
+            device="meta",
+            kernel_preference=preference,
+            scale_calculation_mode=mode,
+            wgrad_with_hp=WGRAD_WITH_HP[recipe],
+        )
+        new.weight = old.weight
+        new.bias = old.bias
+        new.train(old.training)
+        parent_name, _, child = name.rpartition(".")
+        setattr(modules[parent_name] if parent_name else model, child, new)
