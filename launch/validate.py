@@ -378,8 +378,8 @@ def _fp8(job: JobConfig) -> None:
     )
     _need(
         not f.float8_all_gather or f.recipe == "tensorwise",
-        f"fp8.float8_all_gather=true needs fp8.recipe=tensorwise (got {f.recipe}; rowwise "
-        "recipes all-gather in high precision)",
+        f"fp8.float8_all_gather=true needs fp8.recipe=tensorwise (got {f.recipe}; the rowwise "
+        "and MXFP8 recipes all-gather in high precision)",
     )
     _need(
         f.predict in ("bound", "exact"),

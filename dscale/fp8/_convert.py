@@ -129,9 +129,7 @@ def convert_to_float8(
         if why != "filter":
             logger.info("convert_to_float8: %s stays in high precision: %s", name, why)
     if recipe in _mx.WGRAD_WITH_HP:
-        names = [
-            n for n, m in model.named_modules() if type(m) is nn.Linear and n not in left
-        ]
+        names = [n for n, m in model.named_modules() if type(m) is nn.Linear and n not in left]
         _mx.swap_linears(model, names, recipe=recipe, emulate=emulate)
         return Float8Conversion(recipe, False, tuple(sorted(names)), left)
     config = float8.Float8LinearConfig.from_recipe_name(recipe)

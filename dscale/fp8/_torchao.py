@@ -34,8 +34,8 @@ _HARMLESS_ON_CPU = {
     "torchao": re.compile(r"Failed to load .*_C_(mxfp8|cutlass_90a)[^/]*\.so"),
     "torchao.kernel.intmm": re.compile(r"Detected no triton"),
 }
-# torchao registers its KernelPreference and ScaleCalculationMode enums as pytree constants, which
-# torch 2.13 deprecates (a warning about torchao's own call, not the user's code): silenced everywhere.
+# torchao registers its KernelPreference and ScaleCalculationMode enums as pytree constants,
+# which torch 2.13 deprecates (a warning about torchao's own call): silenced everywhere.
 _HARMLESS = {
     "torch.utils._pytree": re.compile(
         r"(KernelPreference|ScaleCalculationMode)'> is an Enum subclass"

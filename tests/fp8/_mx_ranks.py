@@ -81,8 +81,8 @@ def train(
         else:
             guard.scale(loss).backward()
             if step == inf_step and rank == 1:
-                next(p for p in model.parameters() if p.grad is not None).grad.view(-1)[0] = (
-                    float("inf")
+                next(p for p in model.parameters() if p.grad is not None).grad.view(-1)[0] = float(
+                    "inf"
                 )
             guard.step(opt)
             guard.update()
