@@ -120,3 +120,11 @@ def mx_options(emulate: bool) -> tuple[Any, Any]:
     mx_config = importlib.import_module("torchao.prototype.mx_formats.config")
     preference = common.KernelPreference.EMULATED if emulate else common.KernelPreference.AUTO
     return preference, mx_config.ScaleCalculationMode.RCEIL
+
+
+def to_mx() -> tuple[Any, Any]:
+    """torchao's ``to_mx`` (MX cast: E8M0 exponents and elements) and ``ScaleCalculationMode.RCEIL``."""
+    float8()
+    mx_tensor = _import_quietly("torchao.prototype.mx_formats.mx_tensor")
+    mx_config = importlib.import_module("torchao.prototype.mx_formats.config")
+    return mx_tensor.to_mx, mx_config.ScaleCalculationMode.RCEIL

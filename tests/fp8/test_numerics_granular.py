@@ -1,0 +1,175 @@
+"""Rowwise and MXFP8 numerics: exact against a brute-force reference on the same tensor.
+
+The reference walks the tensor row by row (rowwise) or block of 32 by block (MXFP8) in Python,
+takes each scale as torchao computes it (rowwise: fp8_max / amax in float64, to float32, down
+to a power of two; MXFP8 RCEIL: ceil(log2(amax / fp8_max)) in float32, clamped to E8M0's range),
+and rounds each scaled element to the nearest value of a table of the format's 256 bit patterns
+(ties to even), independently of torch's float8 cast and of torchao's to_mx.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from dscale.fp8._granular import MX_FIELDS, ROWWISE_FIELDS, mx_stats, rowwise_stats
+
+E4M3 = torch.float8_e4m3fn
+
+
+def _table(dtype: torch.dtype) -> tuple[torch.Tensor, dict[float, int]]:
+    values = torch.arange(256, dtype=torch.uint8).view(dtype).float()
+    keep = torch.isfinite(values)
+    patterns = {}
+    for v, p in zip(values[keep].tolist(), torch.arange(256)[keep].tolist()):
+        patterns.setdefault(v, p)
+    return torch.tensor(sorted(patterns)).double(), patterns
+
+
+def _round(v: float, dtype: torch.dtype) -> float:
+    """``v`` (finite, within the max) to the nearest value of the format, ties to even."""
+    table, patterns = _table(dtype)
+    d = (table - v).abs()
+    best = table[d == d.min()].tolist()
+    if len(best) > 1:
+        return next(b for b in best if patterns[b] % 2 == 0)
+    return best[0]
+
+
+def _element(x: float, scale: float, dtype: torch.dtype, counts: dict[str, int]) -> None:
+    info = torch.finfo(dtype)
+    if not math.isfinite(x):
+        return
+    v = x * scale
+    if abs(v) > info.max:
+        counts["saturated"] += 1
+    q = _round(min(max(v, -info.max), info.max), dtype)
+    if x != 0 and q == 0:
+        counts["flushed"] += 1
+    if q != 0 and abs(q) < info.smallest_normal:
+        counts["subnormal"] += 1
+
+
+def _f32(count: int, n: int) -> float:
+    return (torch.tensor(count, dtype=torch.float32) / n).item()
+
+
+def _rowwise_reference(x: torch.Tensor, dtype: torch.dtype) -> dict[str, float]:
+    info = torch.finfo(dtype)
+    rows = x.reshape(-1, x.shape[-1]).tolist()
+    counts = {"saturated": 0, "flushed": 0, "subnormal": 0}
+    rows_sat = rows_flush = 0
+    logs = []
+    for row in rows:
+        amax = max(abs(v) for v in row)
+        scale = torch.tensor(info.max / max(amax, 1e-12), dtype=torch.float64).float().item()
+        scale = 2.0 ** math.floor(math.log2(scale)) if scale > 0 else 0.0
+        before = dict(counts)
+        for v in row:
+            _element(v, scale, dtype, counts)
+        rows_sat += counts["saturated"] > before["saturated"]
+        rows_flush += counts["flushed"] > before["flushed"]
+        if 0 < amax < math.inf:
+            logs.append(math.log2(scale))
+    n = x.numel()
+    flat = [abs(v) for row in rows for v in row]
+    return {
+        "amax": math.nan if any(math.isnan(v) for v in flat) else max(flat),
+        **{k: _f32(c, n) for k, c in counts.items()},
+        "rows_saturated": _f32(rows_sat, len(rows)),
+        "rows_flushed": _f32(rows_flush, len(rows)),
+        "scale_spread": max(logs) - min(logs) if logs else 0.0,
+    }
+
+
+def _mx_reference(x: torch.Tensor, dtype: torch.dtype) -> dict[str, float]:
+    info = torch.finfo(dtype)
+    blocks = x.reshape(-1, 32).tolist()
+    counts = {"saturated": 0, "flushed": 0, "subnormal": 0}
+    clamped = nonfinite = 0
+    exponents = []
+    for block in blocks:
+        amax = max(abs(v) for v in block) if not any(math.isnan(v) for v in block) else math.nan
+        if math.isnan(amax):  # torchao scales by NaN: every element NaN, none counted
+            nonfinite += 1
+            continue
+        if amax == math.inf:  # scaled by 2^-127: the other elements flush
+            nonfinite += 1
+            for v in block:
+                _element(v, 2.0**-127, dtype, counts)
+            continue
+        descale = torch.tensor(amax, dtype=torch.float32) / info.max
+        e = math.ceil(torch.log2(descale).item()) if amax > 0 else -127
+        e = min(max(e, -127), 127)
+        rcp = 1.0 if e == -127 else 2.0 ** (-e)  # torchao scales by 1 at E8M0's floor
+        if amax > 0:
+            exponents.append(e)
+            clamped += e == -127
+        for v in block:
+            _element(v, rcp, dtype, counts)
+    n = x.numel()
+    return {
+        "amax": max((abs(v) for b in blocks for v in b), default=0.0),
+        **{k: _f32(c, n) for k, c in counts.items()},
+        "blocks_clamped": _f32(clamped, len(blocks)),
+        "blocks_nonfinite": _f32(nonfinite, len(blocks)),
+        "scale_spread": float(max(exponents) - min(exponents)) if exponents else 0.0,
+    }
+
+
+def _hard_tensor() -> torch.Tensor:
+    """8 rows x 128 (32 blocks of 32): wide ranges inside rows and blocks, a zero row, a zero
+    block, an inf, a block of values below E8M0's floor, values that saturate nothing."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(8, 128, generator=g) * torch.logspace(-7, 2, 128)  # per column magnitudes
+    x[1] = 0.0  # a zero row
+    x[2, 32:64] = 0.0  # a zero block
+    x[3, 5] = math.inf  # one inf: its row's scale is 0, its block non-finite
+    x[4, 64:96] = torch.randn(32, generator=g) * 1e-37  # below 448 * 2^-127: E8M0 clamps
+    x[5, 100] = 3e4  # an outlier in one block
+    return x
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_rowwise_stats_equal_the_brute_force_reference(dtype):
+    x = _hard_tensor()
+    ours = dict(zip(ROWWISE_FIELDS, rowwise_stats(x, dtype).tolist()))
+    want = _rowwise_reference(x, dtype)
+    assert ours == want
+    assert ours["rows_flushed"] > 0 and ours["scale_spread"] > 0 and ours["flushed"] > 0
+
+
+def test_mxfp8_stats_equal_the_brute_force_reference():
+    x = _hard_tensor()
+    ours = dict(zip(MX_FIELDS, mx_stats(x, E4M3).tolist()))
+    want = _mx_reference(x, E4M3)
+    assert ours == want
+    assert ours["blocks_nonfinite"] == 1 / 32 and ours["blocks_clamped"] == 1 / 32
+    assert ours["flushed"] > 0 and ours["subnormal"] > 0 and ours["scale_spread"] > 0
+    x[6, 3] = math.nan  # one NaN: its block is NaN (counted non-finite), the amax NaN
+    ours = dict(zip(MX_FIELDS, mx_stats(x, E4M3).tolist()))
+    want = _mx_reference(x, E4M3)
+    assert math.isnan(ours.pop("amax")) and ours["blocks_nonfinite"] == 2 / 32
+    assert ours == {k: v for k, v in want.items() if k != "amax"}
+
+
+def test_an_outlier_flushes_only_its_own_mxfp8_block_and_rowwise_row():
+    """One element x1e4 in a healthy tensor: the flushed elements it adds lie in its block
+    (MXFP8) or its row (rowwise) and nowhere else, as the reference counts them."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(4, 64, generator=g)
+    y = x.clone()
+    y[2, 40] *= 1e4
+    base, hit = mx_stats(x), mx_stats(y)
+    assert base[2] == 0 and hit[2] > 0
+    block = y.clone()
+    block[2, 32:64] = x[2, 32:64]  # the outlier's block put back
+    block[2, 40] = x[2, 40]
+    assert mx_stats(block)[2] == 0
+    only = torch.zeros_like(y)
+    only[2, 32:64] = y[2, 32:64]  # the outlier's block alone flushes as many elements
+    assert mx_stats(only)[2] * only.numel() == hit[2] * y.numel()
+    rows = rowwise_stats(y, E4M3)
+    assert rows[5] == 1 / 4  # one row of four holds a flushed element
