@@ -115,6 +115,4 @@ def mx_stats(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn) -> torch
         torch.zeros(()),
     )
     amax = blocks.abs().amax() if blocks.numel() else torch.zeros(())
-    return torch.stack(
-        [amax, saturated, flushed, subnormal, clamped, nonfinite, spread]
-    ).float()
+    return torch.stack([amax, saturated, flushed, subnormal, clamped, nonfinite, spread]).float()

@@ -123,7 +123,7 @@ def mx_options(emulate: bool) -> tuple[Any, Any]:
 
 
 def to_mx() -> tuple[Any, Any]:
-    """torchao's ``to_mx`` (MX cast: E8M0 exponents and elements) and ``ScaleCalculationMode.RCEIL``."""
+    """torchao's ``to_mx`` (E8M0 exponents and elements) and ``ScaleCalculationMode.RCEIL``."""
     float8()
     mx_tensor = _import_quietly("torchao.prototype.mx_formats.mx_tensor")
     mx_config = importlib.import_module("torchao.prototype.mx_formats.config")
