@@ -28,6 +28,7 @@ import torch
 TENSORWISE_FIELDS = ("amax", "saturated", "flushed", "subnormal")
 ROWWISE_FIELDS = (*TENSORWISE_FIELDS, "rows_saturated", "rows_flushed", "scale_spread")
 MX_FIELDS = (*TENSORWISE_FIELDS, "blocks_clamped", "blocks_nonfinite", "scale_spread")
+FIELDS = {"tensorwise": TENSORWISE_FIELDS, "rowwise": ROWWISE_FIELDS, "mxfp8": MX_FIELDS}
 EPS = 1e-12  # torchao's floor on an amax
 MX_BLOCK = 32
 E8M0_BIAS = 127
