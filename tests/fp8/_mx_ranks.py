@@ -48,7 +48,7 @@ def train(
     recipe: str,
     parallel: str = "single",
     *,
-    steps: int = 4,
+    steps: int = 3,
     inf_step: int | None = None,
 ) -> dict[str, Any]:
     """Losses (and final params) of ``arm`` under bf16 autocast, AdamW.

@@ -16,8 +16,7 @@ import torch
 from torch import nn
 
 from dscale.fp8 import convert_to_float8
-from tests.fp8 import _models, _mx_ranks
-from tests.multirank import run_ranks
+from tests.fp8 import _models, _mx_ranks, _mx_spawn
 
 RECIPES = ["mxfp8", "mxfp8_wgrad_with_hp"]
 #: Largest relative error (norm of the difference over the norm of the bf16 grad) a parameter's
@@ -139,7 +138,7 @@ def test_mxfp8_losses_equal_torchaos_own_mxfp8linear_bitwise_under_step_guard(re
 
 
 def test_mxfp8_trains_like_torchao_alone_on_2_ranks_ddp_and_fsdp2_and_skips_rank_1s_inf():
-    out = run_ranks(_mx_ranks.ranks, timeout_s=240)
+    out = {rank: r["train"] for rank, r in _mx_spawn.results().items()}
     for key in ("ddp/mxfp8", "ddp/mxfp8_wgrad_with_hp", "fsdp2/mxfp8", "fsdp2/mxfp8_wgrad_with_hp"):
         for rank in (0, 1):
             runs = out[rank][key]

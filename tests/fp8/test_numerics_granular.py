@@ -9,6 +9,8 @@ and rounds each scaled element to the nearest value of a table of the format's 2
 
 from __future__ import annotations
 
+import bisect
+import functools
 import math
 
 import pytest
@@ -19,20 +21,23 @@ from dscale.fp8._granular import MX_FIELDS, ROWWISE_FIELDS, mx_stats, rowwise_st
 E4M3 = torch.float8_e4m3fn
 
 
-def _table(dtype: torch.dtype) -> tuple[torch.Tensor, dict[float, int]]:
+@functools.cache
+def _table(dtype: torch.dtype) -> tuple[list[float], dict[float, int]]:
+    """The format's finite values, sorted, and a bit pattern of each (+0 for zero)."""
     values = torch.arange(256, dtype=torch.uint8).view(dtype).float()
     keep = torch.isfinite(values)
-    patterns = {}
+    patterns: dict[float, int] = {}
     for v, p in zip(values[keep].tolist(), torch.arange(256)[keep].tolist()):
         patterns.setdefault(v, p)
-    return torch.tensor(sorted(patterns)).double(), patterns
+    return sorted(patterns), patterns
 
 
 def _round(v: float, dtype: torch.dtype) -> float:
     """``v`` (finite, within the max) to the nearest value of the format, ties to even."""
     table, patterns = _table(dtype)
-    d = (table - v).abs()
-    best = table[d == d.min()].tolist()
+    i = bisect.bisect_left(table, v)
+    near = [table[j] for j in (i - 1, i) if 0 <= j < len(table)]
+    best = [b for b in near if abs(b - v) == min(abs(c - v) for c in near)]
     if len(best) > 1:
         return next(b for b in best if patterns[b] % 2 == 0)
     return best[0]
@@ -173,3 +178,70 @@ def test_an_outlier_flushes_only_its_own_mxfp8_block_and_rowwise_row():
     assert mx_stats(only)[2] * only.numel() == hit[2] * y.numel()
     rows = rowwise_stats(y, E4M3)
     assert rows[5] == 1 / 4  # one row of four holds a flushed element
+
+
+REFERENCE = {"rowwise": _rowwise_reference, "mxfp8": _mx_reference}
+
+
+def _reference_row(recipe: str, seen: dict[str, torch.Tensor], tensor: str) -> dict[str, float]:
+    return REFERENCE[recipe](seen[tensor].float(), E4M3)
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "mxfp8"])
+def test_numerics_of_a_sampled_step_equal_the_reference_on_the_tensors_the_layer_saw(recipe):
+    """Float8Numerics on a rowwise / MXFP8 model: each field of input, weight and grad_output
+    of a layer is the brute-force reference's on the very tensor the layer saw."""
+    from tests.fp8 import _granular_ranks
+
+    out = _granular_ranks.run(0, recipe, every=2, steps=3)
+    assert out["granularity"] == recipe and list(out["snapshots"]) == [0, 2]
+    snap = out["snapshots"][2]
+    for tensor in ("input", "weight", "grad_output"):
+        row = snap[f"{_granular_ranks.LAYER}/{tensor}"]
+        want = _reference_row(recipe, out["seen"], tensor)
+        assert {f: row[f] for f in out["fields"]} == pytest.approx(want, rel=1e-6, abs=0), tensor
+    assert len(snap) == 3 * 4  # 4 layers x (input, weight, grad_output)
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "mxfp8"])
+def test_unsampled_steps_add_no_op_and_no_host_read(recipe):
+    """Oracle: the same run without numerics; step 1 (unsampled, every=2) dispatches as many
+    aten ops and reads the host as often; step 2 (sampled) more."""
+    from tests.fp8 import _granular_ranks
+
+    plain = _granular_ranks.run(0, recipe, every=None, steps=3, count=True)
+    ours = _granular_ranks.run(0, recipe, every=2, steps=3, count=True)
+    assert ours["ops"][1] == plain["ops"][1] and ours["reads"][1] == plain["reads"][1]
+    assert ours["ops"][2] > plain["ops"][2] and ours["reads"][2] > plain["reads"][2]
+
+
+def test_an_outlier_on_rank_1_flags_only_its_layer_and_block_on_both_ranks_ddp():
+    """2 ranks (DDP), both recipes: an element x1e6 in one layer's input on rank 1 at step 2.
+    On both ranks, of the forward tensors (every layer's input and weight) only that layer's
+    input changes, and it alone shows flushed elements; its fields are the worst rank's, each
+    the reference's on rank 1's tensor or rank 0's, whichever is larger; on rank 1 the new
+    flushed elements lie in the outlier's block (MXFP8) or row (rowwise) only. (The grads of
+    the layers before it do change: the outlier's token carries a larger loss gradient.)"""
+    from tests.fp8 import _granular_ranks, _mx_spawn
+
+    out = {rank: r["numerics"] for rank, r in _mx_spawn.results().items()}
+    key = f"{_granular_ranks.LAYER}/input"
+    for recipe in ("rowwise", "mxfp8"):
+        for rank in (0, 1):
+            clean, hit = out[rank][recipe]["clean"][2], out[rank][recipe]["hit"][2]
+            forward = [k for k in hit if not k.endswith("/grad_output")]
+            assert {k for k in forward if hit[k] != clean[k]} == {key}, (recipe, rank)
+            assert {k for k in forward if hit[k]["flushed"] > 0} == {key}, (recipe, rank)
+            assert clean[key]["flushed"] == 0
+        assert out[0][recipe]["hit"] == out[1][recipe]["hit"]  # agreed: the same on both
+        refs = [_reference_row(recipe, out[r][recipe]["seen"], "input") for r in (0, 1)]
+        for field, value in refs[1].items():
+            assert out[0][recipe]["hit"][2][key][field] == max(value, refs[0][field]), field
+        assert refs[1]["flushed"] > refs[0]["flushed"] == 0  # the worst rank is rank 1
+        before, after = out[1][recipe]["parts_clean"], out[1][recipe]["parts_hit"]
+        moved = [i for i, (a, b) in enumerate(zip(before, after)) if a != b]
+        row, col = _granular_ranks.OUTLIER_AT
+        width = 64  # the layer's in_features: one row of the input
+        part = (row * width + col) // 32 if recipe == "mxfp8" else row
+        assert moved == [part], (recipe, moved)
+        assert out[0][recipe]["parts_hit"] == out[0][recipe]["parts_clean"]  # rank 0 clean
