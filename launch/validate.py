@@ -367,11 +367,6 @@ def _fp8(job: JobConfig) -> None:
         f"fp8.numerics_every={every} must be >= 0 (sample every N steps; 0 turns it off)",
     )
     _need(
-        not (every and f.recipe != "tensorwise"),
-        f"fp8.numerics_every={every} measures under tensorwise scales, but fp8.recipe="
-        f"{f.recipe}: set fp8.numerics_every=0 or fp8.recipe=tensorwise",
-    )
-    _need(
         not f.float8_all_gather or job.parallel.strategy == "fsdp",
         "fp8.float8_all_gather=true all-gathers FSDP2's weight shards in float8: it needs "
         f"parallel=fsdp (this job has parallel={job.parallel.strategy})",

@@ -41,13 +41,14 @@ def test_launcher_accepts_the_mxfp8_recipes_and_converts_to_torchaos_mxfp8linear
     fc1 = model.blocks[0].fc1
     assert isinstance(fc1, MXFP8Linear)
     assert fc1.kernel_preference == KernelPreference.EMULATED  # emulate=auto on a CPU
-    assert launch.fp8.numerics_every({"recipe": recipe}) == 0
+    assert launch.fp8.numerics_every({"recipe": recipe}) == 0  # off unless asked
+    validate(_job("trainer.precision=fp8", f"fp8.recipe={recipe}", "fp8.numerics_every=5"))
 
 
 @pytest.mark.parametrize(
     ("overrides", "named"),
     [
-        (["fp8.recipe=mxfp8", "fp8.numerics_every=5"], "fp8.numerics_every"),
+        (["fp8.recipe=mxfp8", "fp8.numerics_every=-1"], "fp8.numerics_every"),
         (["fp8.recipe=mxfp8", "fp8.float8_all_gather=true", "parallel=fsdp"], "MXFP8"),
         (["fp8.recipe=mxfp8", "fp8.fallback=true"], "fp8.fallback"),
     ],
