@@ -245,3 +245,39 @@ def test_an_outlier_on_rank_1_flags_only_its_layer_and_block_on_both_ranks_ddp()
         part = (row * width + col) // 32 if recipe == "mxfp8" else row
         assert moved == [part], (recipe, moved)
         assert out[0][recipe]["parts_hit"] == out[0][recipe]["parts_clean"]  # rank 0 clean
+
+
+def test_the_collector_serves_the_recipe_fields_under_their_names():
+    """An MXFP8 model's sample: the shared shares under the existing names, the block fields
+    under their own, each the snapshot's value; a tensorwise model serves none of the new."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    import dscale
+    import dscale.fp8 as fp8
+    from tests.fp8 import _models
+
+    served = {}
+    for recipe in ("mxfp8", "tensorwise"):
+        model = _models.net()
+        fp8.convert_to_float8(model, recipe=recipe, emulate=True)
+        guard = dscale.StepGuard("cpu")
+        opt = torch.optim.AdamW(model.parameters())
+        numerics = fp8.Float8Numerics(model, guard, every=1)
+        guard.scale(_models.loss_of(model, *_models.batch(0, size=2))).backward()
+        guard.step(opt)
+        guard.update()
+        registry = CollectorRegistry()
+        registry.register(fp8.Float8NumericsCollector(numerics))
+        served[recipe] = generate_latest(registry).decode()
+        if recipe == "mxfp8":
+            snap = numerics.snapshot()["blocks.0.fc1/input"]
+            line = 'dscale_fp8_blocks_clamped_ratio{layer="blocks.0.fc1",rank="0",tensor="input"}'
+            assert any(
+                ln.startswith(line) and float(ln.split()[-1]) == snap["blocks_clamped"]
+                for ln in served[recipe].splitlines()
+            ), served[recipe][:2000]
+        numerics.close()
+    for name in ("blocks_clamped_ratio", "blocks_nonfinite_ratio", "scale_spread_binades"):
+        assert f"dscale_fp8_{name}{{" in served["mxfp8"]
+        assert f"dscale_fp8_{name}" not in served["tensorwise"]
+    assert "dscale_fp8_flushed_ratio{" in served["mxfp8"]
