@@ -48,6 +48,8 @@ def _shares(
 
 def rowwise_stats(x: torch.Tensor, dtype: torch.dtype, power_of_2: bool = True) -> torch.Tensor:
     """``ROWWISE_FIELDS`` of ``x`` cast to ``dtype`` with one scale per row (last dim)."""
+    if x.numel() == 0:  # an empty shard (uneven FSDP2 sharding): nothing to measure
+        return torch.zeros(len(ROWWISE_FIELDS), device=x.device)
     x = x.detach().float()
     rows = x.reshape(-1, x.shape[-1]) if x.dim() else x.reshape(1, 1)
     info = torch.finfo(dtype)
@@ -87,6 +89,8 @@ def mx_stats(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn) -> torch
     """``MX_FIELDS`` of ``x`` cast by torchao's ``to_mx`` (RCEIL, blocks of 32 on the last dim)."""
     from dscale.fp8 import _torchao
 
+    if x.numel() == 0:  # an empty shard (uneven FSDP2 sharding): nothing to measure
+        return torch.zeros(len(MX_FIELDS), device=x.device)
     to_mx, rceil = _torchao.to_mx()
     x = x.detach()
     if x.dtype not in (torch.float32, torch.bfloat16):
