@@ -115,11 +115,17 @@ def convert_to_float8(
     keep = _keep_function(keep_high_precision, model)
     multiple = dim_multiple(recipe)
     left: dict[str, str] = {}
+    aliases = _aliases(model)
     for name, module in model.named_modules():
-        if type(module) is not nn.Linear:
-            continue
-        if keep(name, module):
+        if not isinstance(module, nn.Linear) or type(module).__module__.startswith("torchao."):
+            continue  # not a linear, or converted already (torchao's float8/MXFP8 linear)
+        if any(keep(n, module) for n in aliases.get(id(module), [name])):
             left[name] = "filter"
+        elif type(module) is not nn.Linear:
+            left[name] = (
+                f"a {type(module).__name__}, a subclass of nn.Linear (torchao swaps "
+                "nn.Linear itself only)"
+            )
         elif module.in_features % multiple or module.out_features % multiple:
             left[name] = (
                 f"in_features={module.in_features}, out_features={module.out_features} "
@@ -131,6 +137,7 @@ def convert_to_float8(
     if recipe in _mx.WGRAD_WITH_HP:
         names = [n for n, m in model.named_modules() if type(m) is nn.Linear and n not in left]
         _mx.swap_linears(model, names, recipe=recipe, emulate=emulate)
+        _share_swaps(model, aliases)
         return Float8Conversion(recipe, False, tuple(sorted(names)), left)
     config = float8.Float8LinearConfig.from_recipe_name(recipe)
     config = _with(config, enable_fsdp_float8_all_gather=float8_all_gather, emulate=emulate)
@@ -143,7 +150,49 @@ def convert_to_float8(
         return True
 
     float8.convert_to_float8_training(model, module_filter_fn=take, config=config)
+    _share_swaps(model, aliases)
     return Float8Conversion(recipe, float8_all_gather, tuple(sorted(converted)), left)
+
+
+def _references(model: nn.Module) -> dict[int, list[tuple[nn.Module, str, str]]]:
+    """Per linear (by id): every ``(parent, attribute, name)`` that holds it."""
+    found: dict[int, list[tuple[nn.Module, str, str]]] = {}
+    for parent_name, parent in model.named_modules(remove_duplicate=False):
+        for attr, child in parent._modules.items():
+            if isinstance(child, nn.Linear):
+                name = f"{parent_name}.{attr}" if parent_name else attr
+                found.setdefault(id(child), []).append((parent, attr, name))
+    return found
+
+
+def _aliases(model: nn.Module) -> dict[int, list[str]]:
+    """The names of each linear the model holds in more than one place (a shared module),
+    by id; ``named_modules()`` gives such a linear under its first name only."""
+    return {
+        key: [name for _, _, name in refs]
+        for key, refs in _references(model).items()
+        if len({name for _, _, name in refs}) > 1
+    }
+
+
+def _share_swaps(model: nn.Module, aliases: dict[int, list[str]]) -> None:
+    """Point every other place that held a swapped shared linear at its swap.
+
+    The swaps (torchao's and :func:`dscale.fp8._mx.swap_linears`) replace a module under the
+    name ``named_modules()`` gives it, its first; the model's other references to the same
+    module would keep the high-precision one, so that layer would run in float8 on one path
+    and in high precision on the other, silently.
+    """
+    if not aliases:
+        return
+    refs = _references(model)
+    modules = dict(model.named_modules(remove_duplicate=False))
+    for key, names in aliases.items():
+        swapped = [modules[n] for n in names if n in modules and id(modules[n]) != key]
+        if not swapped:
+            continue  # left in high precision everywhere
+        for parent, attr, _ in refs.get(key, []):
+            setattr(parent, attr, swapped[0])
 
 
 def _keep_function(
@@ -192,7 +241,7 @@ def _refuse_names_keeping_nothing(names: tuple[str, ...], model: nn.Module) -> N
 
     # Any linear counts (a subclass torchao leaves, as MultiheadAttention's out_proj, is kept
     # as asked), by its name or its name without wrappers' parts (a block compiled alone).
-    found = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    found = [n for n, m in model.named_modules(remove_duplicate=False) if isinstance(m, nn.Linear)]
     linears = sorted({*found, *map(clean, found)})
     unmatched = [n for n in names if not any(_within(linear, n) for linear in linears)]
     if not unmatched:

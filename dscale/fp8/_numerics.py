@@ -39,6 +39,8 @@ MEASURED = ("input", "weight", "grad_output")
 COLUMNS = (*FIELDS, "scale")
 #: The state-dict format (1: ``num_steps``/``num_samples`` only, no layer names).
 STATE_VERSION = 2
+#: A state's ``granularity`` entry indexes this (rowwise and MXFP8 states only).
+GRANULARITIES = ("tensorwise", "rowwise", "mxfp8")
 EPS = 1e-12  # torchao's floor on an amax
 
 
@@ -256,6 +258,8 @@ class Float8Numerics:
         * ``num_samples``: samples taken so far.
         * ``sample_step``: the step of the last sample, -1 before the first.
         * ``num_layers``: how many float8 layers were measured.
+        * ``granularity`` (rowwise and MXFP8 only): the recipe, an index into
+          ``("tensorwise", "rowwise", "mxfp8")``; a load refuses another recipe's state.
         * ``layers``: per layer name, a float64 ``[3, len(columns)]`` tensor: rows input,
           weight, grad_output; columns :attr:`columns` (tensorwise: amax, saturated, flushed,
           subnormal, scale; rowwise and MXFP8 add their fields before scale), the last
@@ -276,6 +280,13 @@ class Float8Numerics:
             "sample_step": torch.tensor(-1 if self.sample_step is None else self.sample_step),
             "num_layers": torch.tensor(len(self.layers)),
             "layers": layers,
+            # Rowwise and MXFP8 rows are as wide (7 fields + scale) but hold other fields:
+            # their recipe is saved (tensorwise's states keep the format without it).
+            **(
+                {}
+                if self.granularity == "tensorwise"
+                else {"granularity": torch.tensor(GRANULARITIES.index(self.granularity))}
+            ),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -292,6 +303,13 @@ class Float8Numerics:
                 f"{STATE_VERSION}, keyed by layer name); a state without layer names cannot be "
                 "checked against this model: save it again with this dscale, or start the "
                 "numerics fresh"
+            )
+        saved = _saved_granularity(state.get("granularity"))
+        if saved != self.granularity:
+            raise ValueError(
+                f"Float8Numerics state was saved by a {saved} model; this model's float8 "
+                f"layers are {self.granularity} (other fields per tensor): load a state of the "
+                "same model and recipe, or start the numerics fresh"
             )
         layers = state.get("layers")
         if not isinstance(layers, dict):
@@ -335,6 +353,19 @@ class Float8Numerics:
         self._closed = True
         self._arm(False)
         _attached.detach(self._scaler, self)
+
+
+def _saved_granularity(value: Any) -> str:
+    """The recipe a state's ``granularity`` entry names (absent: tensorwise, which saves none)."""
+    if value is None:
+        return "tensorwise"
+    index = state_int(value)
+    if not 0 <= index < len(GRANULARITIES):
+        raise ValueError(
+            f"Float8Numerics state has granularity {index}, not one of 0..{len(GRANULARITIES) - 1} "
+            f"({GRANULARITIES}); load a state this class saved"
+        )
+    return GRANULARITIES[index]
 
 
 def _granularity(module: Any, mx_cls: type) -> str:
