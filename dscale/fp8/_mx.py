@@ -12,7 +12,9 @@ optimizer or a state dict keyed by name sees the same model.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
+import torch
 from torch import nn
 
 from dscale.fp8 import _torchao
@@ -43,5 +45,34 @@ def swap_linears(model: nn.Module, names: Iterable[str], *, recipe: str, emulate
         new.weight = old.weight
         new.bias = old.bias
         new.train(old.training)
+        new._dscale_name = name
+        new.register_forward_pre_hook(check_tokens)
         parent_name, _, child = name.rpartition(".")
         setattr(modules[parent_name] if parent_name else model, child, new)
+
+
+def check_tokens(module: nn.Module, args: tuple[Any, ...]) -> None:
+    """ValueError (in forward, naming the layer) for a batch torchao's MXFP8 backward refuses.
+
+    grad_weight's GEMM blocks the tokens (every dim of the input but the last) by 32 unless it
+    runs in high precision; torchao asserts it in backward, after the forward ran, with the
+    transposed shape in the message. Shapes only: no op, no host read.
+    """
+    x = args[0] if args else None
+    if (
+        not isinstance(x, torch.Tensor)
+        or x.dim() == 0
+        or getattr(module, "wgrad_with_hp", True)
+        or not torch.is_grad_enabled()
+        or not (x.requires_grad or any(p.requires_grad for p in module.parameters()))
+    ):
+        return
+    tokens = x.numel() // max(x.shape[-1], 1)
+    if tokens % BLOCK:
+        name = getattr(module, "_dscale_name", type(module).__name__)
+        raise ValueError(
+            f"{name}: MXFP8 (recipe='mxfp8') needs the tokens per batch (every dim of the input "
+            f"but the last: {tuple(x.shape[:-1])} = {tokens}) divisible by {BLOCK} to train "
+            "(grad_weight's GEMM blocks them); pad the batch or drop a last partial one, or "
+            "convert with recipe='mxfp8_wgrad_with_hp' (grad_weight in high precision)"
+        )

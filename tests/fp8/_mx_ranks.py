@@ -14,13 +14,13 @@ from tests.fp8 import _models
 LINEARS = ("blocks.0.fc1", "blocks.0.fc2", "blocks.1.fc1", "blocks.1.fc2")
 
 
-def torchao_mxfp8(model: nn.Module, recipe: str) -> nn.Module:
+def torchao_mxfp8(model: nn.Module, recipe: str, names: tuple[str, ...] = LINEARS) -> nn.Module:
     """The oracle: ``model``'s block linears replaced by hand with torchao's own MXFP8Linear."""
     from torchao.prototype.moe_training.mxfp8_linear import MXFP8Linear
     from torchao.quantization.quantize_.common import KernelPreference
 
-    for name in LINEARS:
-        block, fc = name.rsplit(".", 1)
+    for name in names:
+        block, _, fc = name.rpartition(".")
         old = model.get_submodule(name)
         new = MXFP8Linear(
             old.in_features,
@@ -105,4 +105,26 @@ def ranks(rank: int, world_size: int) -> dict[str, Any]:
             key = f"{parallel}/{recipe}"
             out[key] = {arm: train(rank, arm, recipe, parallel) for arm in ("dscale", "torchao")}
     out["inf"] = train(rank, "dscale", "mxfp8", "ddp", steps=3, inf_step=1)
+    return out
+
+
+def mismatched(rank: int, world_size: int) -> dict[str, Any]:
+    """Float8Numerics' construction where rank 1 converted otherwise than rank 0: another
+    recipe (tensorwise), the wgrad variant of MXFP8, a layer left in high precision. Each
+    scenario's error (type name, message) on this rank, or None; the same step after."""
+    rank_1 = {
+        "tensorwise": {"recipe": "tensorwise"},
+        "wgrad": {"recipe": "mxfp8_wgrad_with_hp"},
+        "kept": {"recipe": "mxfp8", "keep_high_precision": ["blocks.0.fc1"]},
+    }
+    out: dict[str, Any] = {}
+    for key, other in rank_1.items():
+        model = _models.net()
+        kwargs = other if rank == 1 else {"recipe": "mxfp8"}
+        fp8.convert_to_float8(model, emulate=True, **kwargs)  # type: ignore[arg-type]
+        try:
+            fp8.Float8Numerics(model, dscale.StepGuard("cpu")).close()
+            out[key] = None
+        except ValueError as e:
+            out[key] = (type(e).__name__, str(e))
     return out

@@ -21,6 +21,7 @@ def _every_scenario(rank: int, world_size: int) -> dict[str, Any]:
         "train": _mx_ranks.ranks(rank, world_size),
         "numerics": _granular_ranks.ranks(rank, world_size),
         "bench": _fp8_cli.run_here(bench),
+        "mismatch": _mx_ranks.mismatched(rank, world_size),
     }
 
 

@@ -108,3 +108,46 @@ def test_a_numerics_state_of_another_recipe_is_refused_even_when_its_width_match
         assert numerics.num_samples == 1
     finally:
         numerics.close()
+
+
+def test_a_batch_mxfp8_cannot_train_on_is_refused_in_forward_naming_the_layer():
+    """Before: 35 tokens (5 x 7) ran the forward and failed in backward with torchao's
+    AssertionError about a transposed shape. Now a ValueError in forward names the layer and
+    the fixes. Oracles: torchao's MXFP8Linear alone fails in backward on the same batch (so the
+    refusal is needed); without grad, and with grad_weight in high precision, the batch runs
+    and gives torchao's output bit for bit."""
+    from tests.fp8 import _mx_ranks
+
+    x = torch.randn(5, 7, 32)
+    ours, theirs = nn.Sequential(nn.Linear(32, 32)), nn.Sequential(nn.Linear(32, 32))
+    theirs.load_state_dict(ours.state_dict())
+    fp8.convert_to_float8(ours, recipe="mxfp8", emulate=True)
+    _mx_ranks.torchao_mxfp8(theirs, "mxfp8", names=("0",))
+    with pytest.raises(AssertionError, match="divisible by block_size 32"):
+        theirs(x).sum().backward()
+    with pytest.raises(ValueError, match=r"^0: MXFP8 .*\(5, 7\) = 35\) divisible by 32"):
+        ours(x)
+    with torch.no_grad():
+        assert torch.equal(ours(x), theirs(x))
+    hp = nn.Sequential(nn.Linear(32, 32))
+    fp8.convert_to_float8(hp, recipe="mxfp8_wgrad_with_hp", emulate=True)
+    hp(x).sum().backward()
+    assert hp[0].weight.grad is not None
+
+
+def test_ranks_that_converted_otherwise_are_refused_on_every_rank_naming_each_ranks_recipe():
+    """2 ranks, Float8Numerics on rank 0's MXFP8 model and rank 1's other one. Before: rank 1
+    on tensorwise got "one recipe per model ... convert every layer with one recipe" (each rank
+    did), and rank 1 on mxfp8_wgrad_with_hp was not refused at all (the ranks would train
+    different GEMMs, silently). Now a LayoutMismatchError on both ranks, the same message,
+    naming each rank's recipe or the differing layers (a layer kept on rank 1 as before)."""
+    from tests.fp8 import _mx_spawn
+
+    out = {rank: r["mismatch"] for rank, r in _mx_spawn.results().items()}
+    for key in ("tensorwise", "wgrad", "kept"):
+        assert out[0][key] is not None and out[0][key] == out[1][key], key
+        assert out[0][key][0] == "LayoutMismatchError", key
+    assert "rank 0: mxfp8; rank 1: tensorwise" in out[0]["tensorwise"][1]
+    assert "wgrad_with_hp=True" in out[0]["wgrad"][1]
+    assert "wgrad_with_hp=False" in out[0]["wgrad"][1]
+    assert "rank 0: 4 layers, only here: ['blocks.0.fc1 (32->64)']" in out[0]["kept"][1]
