@@ -139,7 +139,8 @@ def test_mxfp8_losses_equal_torchaos_own_mxfp8linear_bitwise_under_step_guard(re
 
 def test_mxfp8_trains_like_torchao_alone_on_2_ranks_ddp_and_fsdp2_and_skips_rank_1s_inf():
     out = {rank: r["train"] for rank, r in _mx_spawn.results().items()}
-    for key in ("ddp/mxfp8", "ddp/mxfp8_wgrad_with_hp", "fsdp2/mxfp8", "fsdp2/mxfp8_wgrad_with_hp"):
+    assert set(out[0]) == {"ddp/mxfp8", "fsdp2/mxfp8_wgrad_with_hp", "inf"}
+    for key in ("ddp/mxfp8", "fsdp2/mxfp8_wgrad_with_hp"):
         for rank in (0, 1):
             runs = out[rank][key]
             assert runs["dscale"]["losses"] == runs["torchao"]["losses"], (key, rank)
