@@ -234,13 +234,20 @@ class Float8Numerics:
         if not math.isfinite(amax):
             return 0.0
         fp8_max = float(torch.finfo(dtype).max)
+        # In torchao's float32 (sampled steps only, on the host's numbers): the exact log2
+        # differs from float32's next to a power of two, there by a factor of 2 (r43a).
         if self.granularity == "mxfp8":
             if amax <= 0:
                 return 1.0  # torchao's scale at E8M0's floor
-            e = math.ceil(math.log2(amax / fp8_max))
-            return 1.0 if e <= -_granular.E8M0_BIAS else 2.0 ** -min(e, _granular.E8M0_BIAS)
-        scale = fp8_max / max(amax, EPS)
-        return 2.0 ** math.floor(math.log2(scale)) if self._pow2 else scale
+            descale = torch.tensor(amax, dtype=torch.float32) / fp8_max
+            e = int(
+                torch.ceil(torch.log2(descale)).clamp(-_granular.E8M0_BIAS, _granular.E8M0_BIAS)
+            )
+            return 1.0 if e == -_granular.E8M0_BIAS else 2.0**-e
+        if not self._pow2:
+            return fp8_max / max(amax, EPS)
+        scale = torch.tensor(fp8_max / max(amax, EPS), dtype=torch.float64).float()
+        return float(torch.exp2(torch.floor(torch.log2(scale))))
 
     def snapshot(self) -> dict[str, dict[str, float]]:
         """The last sample, worst rank's: ``{"layer/tensor": {amax, scale, saturated, ...}}``."""

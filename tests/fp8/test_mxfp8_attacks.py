@@ -209,3 +209,42 @@ def test_an_mxfp8_run_with_numerics_resumed_by_dscale_checkpoint_equals_the_unin
         whole["model"].state_dict().items(), resumed["model"].state_dict().values()
     ):
         assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("recipe", ["mxfp8", "rowwise"])
+def test_the_snapshot_scale_is_torchaos_scale_next_to_a_power_of_two(recipe):
+    """The weight's largest element one float32 step above 448 x 2^-10. Before: the snapshot's
+    ``scale`` came from the exact log2 (MXFP8 2^9, rowwise 2^9), torchao's cast used float32's
+    (2^10: the element saturates by a hair). Oracle: torchao's own scale of that block (to_mx's
+    E8M0 exponent) or row (tensor_to_scale, axiswise, power of two)."""
+    import math
+
+    from torchao.float8.config import ScalingGranularity
+    from torchao.float8.float8_utils import tensor_to_scale
+    from torchao.prototype.mx_formats.config import ScaleCalculationMode
+    from torchao.prototype.mx_formats.mx_tensor import to_mx
+
+    model = nn.Sequential(nn.Linear(32, 32))
+    with torch.no_grad():
+        model[0].weight.mul_(1e-3)
+        model[0].weight[3, 5] = torch.tensor(448 * 2.0**-10).nextafter(torch.tensor(math.inf))
+    weight = model[0].weight.detach().clone()
+    fp8.convert_to_float8(model, recipe=recipe, emulate=True)  # type: ignore[arg-type]
+    guard = dscale.StepGuard("cpu")
+    numerics = fp8.Float8Numerics(model, guard, every=1)
+    try:
+        guard.scale(model(torch.randn(32, 32)).square().mean()).backward()
+        guard.step(torch.optim.SGD(model.parameters(), lr=0.0))
+        guard.update()
+        scale = numerics.snapshot()["0/weight"]["scale"]
+    finally:
+        numerics.close()
+    if recipe == "mxfp8":
+        exponent, _ = to_mx(weight, torch.float8_e4m3fn, 32, ScaleCalculationMode.RCEIL)
+        want = 2.0 ** (127 - int(exponent.view(torch.uint8)[3, 0]))
+    else:
+        scales = tensor_to_scale(
+            weight, torch.float8_e4m3fn, None, False, ScalingGranularity.AXISWISE, -1, True
+        )
+        want = float(scales[3])
+    assert scale == want == 2.0**10

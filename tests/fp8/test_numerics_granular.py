@@ -70,7 +70,9 @@ def _rowwise_reference(x: torch.Tensor, dtype: torch.dtype) -> dict[str, float]:
     for row in rows:
         amax = max(abs(v) for v in row)
         scale = torch.tensor(info.max / max(amax, 1e-12), dtype=torch.float64).float().item()
-        scale = 2.0 ** math.floor(math.log2(scale)) if scale > 0 else 0.0
+        # Down to a power of two as torchao does it, with float32's log2 (next to a power of
+        # two it rounds to it: the exact log2 would give half torchao's scale; r43a).
+        scale = float(torch.exp2(torch.floor(torch.log2(torch.tensor(scale))))) if scale else 0.0
         before = dict(counts)
         for v in row:
             _element(v, scale, dtype, counts)
@@ -134,6 +136,9 @@ def _hard_tensor() -> torch.Tensor:
     x[3, 5] = math.inf  # one inf: its row's scale is 0, its block non-finite
     x[4, 64:96] = torch.randn(32, generator=g) * 1e-37  # below 448 * 2^-127: E8M0 clamps
     x[5, 100] = 3e4  # an outlier in one block
+    # Row and block amaxes one float32 step above 448 x 2^k: float32's log2 rounds to k (r43a).
+    x[6, 10] = torch.tensor(448 * 2.0**-10).nextafter(torch.tensor(math.inf))
+    x[7, 40] = torch.tensor(448 * 2.0**20).nextafter(torch.tensor(math.inf))
     return x
 
 
