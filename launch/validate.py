@@ -366,6 +366,14 @@ def _fp8(job: JobConfig) -> None:
         every is None or every >= 0,
         f"fp8.numerics_every={every} must be >= 0 (sample every N steps; 0 turns it off)",
     )
+    tokens = job.data.batch_size * job.data.seq_len
+    _need(
+        f.recipe != "mxfp8" or tokens % 32 == 0,
+        f"fp8.recipe=mxfp8 trains on batches of data.batch_size x data.seq_len = "
+        f"{job.data.batch_size} x {job.data.seq_len} = {tokens} tokens, which MXFP8's "
+        "grad_weight GEMM blocks by 32: make the product a multiple of 32, or set "
+        "fp8.recipe=mxfp8_wgrad_with_hp (grad_weight in high precision)",
+    )
     _need(
         not f.float8_all_gather or job.parallel.strategy == "fsdp",
         "fp8.float8_all_gather=true all-gathers FSDP2's weight shards in float8: it needs "

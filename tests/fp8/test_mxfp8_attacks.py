@@ -248,3 +248,19 @@ def test_the_snapshot_scale_is_torchaos_scale_next_to_a_power_of_two(recipe):
         )
         want = float(scales[3])
     assert scale == want == 2.0**10
+
+
+def test_the_launcher_refuses_an_mxfp8_job_whose_batches_mxfp8_cannot_train_on():
+    """Before: data.batch_size=3 data.seq_len=10 (30 tokens) with fp8.recipe=mxfp8 passed the
+    checks, and every worker failed at its first backward. Now a ConfigError before any worker
+    naming the keys; the wgrad variant (grad_weight in high precision) takes the same job."""
+    from launch.validate import ConfigError, validate
+    from tests.fp8.test_mxfp8_launch import _job
+
+    odd = ("trainer.precision=fp8", "data.batch_size=3", "data.seq_len=10")
+    with pytest.raises(ConfigError, match=r"data.batch_size x data.seq_len = 3 x 10 = 30"):
+        validate(_job(*odd, "fp8.recipe=mxfp8"))
+    validate(_job(*odd, "fp8.recipe=mxfp8_wgrad_with_hp"))
+    validate(
+        _job("trainer.precision=fp8", "data.batch_size=3", "data.seq_len=32", "fp8.recipe=mxfp8")
+    )
