@@ -5,7 +5,8 @@ composing; ``launch/typos.py`` words that refusal with :func:`not_one_of`) and s
 fields declared with ``metadata=choices(...)`` (checked here, before any worker starts); besides
 them ``model.name``, ``data.name`` (the group's options) and ``launcher.nproc_per_node``'s words.
 The message names the key, the value typed and the nearest valid one:
-``fp8.recipe=tensorwis is not one of tensorwise, rowwise; did you mean fp8.recipe=tensorwise?``
+``fp8.recipe=tensorwis is not one of tensorwise, rowwise, mxfp8, mxfp8_wgrad_with_hp; did you
+mean fp8.recipe=tensorwise?``
 """
 
 from __future__ import annotations

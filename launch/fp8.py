@@ -44,7 +44,7 @@ def convert(model: nn.Module, fp8: dict[str, Any], device: torch.device) -> Any:
 
 
 def numerics_every(fp8: dict[str, Any]) -> int:
-    """``fp8.numerics_every``, with None resolved (100 for tensorwise, 0 for rowwise)."""
+    """``fp8.numerics_every``, with None resolved (100 for tensorwise, 0 for the others)."""
     every = fp8.get("numerics_every")
     if every is None:
         return DEFAULT_NUMERICS_EVERY if fp8.get("recipe", "tensorwise") == "tensorwise" else 0

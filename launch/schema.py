@@ -233,9 +233,11 @@ class TrainerConfig:
 class FP8Config:
     """``trainer.precision=fp8``: ``dscale.fp8.convert_to_float8`` arguments of the same name.
 
+    ``recipe``: tensorwise, rowwise, mxfp8 or mxfp8_wgrad_with_hp (torchao's MXFP8Linear).
     ``emulate``: auto (torchao's emulation on the CPU, FP8 GEMMs on a GPU), true or false.
     ``numerics_every``: sample ``dscale.fp8.Float8Numerics`` every N steps (served, logged to
-    ``metrics/fp8-rank<R>.jsonl``); None: 100 with the tensorwise recipe, off with rowwise; 0 off.
+    ``metrics/fp8-rank<R>.jsonl``); None: 100 with the tensorwise recipe, off with the others
+    (which it measures per row or per block of 32 when set); 0 off.
     ``float8_all_gather``: FSDP2 all-gathers the float8 weights, with ``dscale.fp8.WeightScales``
     agreeing their scales in the scaler's one collective (``parallel=fsdp``, tensorwise).
     ``predict``: how WeightScales sets the post-step scale: ``bound`` (Adam's update bound) or

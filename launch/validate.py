@@ -366,10 +366,13 @@ def _fp8(job: JobConfig) -> None:
         every is None or every >= 0,
         f"fp8.numerics_every={every} must be >= 0 (sample every N steps; 0 turns it off)",
     )
+    tokens = job.data.batch_size * job.data.seq_len
     _need(
-        not (every and f.recipe != "tensorwise"),
-        f"fp8.numerics_every={every} measures under tensorwise scales, but fp8.recipe="
-        f"{f.recipe}: set fp8.numerics_every=0 or fp8.recipe=tensorwise",
+        f.recipe != "mxfp8" or tokens % 32 == 0,
+        f"fp8.recipe=mxfp8 trains on batches of data.batch_size x data.seq_len = "
+        f"{job.data.batch_size} x {job.data.seq_len} = {tokens} tokens, which MXFP8's "
+        "grad_weight GEMM blocks by 32: make the product a multiple of 32, or set "
+        "fp8.recipe=mxfp8_wgrad_with_hp (grad_weight in high precision)",
     )
     _need(
         not f.float8_all_gather or job.parallel.strategy == "fsdp",
@@ -378,8 +381,8 @@ def _fp8(job: JobConfig) -> None:
     )
     _need(
         not f.float8_all_gather or f.recipe == "tensorwise",
-        f"fp8.float8_all_gather=true needs fp8.recipe=tensorwise (got {f.recipe}; rowwise "
-        "recipes all-gather in high precision)",
+        f"fp8.float8_all_gather=true needs fp8.recipe=tensorwise (got {f.recipe}; the rowwise "
+        "and MXFP8 recipes all-gather in high precision)",
     )
     _need(
         f.predict in ("bound", "exact"),

@@ -3,7 +3,9 @@
 Main table: per model, arms hp / torchao / dscale at lr 3e-3, AdamW betas (0.9, 0.95). Sweep
 (``dscale`` arm, MLP): lr 1e-4, 3e-3, 1e-2 x betas (0.9, 0.95), (0.9, 0.999), an overflow
 injected on rank 1 every 50 steps (agreed skips). ``--fallback`` adds the ``fallback`` arm
-(``dscale`` with ``Float8Fallback``) and each FP8 arm's final-loss gap to ``hp``. Counts and
+(``dscale`` with ``Float8Fallback``) and each FP8 arm's final-loss gap to ``hp``; ``--mxfp8``
+the MXFP8 arms (``dscale/bench/_fp8_mx.py``: dscale's conversion against torchao's
+``MXFP8Linear`` alone; ``--only-mxfp8`` runs those alone). Counts and
 losses are deterministic; nothing here is timed.
 """
 
@@ -22,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.multiprocessing.spawn import start_processes
 
-from dscale.bench import _fp8
+from dscale.bench import _fp8, _fp8_mx
 
 ARMS = ("hp", "torchao", "dscale")
 LRS = (1e-4, 3e-3, 1e-2)
@@ -35,7 +37,9 @@ def run_here(cfg: dict[str, Any]) -> dict[str, Any]:
     steps = cfg["steps"]
     # --predict exact: the dscale arm runs WeightScales(predict="exact") (still named dscale)
     ours = "dscale_exact" if cfg.get("predict") == "exact" else "dscale"
-    arms_run = (*ARMS, "fallback") if cfg.get("fallback") else ARMS
+    arms_run: tuple[str, ...] = (*ARMS, "fallback") if cfg.get("fallback") else ARMS
+    if cfg.get("only_mxfp8"):
+        arms_run = ()
     table: dict[str, dict[str, Any]] = {}
     for model in cfg["models"]:
         table[model] = {
@@ -51,7 +55,20 @@ def run_here(cfg: dict[str, Any]) -> dict[str, Any]:
             )
             for arm in arms_run
         }
+        if cfg.get("mxfp8") or cfg.get("only_mxfp8"):
+            mx = {
+                arm: _fp8_mx.run_mx_arm(rank, model, arm, steps=steps, lr=3e-3, betas=(0.9, 0.95))
+                for arm in _fp8_mx.ARMS
+            }
+            ours_mx, theirs = mx["mxfp8_dscale"]["losses"], mx["mxfp8_torchao"]["losses"]
+            mx["mxfp8_dscale"]["losses_equal_torchao_bitwise"] = ours_mx == theirs
+            mx["mxfp8_dscale"]["max_abs_loss_diff_vs_torchao"] = max(
+                abs(a - b) for a, b in zip(ours_mx, theirs)
+            )
+            table.setdefault(model, {}).update(mx)
     for arms in table.values():  # the issue's "loss within 1e-3 of torchao's arm", per step
+        if "dscale" not in arms:
+            continue
         pairs = zip(arms["dscale"]["losses"], arms["torchao"]["losses"])
         arms["dscale"]["max_abs_loss_diff_vs_torchao"] = max(abs(a - b) for a, b in pairs)
         for arm, r in arms.items():  # final loss over hp's: the fallback's against dscale's
@@ -101,6 +118,8 @@ def render(result: dict[str, Any]) -> str:
     lines.append(head + f"{'loss':>8} {'ranks equal':>11}")
     for model, arms in result["arms"].items():
         for arm, r in arms.items():
+            if arm in _fp8_mx.ARMS:
+                continue
             ratio = "-" if r["min_scale_ratio"] is None else f"{r['min_scale_ratio']:.4f}"
             lines.append(
                 f"{model:5} {arm:8} {r['collectives_per_step']:>14} "
@@ -108,6 +127,17 @@ def render(result: dict[str, Any]) -> str:
                 f"{r['scales_equal_across_ranks']!s:>11}"
             )
     for model, arms in result["arms"].items():
+        if "mxfp8_dscale" in arms:
+            mx, ao = arms["mxfp8_dscale"], arms["mxfp8_torchao"]
+            lines.append(
+                f"{model} MXFP8 ({mx['recipe']}, {mx['mxfp8_layers']} layers, FSDP2 bf16 "
+                f"all-gather): loss dscale {mx['final_loss']:.4f}, torchao alone "
+                f"{ao['final_loss']:.4f}; every step bitwise equal: "
+                f"{mx['losses_equal_torchao_bitwise']}; all-reduces/step dscale "
+                f"{mx['collectives_per_step']}, torchao {ao['collectives_per_step']}"
+            )
+        if "dscale" not in arms:
+            continue
         diff = arms["dscale"]["max_abs_loss_diff_vs_torchao"]
         lines.append(
             f"{model}: largest |loss(dscale) - loss(torchao)| over the steps, rank 0: {diff:.2e}"
@@ -182,6 +212,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         default=3,
         help="the fallback arm's samples in a row, >= 1 (default 3, Float8Fallback's)",
     )
+    parser.add_argument(
+        "--mxfp8",
+        action="store_true",
+        help="add the MXFP8 arms: convert_to_float8(recipe='mxfp8') against torchao alone",
+    )
+    parser.add_argument(
+        "--only-mxfp8", action="store_true", help="run the MXFP8 arms alone (no sweep)"
+    )
     args = parser.parse_args(argv)
     if not 0.0 < args.fallback_threshold < 1.0 or args.fallback_samples < 1:
         parser.error(
@@ -195,9 +233,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     cfg = {
         "steps": args.steps,
         "models": models,
-        "sweep": not args.no_sweep,
+        "sweep": not args.no_sweep and not args.only_mxfp8,
         "predict": args.predict,
         "fallback": args.fallback,
+        "mxfp8": args.mxfp8,
+        "only_mxfp8": args.only_mxfp8,
         "fallback_threshold": args.fallback_threshold,
         "fallback_samples": args.fallback_samples,
     }
@@ -209,7 +249,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         with open(out) as f:
             result: dict[str, Any] = json.load(f)
     result["machine"] = {"platform": platform.platform(), "torch": torch.__version__}
-    result["telemetry"] = _fp8.telemetry_ops()
+    if not args.only_mxfp8:
+        result["telemetry"] = _fp8.telemetry_ops()
     print(render(result))  # noqa: T201
     if args.json:
         with open(args.json, "w") as f:

@@ -1,6 +1,7 @@
 """FP8 training on torchao's float8 kernels, with dscale's agreement (``pip install dscale[fp8]``).
 
-:func:`convert_to_float8` swaps a model's linears (torchao's tensorwise or rowwise recipe);
+:func:`convert_to_float8` swaps a model's linears (torchao's tensorwise or rowwise recipe, or its
+MXFP8Linear); :class:`Float8Numerics` samples their numerics per tensor, row or 32-block;
 :class:`WeightScales` agrees FSDP2 float8 all-gather weight scales inside the scaler's one
 collective. Importing this package does not import torchao; the calls do (ImportError with the
 install line when it is missing). See docs/fp8.md.

@@ -7,7 +7,10 @@ numerics and fallback made on its scaler, with the exporter's labels). By hand::
 
 Gauges per (layer, tensor), the last sample's worst rank: ``dscale_fp8_flushed_ratio``,
 ``dscale_fp8_subnormal_ratio``, ``dscale_fp8_saturated_ratio``, ``dscale_fp8_amax``,
-``dscale_fp8_scale``; ``dscale_fp8_samples_total``; with a fallback,
+``dscale_fp8_scale``; under the rowwise recipe also ``dscale_fp8_rows_saturated_ratio``,
+``dscale_fp8_rows_flushed_ratio``, under MXFP8 ``dscale_fp8_blocks_clamped_ratio``,
+``dscale_fp8_blocks_nonfinite_ratio``, and under both ``dscale_fp8_scale_spread_binades``
+(dscale/fp8/_granular.py); ``dscale_fp8_samples_total``; with a fallback,
 ``dscale_fp8_fallback_layers`` (switched layers) and ``dscale_fp8_fallback{layer}`` (1 when
 switched). Nothing is read before the first sample; a scrape never touches a device tensor.
 """
@@ -25,6 +28,24 @@ SHARES = {
     "flushed": "non-zero elements cast to zero (underflow)",
     "subnormal": "elements cast to a subnormal FP8 value",
     "saturated": "elements beyond the FP8 maximum (clamped)",
+}
+
+#: The rowwise and MXFP8 fields (dscale/fp8/_granular.py): metric name and help.
+OWN_FIELDS = {
+    "rows_saturated": ("rows_saturated_ratio", "Share of rows holding a saturated element"),
+    "rows_flushed": ("rows_flushed_ratio", "Share of rows holding a flushed element"),
+    "blocks_clamped": (
+        "blocks_clamped_ratio",
+        "Share of MXFP8 blocks with a non-zero value whose E8M0 scale sits at its floor",
+    ),
+    "blocks_nonfinite": (
+        "blocks_nonfinite_ratio",
+        "Share of MXFP8 blocks holding an inf or NaN (the whole block is lost)",
+    ),
+    "scale_spread": (
+        "scale_spread_binades",
+        "log2 of the largest over the smallest row scale (rowwise) or block scale (MXFP8)",
+    ),
 }
 
 
@@ -61,6 +82,16 @@ class Float8NumericsCollector:
             )
             for share, text in SHARES.items()
         }
+        fields = getattr(self._numerics, "fields", ())
+        extra = {
+            f: GaugeMetricFamily(
+                f"dscale_fp8_{OWN_FIELDS[f][0]}",
+                f"{OWN_FIELDS[f][1]}, last sample, worst rank",
+                labels=names,
+            )
+            for f in fields
+            if f in OWN_FIELDS
+        }
         amax = GaugeMetricFamily("dscale_fp8_amax", "Largest magnitude, last sample", labels=names)
         scale = GaugeMetricFamily("dscale_fp8_scale", "FP8 cast scale, last sample", labels=names)
         for key, row in sorted(snap.items()):
@@ -70,7 +101,10 @@ class Float8NumericsCollector:
                 gauge.add_metric(values, row[share])
             amax.add_metric(values, row["amax"])
             scale.add_metric(values, row["scale"])
+            for field, gauge in extra.items():
+                gauge.add_metric(values, row[field])
         yield from gauges.values()
+        yield from extra.values()
         yield amax
         yield scale
         samples = CounterMetricFamily(

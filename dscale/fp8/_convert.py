@@ -1,6 +1,7 @@
 """convert_to_float8(): one call that swaps a model's linears for torchao's float8 ones.
 
-dscale writes no FP8 kernels: the swap is torchao's ``convert_to_float8_training``. What this
+dscale writes no FP8 kernels: the swap is torchao's ``convert_to_float8_training`` (tensorwise,
+rowwise) or its ``MXFP8Linear`` (the MXFP8 recipes, :mod:`dscale.fp8._mx`). What this
 adds is the choice made in one place (the recipe by name, a filter for layers kept in high
 precision, linears whose dims the FP8 GEMM cannot take left as they are, with a log line naming
 them) and a record of what was converted, which :class:`dscale.fp8.WeightScales` and the
@@ -17,15 +18,20 @@ from typing import Literal
 
 from torch import nn
 
-from dscale.fp8 import _torchao
+from dscale.fp8 import _mx, _torchao
 
 logger = logging.getLogger(__name__)
 
-Recipe = Literal["tensorwise", "rowwise"]
-RECIPES: tuple[str, ...] = ("tensorwise", "rowwise")
+Recipe = Literal["tensorwise", "rowwise", "mxfp8", "mxfp8_wgrad_with_hp"]
+RECIPES: tuple[str, ...] = ("tensorwise", "rowwise", "mxfp8", "mxfp8_wgrad_with_hp")
 
 #: torch._scaled_mm needs both GEMM dims of a weight divisible by 16 (cuBLASLt's rule for FP8).
 DIM_MULTIPLE = 16
+
+
+def dim_multiple(recipe: str) -> int:
+    """What both dims of a weight must be divisible by under ``recipe`` (MXFP8: its block)."""
+    return _mx.BLOCK if recipe in _mx.WGRAD_WITH_HP else DIM_MULTIPLE
 
 
 @dataclass(frozen=True)
@@ -56,13 +62,19 @@ def convert_to_float8(
     """Swap ``model``'s ``nn.Linear`` layers for torchao's float8 training linears, in place.
 
     Call it before wrapping the model in DDP or ``fully_shard`` (FSDP2), on every rank alike.
-    E4M3 forward, E5M2 backward, dynamic scales (torchao's ``tensorwise`` or ``rowwise`` recipe).
-    A loss scaler composes unchanged: dynamic FP8 scales cancel a power-of-two loss scale.
+    E4M3 forward, E5M2 backward, dynamic scales (torchao's ``tensorwise`` or ``rowwise`` recipe);
+    or MXFP8 (``mxfp8``: E4M3 elements with one E8M0 scale per 32, RCEIL rounding, in all three
+    GEMMs; ``mxfp8_wgrad_with_hp``: grad_weight's GEMM in high precision), as torchao's
+    ``MXFP8Linear``, which trains the bias too. A loss scaler composes unchanged: dynamic FP8
+    scales cancel a power-of-two loss scale.
 
     Args:
         model: the model; changed in place (a root ``nn.Linear`` cannot be: wrap it).
         recipe: ``"tensorwise"`` (one scale per tensor; FSDP2 float8 all-gather possible) or
-            ``"rowwise"`` (one scale per row; all-gathers in high precision).
+            ``"rowwise"`` (one scale per row; all-gathers in high precision), ``"mxfp8"`` or
+            ``"mxfp8_wgrad_with_hp"`` (a scale per 32 elements; both dims of a weight must be
+            divisible by 32, and in training the tokens per batch (all dims of the input but the
+            last) too, unless grad_weight is in high precision: torchao's blocks).
         keep_high_precision: layers to leave as they are: a function ``(name, module) -> bool``
             or names as ``model.named_modules()`` gives them (a layer whose name equals or
             starts with ``name + "."`` is kept; each name must hold at least one
@@ -71,7 +83,9 @@ def convert_to_float8(
             layers are the usual choice.
         float8_all_gather: FSDP2 all-gathers the weights in float8 (tensorwise only); then use
             :class:`dscale.fp8.WeightScales` for the weights' scales.
-        emulate: torchao's emulation (no ``torch._scaled_mm``), for hardware without FP8.
+        emulate: torchao's emulation (no ``torch._scaled_mm``), for hardware without FP8 (MXFP8:
+            ``KernelPreference.EMULATED``; without it torchao's kernels, which need a GPU with
+            MX support).
 
     Returns:
         A :class:`Float8Conversion` naming the converted layers and those left, with why.
@@ -84,12 +98,13 @@ def convert_to_float8(
     if recipe not in RECIPES:
         raise ValueError(
             f"recipe={recipe!r} is not one of {list(RECIPES)}; tensorwise keeps one scale per "
-            "tensor (the default), rowwise one per row"
+            "tensor (the default), rowwise one per row, mxfp8 one per 32 elements"
         )
     if float8_all_gather and recipe != "tensorwise":
         raise ValueError(
             f"float8_all_gather=True needs recipe='tensorwise', got recipe={recipe!r}: torchao's "
-            "rowwise recipe all-gathers weights in high precision; pass float8_all_gather=False"
+            "rowwise and MXFP8 recipes all-gather weights in high precision; pass "
+            "float8_all_gather=False"
         )
     if isinstance(model, nn.Linear):
         raise ValueError(
@@ -98,20 +113,32 @@ def convert_to_float8(
         )
     float8 = _torchao.float8()
     keep = _keep_function(keep_high_precision, model)
+    multiple = dim_multiple(recipe)
     left: dict[str, str] = {}
+    aliases = _aliases(model)
     for name, module in model.named_modules():
-        if type(module) is not nn.Linear:
-            continue
-        if keep(name, module):
+        if not isinstance(module, nn.Linear) or type(module).__module__.startswith("torchao."):
+            continue  # not a linear, or converted already (torchao's float8/MXFP8 linear)
+        if any(keep(n, module) for n in aliases.get(id(module), [name])):
             left[name] = "filter"
-        elif module.in_features % DIM_MULTIPLE or module.out_features % DIM_MULTIPLE:
+        elif type(module) is not nn.Linear:
+            left[name] = (
+                f"a {type(module).__name__}, a subclass of nn.Linear (torchao swaps "
+                "nn.Linear itself only)"
+            )
+        elif module.in_features % multiple or module.out_features % multiple:
             left[name] = (
                 f"in_features={module.in_features}, out_features={module.out_features} "
-                f"(FP8 GEMMs need both divisible by {DIM_MULTIPLE})"
+                f"({recipe} GEMMs need both divisible by {multiple})"
             )
     for name, why in left.items():
         if why != "filter":
             logger.info("convert_to_float8: %s stays in high precision: %s", name, why)
+    if recipe in _mx.WGRAD_WITH_HP:
+        names = [n for n, m in model.named_modules() if type(m) is nn.Linear and n not in left]
+        _mx.swap_linears(model, names, recipe=recipe, emulate=emulate)
+        _share_swaps(model, aliases)
+        return Float8Conversion(recipe, False, tuple(sorted(names)), left)
     config = float8.Float8LinearConfig.from_recipe_name(recipe)
     config = _with(config, enable_fsdp_float8_all_gather=float8_all_gather, emulate=emulate)
     converted: list[str] = []
@@ -123,7 +150,49 @@ def convert_to_float8(
         return True
 
     float8.convert_to_float8_training(model, module_filter_fn=take, config=config)
+    _share_swaps(model, aliases)
     return Float8Conversion(recipe, float8_all_gather, tuple(sorted(converted)), left)
+
+
+def _references(model: nn.Module) -> dict[int, list[tuple[nn.Module, str, str]]]:
+    """Per linear (by id): every ``(parent, attribute, name)`` that holds it."""
+    found: dict[int, list[tuple[nn.Module, str, str]]] = {}
+    for parent_name, parent in model.named_modules(remove_duplicate=False):
+        for attr, child in parent._modules.items():
+            if isinstance(child, nn.Linear):
+                name = f"{parent_name}.{attr}" if parent_name else attr
+                found.setdefault(id(child), []).append((parent, attr, name))
+    return found
+
+
+def _aliases(model: nn.Module) -> dict[int, list[str]]:
+    """The names of each linear the model holds in more than one place (a shared module),
+    by id; ``named_modules()`` gives such a linear under its first name only."""
+    return {
+        key: [name for _, _, name in refs]
+        for key, refs in _references(model).items()
+        if len({name for _, _, name in refs}) > 1
+    }
+
+
+def _share_swaps(model: nn.Module, aliases: dict[int, list[str]]) -> None:
+    """Point every other place that held a swapped shared linear at its swap.
+
+    The swaps (torchao's and :func:`dscale.fp8._mx.swap_linears`) replace a module under the
+    name ``named_modules()`` gives it, its first; the model's other references to the same
+    module would keep the high-precision one, so that layer would run in float8 on one path
+    and in high precision on the other, silently.
+    """
+    if not aliases:
+        return
+    refs = _references(model)
+    modules = dict(model.named_modules(remove_duplicate=False))
+    for key, names in aliases.items():
+        swapped = [modules[n] for n in names if n in modules and id(modules[n]) != key]
+        if not swapped:
+            continue  # left in high precision everywhere
+        for parent, attr, _ in refs.get(key, []):
+            setattr(parent, attr, swapped[0])
 
 
 def _keep_function(
@@ -172,7 +241,7 @@ def _refuse_names_keeping_nothing(names: tuple[str, ...], model: nn.Module) -> N
 
     # Any linear counts (a subclass torchao leaves, as MultiheadAttention's out_proj, is kept
     # as asked), by its name or its name without wrappers' parts (a block compiled alone).
-    found = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    found = [n for n, m in model.named_modules(remove_duplicate=False) if isinstance(m, nn.Linear)]
     linears = sorted({*found, *map(clean, found)})
     unmatched = [n for n in names if not any(_within(linear, n) for linear in linears)]
     if not unmatched:

@@ -80,6 +80,12 @@ class Float8Fallback:
             raise ValueError(f"threshold must be a share in (0, 1), got {threshold!r}")
         if not isinstance(samples, int) or samples < 1:
             raise ValueError(f"samples must be a positive int, got {samples!r}")
+        kind = getattr(numerics, "granularity", "tensorwise")
+        if kind != "tensorwise":
+            raise ValueError(
+                f"Float8Fallback switches tensorwise float8 layers; this model's are {kind}: "
+                "convert with recipe='tensorwise' to use the fallback"
+            )
         self._numerics = numerics
         self._modules = dict(numerics.layers)
         self.threshold = threshold

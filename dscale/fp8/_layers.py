@@ -39,7 +39,7 @@ def unwrapped(model: nn.Module) -> nn.Module:
         model = children[0][1]
 
 
-def named_layers(model: nn.Module, cls: type) -> list[tuple[str, Any]]:
+def named_layers(model: nn.Module, cls: type | tuple[type, ...]) -> list[tuple[str, Any]]:
     """``(name, module)`` of the ``cls`` modules, sorted, named as in the bare model.
 
     The same layer gets the same name wrapped or not (DDP, torch.compile of the model or of its
@@ -68,7 +68,7 @@ def state_int(value: Any) -> int:
 
 
 def check_layouts(
-    layers: list[tuple[str, Any]], every: int, rowwise: list[str], group: Any
+    layers: list[tuple[str, Any]], every: int, kinds: dict[str, str], group: Any
 ) -> None:
     """Compare what every rank measures (one collective); raise the same error on every rank.
 
@@ -78,22 +78,40 @@ def check_layouts(
     names; ranks sampling at other intervals would send on different steps.
     """
     mine = {
-        "layers": [(n, m.in_features, m.out_features) for n, m in layers],
+        "layers": [(n, m.in_features, m.out_features, kinds[n], _variant(m)) for n, m in layers],
         "every": every,
-        "rowwise": rowwise,
     }
     everyone = _dist.all_gather_objects(mine, group)
-    odd = sorted({n for r in everyone for n in r["rowwise"]})
-    if odd:
+    recipes = [sorted({kind for _, _, _, kind, _ in r["layers"]}) for r in everyone]
+    if any(kinds != recipes[0] for kinds in recipes):
+        raise LayoutMismatchError(
+            "Float8Numerics: ranks converted with different recipes ("
+            + "; ".join(f"rank {r}: {'+'.join(k) or 'none'}" for r, k in enumerate(recipes))
+            + "); every rank must train the same model: convert with the same recipe on "
+            "every rank"
+        )
+    by_kind: dict[str, list[str]] = {}
+    for r in everyone:
+        for n, _, _, kind, _ in r["layers"]:
+            if n not in by_kind.setdefault(kind, []):
+                by_kind[kind].append(n)
+    if len(by_kind) > 1:
         raise ValueError(
-            f"Float8Numerics measures under tensorwise scales; layers {odd} use another "
-            "granularity (rowwise): convert with recipe='tensorwise' to measure them"
+            "Float8Numerics measures one recipe per model; these layers scale differently: "
+            + "; ".join(f"{kind}: {sorted(names)}" for kind, names in sorted(by_kind.items()))
+            + ": convert every layer with one recipe (or measure one model per recipe)"
         )
     if any(r["layers"] != everyone[0]["layers"] for r in everyone):
         common = set.intersection(*(set(r["layers"]) for r in everyone))
+        shapes = set.intersection(*({layer[:3] for layer in r["layers"]} for r in everyone))
+
+        def shown(layer: tuple[Any, ...]) -> str:
+            n, i, o, _, variant = layer  # the variant shown where only it differs
+            return f"{n} ({i}->{o}, {variant})" if layer[:3] in shapes else f"{n} ({i}->{o})"
+
         detail = "; ".join(
             f"rank {r}: {len(v['layers'])} layers, only here: "
-            f"{sorted(f'{n} ({i}->{o})' for n, i, o in set(v['layers']) - common) or 'none'}"
+            f"{sorted(shown(layer) for layer in set(v['layers']) - common) or 'none'}"
             for r, v in enumerate(everyone)
         )
         raise LayoutMismatchError(
@@ -107,6 +125,15 @@ def check_layouts(
             f"Float8Numerics: ranks sample at different intervals (every={intervals} by rank); "
             "every rank must sample the same steps: pass the same every on every rank"
         )
+
+
+def _variant(module: Any) -> str:
+    """How a float8 layer casts beyond its recipe's granularity (MXFP8: grad_weight in high
+    precision, the scale rounding; torchao's float8: its config), compared across ranks."""
+    if hasattr(module, "wgrad_with_hp"):
+        mode = getattr(module, "scale_calculation_mode", None)
+        return f"wgrad_with_hp={module.wgrad_with_hp}, {getattr(mode, 'name', mode)}"
+    return module.extra_repr()  # type: ignore[no-any-return]  # torchao's: the cast configs
 
 
 def refuse_other_layers(what: str, saved: list[str], count: int, names: list[str]) -> None:

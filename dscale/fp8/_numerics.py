@@ -4,7 +4,10 @@ For each float8 linear's input and weight (E4M3) and grad_output (E5M2), under t
 scale the cast uses (``fp8_max / amax``; a float8 all-gather weight's precomputed scale): the
 amax, the scale, and the shares of elements saturated (``|x| * scale > fp8_max``), flushed to
 zero (non-zero, cast to 0) and subnormal (cast to a non-zero subnormal). Alert on the shares,
-not on SNR: an outlier raises SNR while it flushes the rest of the tensor to zero.
+not on SNR: an outlier raises SNR while it flushes the rest of the tensor to zero. Under the
+rowwise recipe (grad_output E4M3, a scale per row) and on torchao's MXFP8Linear (a scale per
+32), the same shares under each row's or block's scale, and the recipe's own fields
+(:mod:`dscale.fp8._granular`); every layer of one model must use one recipe.
 
 Cost: the hooks stay registered but return at once on unsampled steps (no op, no host read),
 and the agreement field is registered with the scaler for sampled steps only, so an unsampled
@@ -25,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dscale.fp8 import _attached, _torchao
+from dscale.fp8 import _attached, _granular, _torchao
 from dscale.fp8._layers import check_layouts, named_layers, refuse_other_layers, state_int
 
 TENSORS = (("input", torch.float8_e4m3fn), ("weight", torch.float8_e4m3fn))
@@ -36,6 +39,8 @@ MEASURED = ("input", "weight", "grad_output")
 COLUMNS = (*FIELDS, "scale")
 #: The state-dict format (1: ``num_steps``/``num_samples`` only, no layer names).
 STATE_VERSION = 2
+#: A state's ``granularity`` entry indexes this (rowwise and MXFP8 states only).
+GRANULARITIES = ("tensorwise", "rowwise", "mxfp8")
 EPS = 1e-12  # torchao's floor on an amax
 
 
@@ -69,7 +74,7 @@ class Float8Numerics:
 
     Steps are counted by the scaler's step() calls, which every rank makes alike (with several
     optimizers, the first step() of each iteration: one iteration, one step): steps 0,
-    ``every``, 2 x ``every``, ... are sampled on every rank. Tensorwise recipe only. Make it on
+    ``every``, 2 x ``every``, ... are sampled on every rank. Any recipe (one per model). Make it on
     every rank after ``init_process_group`` (construction compares the ranks' layers: one
     collective, once; :class:`~dscale.fp8.LayoutMismatchError` on every rank if they differ).
     """
@@ -77,15 +82,22 @@ class Float8Numerics:
     def __init__(self, model: nn.Module, scaler: Any, *, every: int = 100) -> None:
         if not isinstance(every, int) or every < 1:
             raise ValueError(f"every must be a positive int (sample every N steps), got {every!r}")
-        cls = _torchao.float8_linear_class()
-        self.layers: list[tuple[str, Any]] = named_layers(model, cls)
-        rowwise = [
-            n
-            for n, m in self.layers
-            if m.config.cast_config_input.scaling_granularity.value != "tensorwise"
-        ]
+        mx_cls = _torchao.mxfp8_linear_class()
+        classes = (_torchao.float8_linear_class(), mx_cls)
+        self.layers: list[tuple[str, Any]] = named_layers(model, classes)
+        kinds = {n: _granularity(m, mx_cls) for n, m in self.layers}
         group = scaler._process_group() if hasattr(scaler, "_process_group") else None
-        check_layouts(self.layers, every, rowwise, group)
+        check_layouts(self.layers, every, kinds, group)
+        #: ``tensorwise``, ``rowwise`` or ``mxfp8``: how the layers scale (one for all).
+        self.granularity = next(iter(kinds.values()), "tensorwise")
+        #: The fields of a row of :meth:`snapshot` (and of the state), ``scale`` last.
+        self.fields: tuple[str, ...] = _granular.FIELDS[self.granularity]
+        self.columns: tuple[str, ...] = (*self.fields, "scale")
+        first = self.layers[0][1] if self.layers else None
+        self._pow2 = bool(getattr(getattr(first, "config", None), "round_scales_to_power_of_2", 0))
+        self._grad_dtype = (
+            torch.float8_e5m2 if self.granularity == "tensorwise" else torch.float8_e4m3fn
+        )
         self.every = every
         self.keys = [f"{n}/{t}" for n, _ in self.layers for t in MEASURED]
         self.num_steps = 0
@@ -149,19 +161,30 @@ class Float8Numerics:
             if not self._armed:
                 return  # unsampled: no op dispatched
             with torch.no_grad():
-                self._stats[f"{name}/input"] = tensor_stats(args[0], torch.float8_e4m3fn)
+                self._stats[f"{name}/input"] = self._measure(args[0], torch.float8_e4m3fn)
                 self._stats[f"{name}/weight"] = self._weight_stats(module, self._weights[name])
             if output.requires_grad:
 
                 def grad_hook(grad: torch.Tensor) -> None:
-                    self._stats[f"{name}/grad_output"] = tensor_stats(grad, torch.float8_e5m2)
+                    with torch.no_grad():
+                        stats = self._measure(grad, self._grad_dtype)
+                    self._stats[f"{name}/grad_output"] = stats
 
                 output.register_hook(grad_hook)
 
         return forward_hook
 
-    @staticmethod
-    def _weight_stats(module: nn.Module, sharded: Any) -> torch.Tensor:
+    def _measure(
+        self, x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """This recipe's fields of ``x`` as its cast to ``dtype`` sees it (a float32 vector)."""
+        if self.granularity == "rowwise":
+            return _granular.rowwise_stats(x, dtype, self._pow2)
+        if self.granularity == "mxfp8":
+            return _granular.mx_stats(x, dtype)
+        return tensor_stats(x, dtype, scale)
+
+    def _weight_stats(self, module: nn.Module, sharded: Any) -> torch.Tensor:
         weight: Any = module.weight
         if not hasattr(weight, "_local_tensor") and hasattr(sharded, "_local_tensor"):
             weight = sharded  # FSDP2 gathered it (in float8): measure this rank's shard
@@ -171,7 +194,7 @@ class Float8Numerics:
             weight = local._tensor  # a float8 all-gather shard: this rank's part
         elif local is not None:
             weight = local
-        return tensor_stats(weight, torch.float8_e4m3fn, precomputed)
+        return self._measure(weight, torch.float8_e4m3fn, precomputed)
 
     # --------------------------------------------------------- the agreement field protocol
     def values(self, optimizer: Any) -> torch.Tensor | None:
@@ -179,7 +202,7 @@ class Float8Numerics:
         if not self._armed or self._stepped():
             return None  # unsampled, or a further optimizer of a sampled iteration
         device = next(iter(self._stats.values())).device if self._stats else None
-        blank = torch.zeros(len(FIELDS), device=device)
+        blank = torch.zeros(len(self.fields), device=device)
         return torch.cat([self._stats.get(k, blank).to(device) for k in self.keys])
 
     def agreed(self, slots: torch.Tensor) -> None:
@@ -190,15 +213,13 @@ class Float8Numerics:
         if self._stepped() > 1:
             return  # a further optimizer's step in this iteration: counted with the first
         if self._armed and self._sent is not None:
-            width = len(self.keys) * len(FIELDS)
-            values = self._sent[:width].tolist()  # host read
+            w = len(self.fields)
+            values = self._sent[: len(self.keys) * w].tolist()  # host read
             self._last = {}
             for i, key in enumerate(self.keys):
-                row = dict(zip(FIELDS, values[i * len(FIELDS) : (i + 1) * len(FIELDS)]))
-                fp8_max = float(torch.finfo(_dtype_of(key)).max)
-                row["scale"] = (
-                    fp8_max / max(row["amax"], EPS) if math.isfinite(row["amax"]) else 0.0
-                )
+                row = dict(zip(self.fields, values[i * w : (i + 1) * w]))
+                dtype = self._grad_dtype if key.endswith("/grad_output") else torch.float8_e4m3fn
+                row["scale"] = self._scale_of(row["amax"], dtype)
                 self._last[key] = row
             self.num_samples += 1
             self.sample_step = self.num_steps
@@ -206,6 +227,27 @@ class Float8Numerics:
         self._stats = {}
         self.num_steps += 1
         self._arm(self.num_steps % self.every == 0)
+
+    def _scale_of(self, amax: float, dtype: torch.dtype) -> float:
+        """The scale the cast gives the tensor's largest element (0 for a non-finite amax):
+        ``fp8_max / amax``; rowwise, down to a power of two; MXFP8, its block's ``2^-e``."""
+        if not math.isfinite(amax):
+            return 0.0
+        fp8_max = float(torch.finfo(dtype).max)
+        # In torchao's float32 (sampled steps only, on the host's numbers): the exact log2
+        # differs from float32's next to a power of two, there by a factor of 2 (r43a).
+        if self.granularity == "mxfp8":
+            if amax <= 0:
+                return 1.0  # torchao's scale at E8M0's floor
+            descale = torch.tensor(amax, dtype=torch.float32) / fp8_max
+            e = int(
+                torch.ceil(torch.log2(descale)).clamp(-_granular.E8M0_BIAS, _granular.E8M0_BIAS)
+            )
+            return 1.0 if e == -_granular.E8M0_BIAS else 2.0**-e
+        if not self._pow2:
+            return fp8_max / max(amax, EPS)
+        scale = torch.tensor(fp8_max / max(amax, EPS), dtype=torch.float64).float()
+        return float(torch.exp2(torch.floor(torch.log2(scale))))
 
     def snapshot(self) -> dict[str, dict[str, float]]:
         """The last sample, worst rank's: ``{"layer/tensor": {amax, scale, saturated, ...}}``."""
@@ -223,14 +265,17 @@ class Float8Numerics:
         * ``num_samples``: samples taken so far.
         * ``sample_step``: the step of the last sample, -1 before the first.
         * ``num_layers``: how many float8 layers were measured.
-        * ``layers``: per layer name, a float64 ``[3, 5]`` tensor: rows input, weight,
-          grad_output; columns amax, saturated, flushed, subnormal, scale (the last sample,
-          worst rank's; NaN before the first).
+        * ``granularity`` (rowwise and MXFP8 only): the recipe, an index into
+          ``("tensorwise", "rowwise", "mxfp8")``; a load refuses another recipe's state.
+        * ``layers``: per layer name, a float64 ``[3, len(columns)]`` tensor: rows input,
+          weight, grad_output; columns :attr:`columns` (tensorwise: amax, saturated, flushed,
+          subnormal, scale; rowwise and MXFP8 add their fields before scale), the last
+          sample, worst rank's; NaN before the first.
         """
         layers = {}
         for name, _ in self.layers:
             rows = [
-                [self._last.get(f"{name}/{t}", {}).get(c, math.nan) for c in COLUMNS]
+                [self._last.get(f"{name}/{t}", {}).get(c, math.nan) for c in self.columns]
                 for t in MEASURED
             ]
             layers[name] = torch.tensor(rows, dtype=torch.float64)
@@ -242,6 +287,13 @@ class Float8Numerics:
             "sample_step": torch.tensor(-1 if self.sample_step is None else self.sample_step),
             "num_layers": torch.tensor(len(self.layers)),
             "layers": layers,
+            # Rowwise and MXFP8 rows are as wide (7 fields + scale) but hold other fields:
+            # their recipe is saved (tensorwise's states keep the format without it).
+            **(
+                {}
+                if self.granularity == "tensorwise"
+                else {"granularity": torch.tensor(GRANULARITIES.index(self.granularity))}
+            ),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -259,6 +311,13 @@ class Float8Numerics:
                 "checked against this model: save it again with this dscale, or start the "
                 "numerics fresh"
             )
+        saved = _saved_granularity(state.get("granularity"))
+        if saved != self.granularity:
+            raise ValueError(
+                f"Float8Numerics state was saved by a {saved} model; this model's float8 "
+                f"layers are {self.granularity} (other fields per tensor): load a state of the "
+                "same model and recipe, or start the numerics fresh"
+            )
         layers = state.get("layers")
         if not isinstance(layers, dict):
             raise ValueError(f"Float8Numerics state needs a layers dict, got {layers!r}")
@@ -275,10 +334,12 @@ class Float8Numerics:
         rows: dict[str, list[list[float]]] = {}
         for name in names:
             value = layers[name]
-            if not isinstance(value, torch.Tensor) or tuple(value.shape) != (3, len(COLUMNS)):
+            width = len(self.columns)
+            if not isinstance(value, torch.Tensor) or tuple(value.shape) != (3, width):
                 raise ValueError(
-                    f"Float8Numerics state for layer {name!r} must be a [3, {len(COLUMNS)}] "
-                    f"tensor (input, weight, grad_output x {COLUMNS}), got {value!r}"
+                    f"Float8Numerics state for layer {name!r} must be a [3, {width}] tensor "
+                    f"(input, weight, grad_output x {self.columns}: {self.granularity}), got "
+                    f"{value!r}; load a state of the same model and recipe"
                 )
             rows[name] = value.double().tolist()
         self.num_steps, self.num_samples = steps, samples
@@ -287,7 +348,7 @@ class Float8Numerics:
         if self.sample_step is not None:
             for name in names:
                 for t, row in zip(MEASURED, rows[name]):
-                    self._last[f"{name}/{t}"] = dict(zip(COLUMNS, row))
+                    self._last[f"{name}/{t}"] = dict(zip(self.columns, row))
         self._stats, self._sent = {}, None
         self._arm(steps % self.every == 0)
 
@@ -301,5 +362,22 @@ class Float8Numerics:
         _attached.detach(self._scaler, self)
 
 
-def _dtype_of(key: str) -> torch.dtype:
-    return torch.float8_e5m2 if key.endswith("/grad_output") else torch.float8_e4m3fn
+def _saved_granularity(value: Any) -> str:
+    """The recipe a state's ``granularity`` entry names (absent: tensorwise, which saves none)."""
+    if value is None:
+        return "tensorwise"
+    index = state_int(value)
+    if not 0 <= index < len(GRANULARITIES):
+        raise ValueError(
+            f"Float8Numerics state has granularity {index}, not one of 0..{len(GRANULARITIES) - 1} "
+            f"({GRANULARITIES}); load a state this class saved"
+        )
+    return GRANULARITIES[index]
+
+
+def _granularity(module: Any, mx_cls: type) -> str:
+    """How ``module`` (a float8 or MXFP8 linear) scales its casts."""
+    if isinstance(module, mx_cls):
+        return "mxfp8"
+    value = module.config.cast_config_input.scaling_granularity.value
+    return "tensorwise" if value == "tensorwise" else "rowwise"

@@ -11,6 +11,7 @@ import logging
 import re
 import sys
 from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -33,9 +34,13 @@ _HARMLESS_ON_CPU = {
     "torchao": re.compile(r"Failed to load .*_C_(mxfp8|cutlass_90a)[^/]*\.so"),
     "torchao.kernel.intmm": re.compile(r"Detected no triton"),
 }
-# torchao registers its KernelPreference enum as a pytree constant, which torch 2.13 deprecates
-# (a warning about torchao's own call, not about the user's code): silenced everywhere.
-_HARMLESS = {"torch.utils._pytree": re.compile(r"KernelPreference'> is an Enum subclass")}
+# torchao registers its KernelPreference and ScaleCalculationMode enums as pytree constants,
+# which torch 2.13 deprecates (a warning about torchao's own call): silenced everywhere.
+_HARMLESS = {
+    "torch.utils._pytree": re.compile(
+        r"(KernelPreference|ScaleCalculationMode)'> is an Enum subclass"
+    )
+}
 
 
 class _DropKnown(logging.Filter):
@@ -55,8 +60,8 @@ class _DropKnown(logging.Filter):
 
 def _import_quietly(name: str) -> ModuleType:
     """Import ``name`` without torchao's known-harmless import noise (see _HARMLESS_ON_CPU)."""
-    if "torchao" in sys.modules:  # imported already: its import has logged what it logs
-        return importlib.import_module(name)
+    if name in sys.modules:  # imported already: its import has logged what it logs
+        return sys.modules[name]
     known = dict(_HARMLESS)
     if not torch.cuda.is_available():
         known.update(_HARMLESS_ON_CPU)
@@ -98,3 +103,28 @@ def float8_linear_class() -> type:
     """torchao's ``Float8Linear`` (not a public torchao API; dscale only reads its ``config``)."""
     float8()
     return importlib.import_module("torchao.float8.float8_linear").Float8Linear  # type: ignore[no-any-return]
+
+
+def mxfp8_linear_class() -> type:
+    """torchao's ``MXFP8Linear`` (``torchao.prototype.moe_training``: MX training in 0.18)."""
+    float8()
+    module = _import_quietly("torchao.prototype.moe_training.mxfp8_linear")
+    return module.MXFP8Linear  # type: ignore[no-any-return]
+
+
+def mx_options(emulate: bool) -> tuple[Any, Any]:
+    """``(kernel_preference, scale_calculation_mode)`` for MXFP8Linear: RCEIL scales; torchao's
+    emulation (PyTorch-native casts and GEMMs) when ``emulate``, its kernels otherwise."""
+    float8()
+    common = importlib.import_module("torchao.quantization.quantize_.common")
+    mx_config = importlib.import_module("torchao.prototype.mx_formats.config")
+    preference = common.KernelPreference.EMULATED if emulate else common.KernelPreference.AUTO
+    return preference, mx_config.ScaleCalculationMode.RCEIL
+
+
+def to_mx() -> tuple[Any, Any]:
+    """torchao's ``to_mx`` (E8M0 exponents and elements) and ``ScaleCalculationMode.RCEIL``."""
+    float8()
+    mx_tensor = _import_quietly("torchao.prototype.mx_formats.mx_tensor")
+    mx_config = importlib.import_module("torchao.prototype.mx_formats.config")
+    return mx_tensor.to_mx, mx_config.ScaleCalculationMode.RCEIL

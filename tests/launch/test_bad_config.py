@@ -61,7 +61,6 @@ def _no_worker_started(run_dir: Path) -> bool:
         ("data=text data.path=/no/such/file.txt", "data.path"),
         ("parallel=single launcher.nproc_per_node=2", "parallel=single"),
         ("trainer.precision=fp8 fp8.float8_all_gather=true", "fp8.float8_all_gather"),
-        ("trainer.precision=fp8 fp8.recipe=rowwise fp8.numerics_every=5", "fp8.numerics_every"),
         ("trainer.precision=fp8 fp8.fallback=true fp8.numerics_every=0", "fp8.fallback"),
         ("trainer.precision=fp8 fp8.fallback=true fp8.fallback_threshold=2", "fallback_threshold"),
         ("trainer.precision=fp8 fp8.numerics_every=-1", "fp8.numerics_every"),
