@@ -42,6 +42,20 @@ def header_words(host: HostState) -> torch.Tensor:
     return torch.frombuffer(bytearray(packed), dtype=torch.float32)
 
 
+def write_header_traced(words: torch.Tensor, host: HostState) -> None:
+    """:func:`header_words` written into ``words`` by tensor ops (struct does not trace)."""
+    # Each part made as its own dtype and viewed as float32 words (the buffer's own dtype:
+    # AOTAutograd refuses some mutations through a view of another dtype).
+    parts = [
+        torch.tensor([host.scale], dtype=torch.float32),
+        torch.tensor([host.growth_tracker, host.hysteresis_tracker], dtype=torch.int32),
+        torch.tensor([host.scale], dtype=torch.float32),
+        torch.tensor(host.counters, dtype=torch.int64),
+    ]
+    header = torch.cat([part.view(torch.float32) for part in parts])
+    words[:LOG].copy_(header.to(words.device))
+
+
 def int32_at(words: torch.Tensor, index: int) -> torch.Tensor:
     """A 0-d int32 view of one word."""
     return words[index : index + 1].view(torch.int32).view(())
@@ -123,3 +137,38 @@ def fold_on_device(words: torch.Tensor, rows: int, policy: ScalePolicy) -> None:
         refilled = torch.where(last_refill > last_found, policy.hysteresis, hyst)
         hyst.copy_(torch.where(last_found > last_refill, 0, refilled))
     words[FOLD_SCALE].copy_(words[SCALE])
+
+
+def fold_row_on_device(
+    words: torch.Tensor,
+    policy: ScalePolicy,
+    found_inf: torch.Tensor,
+    before: torch.Tensor,
+    tracker: torch.Tensor,
+) -> None:
+    """One update folded into the counters at once (compiled updates: no log row).
+
+    The same counts as :func:`fold_on_device` over a log of that one row: ``found_inf`` the
+    update's flag, ``before`` the scale before it, ``tracker`` the growth tracker after it.
+    """
+    found = found_inf > 0
+    scale = words[SCALE]
+    counters = counters_view(words)
+    in_a_row = torch.where(found, counters[2] + 1, 0)
+    increments = torch.stack(
+        [
+            torch.ones_like(in_a_row),
+            found.long(),
+            in_a_row - counters[2],
+            ((scale > before) & ~found).long(),
+            (scale < before).long(),
+        ]
+    )
+    counters.add_(increments)
+    if log_rule_hysteresis(policy):
+        refill = ~found
+        if policy.hysteresis_refill != "on_clean_step":
+            refill &= tracker == 0
+        hyst = int32_at(words, HYSTERESIS)
+        hyst.copy_(torch.where(found, 0, torch.where(refill, policy.hysteresis, hyst)))
+    words[FOLD_SCALE].copy_(scale)

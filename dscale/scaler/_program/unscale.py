@@ -40,6 +40,8 @@ def optimizer_grads(
 
     ``skip`` holds ids of parameters whose grads were already handled (the DDP hook).
     """
+    if torch.compiler.is_compiling():  # traced once: plain loops (no walrus, no map())
+        return _traced_grads(optimizer, skip)
     if not skip:  # the common case, in one pass at C speed per element (no call per grad)
         grads = [
             grad
@@ -65,6 +67,23 @@ def optimizer_grads(
                         param.grad = grad
                 grad = grad._values()
             out.append(grad)
+    return out
+
+
+def _traced_grads(optimizer: torch.optim.Optimizer, skip: set[int] | None) -> list[torch.Tensor]:
+    """:func:`optimizer_grads` in the form dynamo traces (its loop runs at trace time only)."""
+    out: list[torch.Tensor] = []
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            grad = param.grad
+            if grad is None or (skip is not None and id(param) in skip):
+                continue
+            if grad.is_sparse:
+                raise ValueError(
+                    "torch.compile around scaler.step(): a sparse grad cannot be checked in the "
+                    "compiled region; step this optimizer outside torch.compile"
+                )
+            out.append(local_tensor(grad))
     return out
 
 
@@ -99,6 +118,9 @@ def check_and_unscale_(
     as it is, so only the flag is needed, and on the CPU reading and rewriting every grad cost as
     much as the measurement itself.
     """
+    if torch.compiler.is_compiling():
+        _traced_check_and_unscale_(groups, inv_scale, found)
+        return
     if checked is not None:
         unit = copy_to(inv_scale, found.device)
         torch._amp_foreach_non_finite_check_and_unscale_([checked], found, unit)
@@ -110,6 +132,24 @@ def check_and_unscale_(
             torch._amp_foreach_non_finite_check_and_unscale_(grads, here, scale_here)
         if here is not found:  # MAX: the flag stays 0 or 1 (fused kernels test == 1)
             torch.maximum(found, copy_to(here, found.device), out=found)
+
+
+def _traced_check_and_unscale_(
+    groups: GradGroups, inv_scale: torch.Tensor, found: torch.Tensor
+) -> None:
+    """:func:`check_and_unscale_` as plain pointwise ops and reductions, which Inductor fuses
+    (it does not lower torch's amp kernel): the same flag (1 where a grad holds an inf or NaN)
+    and the same grads (each times ``inv_scale`` in fp32, rounded once to its dtype)."""
+    flags = []
+    for device, per_dtype in groups.items():
+        scale_here = copy_to(inv_scale, device)
+        for grads in per_dtype.values():
+            for grad in grads:
+                flags.append(copy_to(grad.isfinite().logical_not().any(), found.device))
+                grad.copy_(grad.float() * scale_here)
+    if flags:
+        any_bad = flags[0] if len(flags) == 1 else torch.stack(flags).any()
+        found.copy_(torch.maximum(found, any_bad.float()))
 
 
 def norms(tensors: list[torch.Tensor], ord: float) -> tuple[torch.Tensor, ...]:
