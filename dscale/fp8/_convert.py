@@ -95,45 +95,11 @@ def convert_to_float8(
         ValueError: an unknown recipe, float8 all-gather with the rowwise recipe, or a name
             in ``keep_high_precision`` that matches no ``nn.Linear`` (the nearest are named).
     """
-    if recipe not in RECIPES:
-        raise ValueError(
-            f"recipe={recipe!r} is not one of {list(RECIPES)}; tensorwise keeps one scale per "
-            "tensor (the default), rowwise one per row, mxfp8 one per 32 elements"
-        )
-    if float8_all_gather and recipe != "tensorwise":
-        raise ValueError(
-            f"float8_all_gather=True needs recipe='tensorwise', got recipe={recipe!r}: torchao's "
-            "rowwise and MXFP8 recipes all-gather weights in high precision; pass "
-            "float8_all_gather=False"
-        )
-    if isinstance(model, nn.Linear):
-        raise ValueError(
-            "convert_to_float8() changes a model in place and cannot swap a root nn.Linear; "
-            "wrap it (nn.Sequential(linear)) and convert that"
-        )
+    _check_arguments(model, recipe, float8_all_gather)
     float8 = _torchao.float8()
     keep = _keep_function(keep_high_precision, model)
-    multiple = dim_multiple(recipe)
-    left: dict[str, str] = {}
     aliases = _aliases(model)
-    for name, module in model.named_modules():
-        if not isinstance(module, nn.Linear) or type(module).__module__.startswith("torchao."):
-            continue  # not a linear, or converted already (torchao's float8/MXFP8 linear)
-        if any(keep(n, module) for n in aliases.get(id(module), [name])):
-            left[name] = "filter"
-        elif type(module) is not nn.Linear:
-            left[name] = (
-                f"a {type(module).__name__}, a subclass of nn.Linear (torchao swaps "
-                "nn.Linear itself only)"
-            )
-        elif module.in_features % multiple or module.out_features % multiple:
-            left[name] = (
-                f"in_features={module.in_features}, out_features={module.out_features} "
-                f"({recipe} GEMMs need both divisible by {multiple})"
-            )
-    for name, why in left.items():
-        if why != "filter":
-            logger.info("convert_to_float8: %s stays in high precision: %s", name, why)
+    left = _left_in_high_precision(model, recipe, keep, aliases)
     if recipe in _mx.WGRAD_WITH_HP:
         names = [n for n, m in model.named_modules() if type(m) is nn.Linear and n not in left]
         _mx.swap_linears(model, names, recipe=recipe, emulate=emulate)
@@ -152,6 +118,57 @@ def convert_to_float8(
     float8.convert_to_float8_training(model, module_filter_fn=take, config=config)
     _share_swaps(model, aliases)
     return Float8Conversion(recipe, float8_all_gather, tuple(sorted(converted)), left)
+
+
+def _check_arguments(model: nn.Module, recipe: str, float8_all_gather: bool) -> None:
+    """convert_to_float8()'s refusals before anything is swapped."""
+    if recipe not in RECIPES:
+        raise ValueError(
+            f"recipe={recipe!r} is not one of {list(RECIPES)}; tensorwise keeps one scale per "
+            "tensor (the default), rowwise one per row, mxfp8 one per 32 elements"
+        )
+    if float8_all_gather and recipe != "tensorwise":
+        raise ValueError(
+            f"float8_all_gather=True needs recipe='tensorwise', got recipe={recipe!r}: torchao's "
+            "rowwise and MXFP8 recipes all-gather weights in high precision; pass "
+            "float8_all_gather=False"
+        )
+    if isinstance(model, nn.Linear):
+        raise ValueError(
+            "convert_to_float8() changes a model in place and cannot swap a root nn.Linear; "
+            "wrap it (nn.Sequential(linear)) and convert that"
+        )
+
+
+def _left_in_high_precision(
+    model: nn.Module,
+    recipe: str,
+    keep: Callable[[str, nn.Module], bool],
+    aliases: dict[int, list[str]],
+) -> dict[str, str]:
+    """The linears the conversion leaves, by name, with why ("filter": kept by the caller);
+    each one not kept by the caller is logged."""
+    multiple = dim_multiple(recipe)
+    left: dict[str, str] = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear) or type(module).__module__.startswith("torchao."):
+            continue  # not a linear, or converted already (torchao's float8/MXFP8 linear)
+        if any(keep(n, module) for n in aliases.get(id(module), [name])):
+            left[name] = "filter"
+        elif type(module) is not nn.Linear:
+            left[name] = (
+                f"a {type(module).__name__}, a subclass of nn.Linear (torchao swaps "
+                "nn.Linear itself only)"
+            )
+        elif module.in_features % multiple or module.out_features % multiple:
+            left[name] = (
+                f"in_features={module.in_features}, out_features={module.out_features} "
+                f"({recipe} GEMMs need both divisible by {multiple})"
+            )
+    for name, why in left.items():
+        if why != "filter":
+            logger.info("convert_to_float8: %s stays in high precision: %s", name, why)
+    return left
 
 
 def _references(model: nn.Module) -> dict[int, list[tuple[nn.Module, str, str]]]:

@@ -79,6 +79,9 @@ def _param_set(optimizer: torch.optim.Optimizer) -> tuple[list[Any], ParamSet | 
     """The params holding a grad, and their set (None when no grad is a DTensor: nothing to
     weigh or sum)."""
     params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    if torch.compiler.is_compiling():  # traced once per graph, which dynamo guards on these grads
+        traced = ParamSet((), [p.grad for p in params])
+        return params, (traced if traced.on_a_mesh else None)
     key = tuple(map(id, params))
     known = _sets.get(optimizer)
     if known is None or known.key != key:  # plain tensors too: a step never looks at each grad
