@@ -9,7 +9,10 @@ on a GPU), the fallback kernels it calls (``extern_kernels.*``, ``torch.ops.aten
 does not lower, such as ``_foreach_norm`` or ``mm``) and the collectives
 (``torch.ops._c10d_functional.*``, ``wait_tensor`` left out). The plain optimizer step compiled
 the same way, with no scaler (the control), is subtracted: what remains is the scaler's own.
-Deterministic (the same code gives the same counts), so CI holds the targets.
+Deterministic (the same code gives the same counts), so CI holds the targets. Predictive and
+the StepGuard arms run with ``sync_free=True`` here: with a foreach optimizer that is their
+configuration that decides on the device (the host-decision ones are refused under fullgraph,
+with torch's error naming the configuration that compiles, shown in the table).
 
 The code is taken from every compiled graph as it is loaded (``CompiledFxGraph.post_compile``,
 which runs on a cache hit too), so the FX graph cache may stay on.
@@ -28,7 +31,9 @@ from unittest import mock
 
 import torch
 
-from dscale.bench import _ops, _ops_guard
+import dscale
+from dscale.bench import _ops
+from dscale.bench._arms import INIT_SCALE
 from dscale.bench._op_count import count_ops
 
 SCALER_ARMS = _ops.DSCALE_ARMS
@@ -119,9 +124,20 @@ def _compiled_launches(fn: Callable[[], object], before_each: Callable[[], objec
 
 
 def _make(arm: str, device: torch.device) -> Any:
+    """The eager rows' scaler for ``arm``; predictive and the guards with ``sync_free=True``,
+    their configuration that keeps every decision on the device with a foreach optimizer (the
+    eager rows' forced device decision covers fused steps only)."""
     if arm in GUARD_ARMS:
-        return _ops_guard.make_guard(arm, device)
-    return _ops.make_arm(arm, device)
+        gate: dict[str, Any] = {} if arm == "guard" else {"spike_signals": ("loss", "grad_norm")}
+        scaler: Any = dscale.StepGuard(device.type, sync_free=True, **gate)
+    elif arm == "dscale_predictive":
+        scaler = dscale.GradScaler(
+            device.type, init_scale=INIT_SCALE, policy="predictive", sync_free=True
+        )
+    else:
+        return _ops.make_arm(arm, device)
+    _ops.force_device_decision(scaler)
+    return scaler
 
 
 def measure_compiled(arm: str, row: _ops.Row) -> dict[str, Any]:

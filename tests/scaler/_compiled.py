@@ -38,8 +38,9 @@ UNDERFLOW_STEPS = frozenset(range(60, 75))  # inputs x 1e-9: grads below fp16's 
 SAVE_AT, LOAD_AT = 100, 170  # state_dict() saved after iteration 100, loaded before 170
 READ_EVERY = 7  # counters() and snapshot() between iterations
 
+#: What compiles fullgraph: every decision on the device (``sync_free=True``, foreach optimizer).
 CONFIGS: dict[str, Callable[[], dscale.GradScaler]] = {
-    # The device decision (forced on the CPU, as a CUDA run takes it), hysteresis, both bounds.
+    # The dynamic rule with hysteresis and both bounds.
     "dynamic": lambda: dscale.GradScaler(
         "cpu",
         init_scale=2.0**12,
@@ -47,13 +48,16 @@ CONFIGS: dict[str, Callable[[], dscale.GradScaler]] = {
         hysteresis=2,
         min_scale=2.0**-4,
         max_scale=2.0**16,
+        sync_free=True,
     ),
     "sync_free": lambda: dscale.GradScaler(
         "cpu", init_scale=2.0**12, growth_interval=6, sync_free=True
     ),
-    "predictive": lambda: dscale.GradScaler("cpu", init_scale=2.0**12, policy="predictive"),
+    "predictive": lambda: dscale.GradScaler(
+        "cpu", init_scale=2.0**12, policy="predictive", sync_free=True
+    ),
     "guard_gate": lambda: dscale.StepGuard(
-        "cpu", spike_signals=("loss", "grad_norm"), spike_window=32, spike_warmup=16
+        "cpu", spike_signals=("loss", "grad_norm"), spike_window=32, spike_warmup=16, sync_free=True
     ),
 }
 
