@@ -30,23 +30,38 @@ from tests.scaler import _compiled
 from tests.scaler._compiled import Record
 
 STEPS = 500
+INDUCTOR_STEPS = 300
 CONFIGS = tuple(_compiled.CONFIGS)
 
 pytestmark = pytest.mark.filterwarnings("ignore:dscale.GradScaler. the loss's autograd graph")
 
 
-def _both(config: str, backend: str) -> tuple[Record, Record]:
+def _both(config: str, backend: str, steps: int = STEPS) -> tuple[Record, Record]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        eager = _compiled.run(config, None, steps=STEPS)
-        compiled = _compiled.run(config, backend, steps=STEPS)
+        eager = _compiled.run(config, None, steps=steps)
+        compiled = _compiled.run(config, backend, steps=steps)
     return eager, compiled
 
 
 @pytest.fixture(scope="module")
-def aot_eager_runs() -> dict[str, tuple[Record, Record]]:
-    """Every configuration, eager and compiled with aot_eager: run once, read by every test."""
-    return {config: _both(config, "aot_eager") for config in CONFIGS}
+def aot_eager_runs() -> dict[str, tuple[Record, Record] | BaseException]:
+    """Every configuration, eager and compiled with aot_eager: run once, read by every test
+    (a configuration whose compiled run raised holds the exception, raised by its tests)."""
+    runs: dict[str, tuple[Record, Record] | BaseException] = {}
+    for config in CONFIGS:
+        try:
+            runs[config] = _both(config, "aot_eager")
+        except AssertionError as exc:  # _compiled.run names the iteration that raised
+            runs[config] = exc
+    return runs
+
+
+def _runs(runs: dict[str, tuple[Record, Record] | BaseException], config: str):
+    result = runs[config]
+    if isinstance(result, BaseException):
+        raise result
+    return result
 
 
 def _assert_same_reads(eager: Record, compiled: Record, config: str) -> None:
@@ -67,7 +82,7 @@ def _assert_same_reads(eager: Record, compiled: Record, config: str) -> None:
 def test_aot_eager_region_takes_every_eager_decision_bit_for_bit(
     config: str, aot_eager_runs
 ) -> None:
-    eager, compiled = aot_eager_runs[config]
+    eager, compiled = _runs(aot_eager_runs, config)
     assert compiled.scales == eager.scales, config
     assert compiled.applied == eager.applied, config
     for i, (a, b) in enumerate(zip(eager.params, compiled.params, strict=True)):
@@ -86,7 +101,7 @@ def test_aot_eager_region_takes_every_eager_decision_bit_for_bit(
 def test_no_recompile_after_the_warm_up_in_500_iterations(config: str, aot_eager_runs) -> None:
     """The load_state_dict mid-run and the reads between steps included: a state change between
     calls is data, not a guard. Negative control: test_the_recompile_count_sees_a_per_step_int."""
-    _, compiled = aot_eager_runs[config]
+    _, compiled = _runs(aot_eager_runs, config)
     assert _compiled.compiled_calls_after_warmup(compiled) == [], (config, compiled.recompiles_at)
 
 
@@ -119,7 +134,7 @@ def test_the_scenario_exercises_every_rule_it_claims_to(aot_eager_runs) -> None:
     """The oracle's events happen (on the eager run): skips, back-offs, growth, the hysteresis
     tracker below its refill, the gate's warm-up then a spike skip with a full window, predictive's
     range iterations and a sampled underflow share above 0, and the mid-run load going back."""
-    dynamic, _ = aot_eager_runs["dynamic"]
+    dynamic, _ = _runs(aot_eager_runs, "dynamic")
     snaps = [snap for _, _, snap in dynamic.reads]
     assert not all(dynamic.applied)
     assert max(s["backoffs"] for s in snaps) > 0 and max(s["growths"] for s in snaps) > 0
@@ -128,13 +143,13 @@ def test_the_scenario_exercises_every_rule_it_claims_to(aot_eager_runs) -> None:
     steps = [s["steps"] for s in snaps]
     assert any(b < a for a, b in itertools.pairwise(steps))  # load_state_dict went back
 
-    gate, _ = aot_eager_runs["guard_gate"]
+    gate, _ = _runs(aot_eager_runs, "guard_gate")
     gate_snaps = [snap for _, _, snap in gate.reads]
     assert max(s["spike_skipped_steps"] for s in gate_snaps) > 0
     assert max(s["spike_window_values"] for s in gate_snaps) == 32  # the window filled
     assert min(s["spike_window_values"] for s in gate_snaps) < 16  # seen during the warm-up
 
-    predictive, _ = aot_eager_runs["predictive"]
+    predictive, _ = _runs(aot_eager_runs, "predictive")
     pred_snaps = [snap for _, _, snap in predictive.reads]
     assert STEPS > 4 * RANGE_EVERY
     assert any(s["underflow_fraction"] > 0 for s in pred_snaps), pred_snaps
@@ -173,11 +188,11 @@ def _control_difference(steps: int) -> float:
     return max(diffs)
 
 
-@pytest.mark.parametrize("config", ["predictive"])
+@pytest.mark.parametrize("config", ["dynamic"])
 def test_inductor_region_takes_the_same_decisions_and_its_params_differ_as_the_control(
     config: str,
 ) -> None:
-    eager, compiled = _both(config, "inductor")
+    eager, compiled = _both(config, "inductor", INDUCTOR_STEPS)
     assert compiled.scales == eager.scales
     assert compiled.applied == eager.applied
     for (i, counters_e, _), (_, counters_c, _) in zip(eager.reads, compiled.reads, strict=True):
@@ -185,6 +200,6 @@ def test_inductor_region_takes_the_same_decisions_and_its_params_differ_as_the_c
             assert torch.equal(counters_e[key], counters_c[key]), (i, key)
     assert _compiled.compiled_calls_after_warmup(compiled) == []
     ours = max((a - b).abs().max().item() for a, b in zip(eager.params, compiled.params))
-    control = _control_difference(STEPS)
+    control = _control_difference(INDUCTOR_STEPS)
     # Within the control's difference (with its own rounding once more for the unscale).
     assert ours <= 2 * control, (ours, control)

@@ -68,7 +68,7 @@ def _assert_compiled_equals_eager_on_every_rank(out: dict[int, Any], configs: tu
 
 
 CONFIGS_2 = tuple(_compiled.CONFIGS)
-CONFIGS_3 = ("sync_free", "guard_gate")
+CONFIGS_3 = ("dynamic", "guard_gate")
 
 
 @pytest.mark.parametrize(
