@@ -51,7 +51,7 @@ ROWS = tuple(_ops.Row("sgd", "foreach", n) for n in _ops.PARAM_COUNTS) + tuple(
 COMPILED_CALLS = 3
 
 _KERNEL_DEF = re.compile(r"^(\w+) = async_compile\.(?:cpp_pybinding|cpp|triton)\(", re.M)
-_FALLBACK = re.compile(r"\b(extern_kernels\.\w+|torch\.ops\.aten\.\w+)(?:\.\w+)?\(")
+_FALLBACK = re.compile(r"\bextern_kernels\.(\w+)\(|\btorch\.ops\.aten\.(\w+)\.(\w+)\(")
 _COLLECTIVE = re.compile(r"\btorch\.ops\.(?:_c10d_functional|c10d_functional|c10d)\.(\w+)")
 
 
@@ -90,9 +90,15 @@ def count_launches(source: str) -> Launches:
         if collective:
             out.collectives += collective.group(1) != "wait_tensor"
             continue
-        for name in _FALLBACK.findall(code):
-            out.fallback[name.rsplit(".", 1)[-1]] += 1
+        for extern, name, overload in _FALLBACK.findall(code):
+            if extern or not _is_view(name, overload):  # a dtype view launches nothing
+                out.fallback[extern or name] += 1
     return out
+
+
+def _is_view(name: str, overload: str) -> bool:
+    op = getattr(getattr(torch.ops.aten, name, None), overload, None)
+    return bool(getattr(op, "is_view", False))
 
 
 @contextlib.contextmanager
