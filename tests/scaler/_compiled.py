@@ -145,11 +145,13 @@ def run(
     rank: int = 0,
     inf_rank: int | None = None,
     events: bool = True,
+    load: bool = False,
 ) -> Record:
     """Train ``steps`` iterations of ``config``; compile the region with ``backend`` (None: eager).
 
     ``inf_rank``: on several ranks, only this rank puts the infs into its grad (None: every rank).
-    ``events=False`` runs plain iterations (no load_state_dict, no reads) for the recompile count.
+    ``events=False`` runs without the reads between iterations; ``load=True`` loads the state
+    saved after iteration SAVE_AT before iteration LOAD_AT.
     """
     model, opt = make_model()
     scaler = make_scaler(config)
@@ -165,7 +167,7 @@ def run(
     torch._dynamo.reset()
     with recompile_log() as log:
         for i in range(steps):
-            if events and i == LOAD_AT and saved is not None:
+            if load and i == LOAD_AT and saved is not None:
                 scaler.load_state_dict(saved)
             opt.zero_grad(set_to_none=True)
             loss = model(xs[i]).pow(2).mean()
@@ -186,7 +188,7 @@ def run(
             if events and i % READ_EVERY == 0:
                 counters = {k: v.clone() for k, v in scaler.counters().items()}
                 record.reads.append((i, counters, scaler.snapshot()))
-            if events and i == SAVE_AT:
+            if load and i == SAVE_AT:
                 saved = scaler.state_dict()
     record.final_state = scaler.state_dict()
     return record

@@ -1,11 +1,11 @@
 """Issue 46 item 2: the compiled region on 2 and 3 gloo ranks equals the eager multi-rank run.
 
 One spawn per world size, every scenario inside: each rank trains the oracle's run
-(tests/scaler/_compiled.py: growth, back-off, hysteresis, spikes, a mid-run load_state_dict,
-reads between steps) eagerly and with ``step`` + ``update`` compiled ``fullgraph=True`` under
-``aot_eager`` (the agreement's all-reduce traced as ``_c10d_functional.all_reduce``). Only the
-last rank puts the infs into its grads, so every skip must be agreed: torch's scaler would skip on
-that rank alone. Compiled must equal eager bit for bit on every rank, and the ranks each other.
+(tests/scaler/_compiled.py: growth, back-off, hysteresis, spikes, reads between steps) eagerly and
+with ``step`` + ``update`` compiled ``fullgraph=True`` under ``aot_eager`` (the agreement's all-
+reduce traced as ``_c10d_functional.all_reduce``). Only the last rank puts the infs into its grads,
+so every skip must be agreed: torch's scaler would skip on that rank alone. Compiled must equal
+eager bit for bit on every rank, and the ranks each other.
 
 On main (2cac85f) the compiled arm raises ("Skip inlining `torch.compiler.disable()`d function").
 """
@@ -21,7 +21,7 @@ import torch
 from tests.multirank import run_ranks
 from tests.scaler import _compiled
 
-STEPS = 200  # past the load_state_dict (iteration 170) and the spikes
+STEPS = 200  # past the first spikes and the underflow steps
 
 
 def _record(config: str, backend: str | None, rank: int, world_size: int) -> dict[str, Any]:
