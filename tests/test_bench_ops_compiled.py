@@ -62,9 +62,14 @@ def test_the_launch_count_matches_what_inductor_wrote_for_a_known_function() -> 
     assert (launches.generated, dict(launches.fallback)) == (1, {"_foreach_norm": 1, "mm": 1})
 
 
+#: 8 and 16 parameters: a launch per parameter would double. The benchmark runs 8 and 200; Inductor
+#: compiles the region for 200 in minutes here (40 s at 16, 240 s at 32 under load), too long for CI.
+CI_PARAM_COUNTS = (8, 16)
+
+
 @pytest.fixture(scope="module")
 def compiled_table() -> dict:
-    rows = tuple(_ops.Row("sgd", "foreach", n) for n in _ops.PARAM_COUNTS)
+    rows = tuple(_ops.Row("sgd", "foreach", n) for n in CI_PARAM_COUNTS)
     return _ops_compiled.run_compiled(rows)
 
 
