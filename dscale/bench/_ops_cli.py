@@ -186,6 +186,14 @@ def main(argv: Sequence[str]) -> None:
         action="store_true",
         help="skip the compiled column (Inductor compiles each arm: minutes on a cold cache)",
     )
+    parser.add_argument(
+        "--compiled-params",
+        type=int,
+        nargs="+",
+        default=list(_ops.PARAM_COUNTS),
+        metavar="N",
+        help="parameter counts of the compiled column's rows (SGD foreach; default 8 200)",
+    )
     args = parser.parse_args(list(argv))
     if args.profile and args.device != "cuda":
         parser.error("--profile counts the GPU's kernels: it needs --device cuda")
@@ -209,7 +217,8 @@ def main(argv: Sequence[str]) -> None:
     lines += ["", render(result["step_guard"], _ops_guard.GUARD_ARMS, "StepGuard (bf16/fp32)")]
     checks += _ops_guard.check_guard_targets(result["step_guard"])
     if not args.no_compiled:
-        result["compiled"] = _ops_compiled.run_compiled()
+        rows = tuple(_ops.Row("sgd", "foreach", n) for n in args.compiled_params)
+        result["compiled"] = _ops_compiled.run_compiled(rows)
         lines += ["", _ops_compiled.render_compiled(result["compiled"])]
         checks += _ops_compiled.check_compiled_targets(result["compiled"])
     if not args.no_distributed:

@@ -43,10 +43,8 @@ COMPILED_ARMS = (*SCALER_ARMS, *GUARD_ARMS)
 TARGETS = {"dscale": 6, "dscale_sync_free": 6, "dscale_predictive": 6, "guard": 3}
 #: ... and the spike gate's over the guard's.
 GATE_OVER_GUARD = 6
-#: The rows compiled: foreach (torch's fused optimizers are ``torch.compiler.disable``d).
-ROWS = tuple(_ops.Row("sgd", "foreach", n) for n in _ops.PARAM_COUNTS) + tuple(
-    _ops.Row("adamw", "foreach", n) for n in _ops.PARAM_COUNTS
-)
+#: The rows compiled: SGD foreach (torch's fused optimizers are ``torch.compiler.disable``d).
+ROWS = tuple(_ops.Row("sgd", "foreach", n) for n in _ops.PARAM_COUNTS)
 #: Compiled calls made after the eager warm-up; the last graph compiled is the steady state's.
 COMPILED_CALLS = 3
 
