@@ -141,7 +141,7 @@ def test_the_scenario_exercises_every_rule_it_claims_to(aot_eager_runs) -> None:
     assert not all(dynamic.applied)
     assert max(s["backoffs"] for s in snaps) > 0 and max(s["growths"] for s in snaps) > 0
     # hysteresis=2: a single inf step is skipped without a back-off (tracker 2 -> 1)
-    assert min(s["hysteresis_tracker"] for s in snaps) == 1
+    assert 1 in {s["hysteresis_tracker"] for s in snaps}
 
     gate, _ = _runs(aot_eager_runs, "guard_gate")
     gate_snaps = [snap for _, _, snap in gate.reads]
