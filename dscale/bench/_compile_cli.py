@@ -219,8 +219,10 @@ def main(argv: Sequence[str]) -> None:
         if args.compile_reps:
             entry["compile"] = compile_times(config, args.params, args.compile_reps)
         result["configs"][config] = entry
+        one = {**result, "configs": {config: entry}}
+        print(render(one).split("\n", 1)[1], flush=True)  # noqa: T201 - as each is done
     result["machine"]["load_average_after"] = os.getloadavg()
-    print(render(result))  # noqa: T201
+    print("\n" + render(result))  # noqa: T201
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
