@@ -39,8 +39,12 @@ from dscale.bench._op_count import count_ops
 SCALER_ARMS = _ops.DSCALE_ARMS
 GUARD_ARMS = ("guard", "gate")
 COMPILED_ARMS = (*SCALER_ARMS, *GUARD_ARMS)
-#: Issue 46 item 3's targets for the scaler's own launches per compiled step.
-TARGETS = {"dscale": 6, "dscale_sync_free": 6, "dscale_predictive": 6, "guard": 3}
+#: Issue 46 item 3's targets for the scaler's own launches per compiled step. The dynamic rule
+#: compiles as ``sync_free`` (its arm here); ``dscale``, the host decision with a foreach
+#: optimizer, is refused under fullgraph by design and shown as such.
+TARGETS = {"dscale_sync_free": 6, "dscale_predictive": 6, "guard": 3}
+#: Arms that must not compile fullgraph (their decision needs the host).
+REFUSED = ("dscale",)
 #: ... and the spike gate's over the guard's.
 GATE_OVER_GUARD = 6
 #: The rows compiled: SGD foreach (torch's fused optimizers are ``torch.compiler.disable``d).
@@ -237,7 +241,7 @@ def check_compiled_targets(table: dict[str, Any]) -> list[dict[str, Any]]:
             f"gate {cell(gate)}, guard {cell(guard)}",
         )
     for shape, counts in by_shape.items():
-        for arm in COMPILED_ARMS:
+        for arm in (a for a in COMPILED_ARMS if a not in REFUSED):
             values = {n: cell(counts[n][arm]) for n in sorted(counts)}
             errors = any("error" in counts[n][arm] for n in counts)
             check(
