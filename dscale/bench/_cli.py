@@ -236,7 +236,8 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     ``python -m dscale.bench scaling ...`` runs the scaling policies' benchmark instead, and
     ``python -m dscale.bench ops ...`` the op counts (``_ops_cli``), ``python -m dscale.bench
-    fp8 ...`` the FP8 weight scales' (``_fp8_cli``).
+    fp8 ...`` the FP8 weight scales' (``_fp8_cli``), ``python -m dscale.bench compile ...`` the
+    compiled region's compile and step times (``_compile_cli``).
     """
     args_in = list(sys.argv[1:] if argv is None else argv)
     if args_in[:1] == ["scaling"]:
@@ -248,6 +249,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         from dscale.bench._fp8_cli import main as fp8_main
 
         fp8_main(args_in[1:])
+        return
+    if args_in[:1] == ["compile"]:
+        from dscale.bench._compile_cli import main as compile_main
+
+        compile_main(args_in[1:])
         return
     if args_in[:1] == ["ops"]:
         from dscale.bench._ops_cli import main as ops_main

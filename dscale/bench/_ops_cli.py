@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.multiprocessing.spawn import start_processes
 
-from dscale.bench import _ops, _ops_guard
+from dscale.bench import _ops, _ops_compiled, _ops_guard
 from dscale.bench._ranks import single_rank_group
 
 ATTACH = "dscale_attach"
@@ -181,6 +181,19 @@ def main(argv: Sequence[str]) -> None:
         "--profile", action="store_true", help="with --device cuda: the GPU's kernel count too"
     )
     parser.add_argument("--no-distributed", action="store_true", help="skip the 2-rank part")
+    parser.add_argument(
+        "--no-compiled",
+        action="store_true",
+        help="skip the compiled column (Inductor compiles each arm: minutes on a cold cache)",
+    )
+    parser.add_argument(
+        "--compiled-params",
+        type=int,
+        nargs="+",
+        default=list(_ops.PARAM_COUNTS),
+        metavar="N",
+        help="parameter counts of the compiled column's rows (SGD foreach; default 8 200)",
+    )
     args = parser.parse_args(list(argv))
     if args.profile and args.device != "cuda":
         parser.error("--profile counts the GPU's kernels: it needs --device cuda")
@@ -203,6 +216,11 @@ def main(argv: Sequence[str]) -> None:
     result["step_guard"] = _ops_guard.run_guard(device)  # StepGuard, spike gate on and off
     lines += ["", render(result["step_guard"], _ops_guard.GUARD_ARMS, "StepGuard (bf16/fp32)")]
     checks += _ops_guard.check_guard_targets(result["step_guard"])
+    if not args.no_compiled:
+        rows = tuple(_ops.Row("sgd", "foreach", n) for n in args.compiled_params)
+        result["compiled"] = _ops_compiled.run_compiled(rows)
+        lines += ["", _ops_compiled.render_compiled(result["compiled"])]
+        checks += _ops_compiled.check_compiled_targets(result["compiled"])
     if not args.no_distributed:
         result["ranks2"] = run_ranks()
         lines += ["", render(result["ranks2"], RANK_ARMS, "2 gloo ranks (no wrapper; attach: DDP)")]
