@@ -1,0 +1,346 @@
+"""``python -m dscale.bench graph``: the compiled step replayed against eager dscale.
+
+For each device-side configuration (``sync_free``, ``policy="predictive"``, a ``StepGuard`` with
+the spike gate) two copies of one model train from the same seed over the same batches, with
+infs injected into a gradient (rank 1's under torchrun) and, for the gate, spikes in the loss:
+one runs ``scaler.step(opt); scaler.update()`` eagerly, the other compiled with
+``torch.compile(fullgraph=True)`` (on CUDA ``mode="reduce-overhead"``: a CUDA graph, replayed)
+after eager warm-up steps. It reports, per configuration:
+
+- whether the runs agree: the scaler's counters (steps, skips, growths, back-offs, scale) equal,
+  the parameters equal bit for bit under ``aot_eager``/``eager`` and within ``RTOL`` under
+  Inductor (whose codegen moves the last bits of the optimizer's arithmetic, with or without a
+  scaler: docs/compiled-step.md);
+- the skipped steps against the injected ones (an oracle: every inf must skip);
+- host syncs during the replayed steps (CUDA: ``torch.cuda.set_sync_debug_mode("error")``,
+  which raises at the first synchronizing call; the first offender is reported);
+- graphs compiled after the first compiled step (recompiles; 0 expected);
+- the pinned host copy (``snapshot()``) read after the run, equal to the device counters;
+- on CUDA, one process: step time against torch's eager ``GradScaler``, as ratios of median
+  paired overheads over a plain (unscaled) step with bootstrap intervals, and an A/A arm.
+
+On the CPU it is a dry run of the same script (CI runs it: ``tests/bench/test_graph.py``); the
+CUDA-only parts are skipped there. ``.ci/gpu-check``'s ``graph`` part runs it on a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import dscale
+from dscale.bench import _stats, _timing
+
+#: Parameters under Inductor: within this relative distance of eager (see the module docstring).
+RTOL = 1e-4
+ATOL = 1e-6
+#: Eager steps before the compiled ones (torchtitan's CUDA-graph warm-up, PR #4433).
+WARMUP = 2
+#: Compiled calls before the sync check: compiling and recording a CUDA graph may sync.
+RECORD = 3
+WIDTH = 256
+
+CONFIGS: dict[str, Callable[[str], Any]] = {
+    "sync_free": lambda d: dscale.GradScaler(
+        d, init_scale=2.0**12, growth_interval=16, sync_free=True
+    ),
+    "predictive": lambda d: dscale.GradScaler(
+        d, init_scale=2.0**12, growth_interval=16, policy="predictive", sync_free=True
+    ),
+    "guard_gate": lambda d: dscale.StepGuard(
+        d, sync_free=True, spike_signals=("loss", "grad_norm"), spike_window=16, spike_warmup=8
+    ),
+}
+
+
+def is_inf_step(i: int) -> bool:
+    """Whether rank 1 (or the one process) puts an inf into a gradient at iteration ``i``."""
+    return i % 37 == 11
+
+
+def is_spike_step(i: int) -> bool:
+    """Whether the gate's runs multiply the loss by 1000 at ``i`` (past the gate's warm-up)."""
+    return i % 41 == 30
+
+
+@dataclass
+class Run:
+    """One model, optimizer and scaler, and the region that steps them."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scaler: Any
+    batches: list[torch.Tensor]
+    autocast: torch.autocast
+    poison: bool
+    spikes: bool
+    region: Callable[[], None] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.region = self.eager_region
+
+    def eager_region(self) -> None:
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+
+    def iteration(self, i: int) -> None:
+        with self.autocast:
+            loss = self.model(self.batches[i % len(self.batches)]).float().square().mean()
+        if self.spikes and is_spike_step(i):
+            loss = loss * 1000.0
+        self.scaler.scale(loss).backward()
+        if self.poison and is_inf_step(i):
+            first = next(iter(self.model.parameters())).grad
+            assert first is not None  # noqa: S101 - backward just wrote it
+            first.view(-1)[0] = float("inf")
+        self.region()
+        self.optimizer.zero_grad(set_to_none=False)  # the same grad buffers: a graph's inputs
+
+
+def _make(config: str, device: torch.device, seed: int, poison: bool) -> Run:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.ReLU(), nn.Linear(WIDTH, WIDTH)).to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9, foreach=True)
+    gen = torch.Generator(device="cpu").manual_seed(seed + 1)
+    batches = [torch.randn(32, WIDTH, generator=gen).to(device) for _ in range(8)]
+    dtype = torch.bfloat16 if config == "guard_gate" else torch.float16
+    autocast = torch.autocast(device.type, dtype=dtype, enabled=device.type == "cuda")
+    return Run(
+        model, opt, CONFIGS[config](device.type), batches, autocast, poison, config == "guard_gate"
+    )
+
+
+def _unique_graphs() -> int:
+    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+
+
+def _counters(scaler: Any) -> dict[str, float]:
+    return {k: float(v) for k, v in scaler.counters().items()}
+
+
+def compare_params(a: nn.Module, b: nn.Module, exact: bool) -> dict[str, Any]:
+    """Whether two models' parameters agree (bitwise, or within RTOL/ATOL), and how far apart."""
+    pairs = list(zip(a.parameters(), b.parameters(), strict=True))
+    diff = max(float((p - q).abs().max()) for p, q in pairs)
+    if exact:
+        ok = all(torch.equal(p, q) for p, q in pairs)
+    else:
+        ok = all(torch.allclose(p, q, rtol=RTOL, atol=ATOL) for p, q in pairs)
+    return {"params_equal": ok, "params_max_abs_diff": diff, "exact": exact}
+
+
+def replay(
+    config: str, device: torch.device, steps: int, backend: str, mode: str | None
+) -> dict[str, Any]:
+    """Eager and compiled runs of ``config`` over ``steps`` iterations; what they agree on."""
+    poison = not dist.is_initialized() or dist.get_rank() == 1
+    torch._dynamo.reset()
+    eager = _make(config, device, 0, poison)
+    compiled = _make(config, device, 0, poison)
+    region = torch.compile(compiled.eager_region, fullgraph=True, backend=backend, mode=mode)
+    out: dict[str, Any] = {"config": config, "backend": backend, "mode": mode or "default"}
+    for i in range(steps):
+        eager.iteration(i)
+    try:
+        for i in range(WARMUP):
+            compiled.iteration(i)
+        compiled.region = region
+        for i in range(WARMUP, WARMUP + RECORD):
+            compiled.iteration(i)
+        graphs = _unique_graphs()
+        out["host_syncs"] = _replay_checked(compiled, range(WARMUP + RECORD, steps), device)
+        out["recompiles"] = _unique_graphs() - graphs
+    except Exception as exc:  # a region that does not compile: the result says what raised
+        out["error"] = f"{type(exc).__name__}: {_first_line(exc)}"
+        out["ok"] = False
+        return out
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    got, want = _counters(compiled.scaler), _counters(eager.scaler)
+    snapshot = compiled.scaler.snapshot()  # the pinned host copy, published outside the graph
+    out.update(
+        counters=got,
+        counters_equal=got == want,
+        snapshot_equal=all(math.isclose(float(snapshot[k]), v) for k, v in got.items()),
+        injected_infs=sum(map(is_inf_step, range(steps))),
+        **compare_params(compiled.model, eager.model, exact=backend in ("eager", "aot_eager")),
+    )
+    out["ok"] = bool(
+        out["counters_equal"]
+        and out["snapshot_equal"]
+        and out["params_equal"]
+        and out["host_syncs"] in (0, "n/a")
+        and out["recompiles"] == 0
+        and got["skipped_steps"] >= out["injected_infs"]
+    )
+    return out
+
+
+def _replay_checked(run: Run, steps: range, device: torch.device) -> int | str:
+    """Run ``steps``; on CUDA under sync debug mode "error": 0, or the first sync's message."""
+    if device.type != "cuda":
+        for i in steps:
+            run.iteration(i)
+        return "n/a"
+    torch.cuda.synchronize(device)
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for i in steps:
+            run.iteration(i)
+    except RuntimeError as exc:
+        return f"sync at step {i}: {_first_line(exc)}"
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+    return 0
+
+
+def step_times(config: str, device: torch.device, reps: int, mode: str | None) -> dict[str, Any]:
+    """One whole iteration per arm: plain (no scaler), torch's eager scaler twice (A/A), and
+    dscale's compiled region; ratios of median paired overheads over the plain step."""
+    torch._dynamo.reset()
+    arms: dict[str, Run] = {}
+    for name in ("plain", "torch", "torch_aa", "dscale_compiled"):
+        run = _make(config, device, 0, poison=False)
+        run.spikes = False
+        if name == "plain":
+            run.region = run.optimizer.step  # type: ignore[assignment]
+            run.scaler = _NoScaler()
+        elif name.startswith("torch"):
+            run.scaler = torch.amp.GradScaler(device.type, init_scale=2.0**12)
+        arms[name] = run
+    compiled = arms["dscale_compiled"]
+    for i in range(WARMUP):
+        compiled.iteration(i)
+    compiled.region = torch.compile(compiled.eager_region, fullgraph=True, mode=mode)
+    for i in range(RECORD):
+        compiled.iteration(i)
+    counter = dict.fromkeys(arms, WARMUP + RECORD)
+
+    def arm(name: str) -> _timing.Arm:
+        def run() -> None:
+            arms[name].iteration(counter[name])
+            counter[name] += 1
+
+        return _timing.Arm(name, run)
+
+    times = _timing.run_interleaved([arm(n) for n in arms], reps, device)
+    summary = _timing.summarize(times, "plain")
+    ratios = _stats.compare(summary, [("dscale_compiled", "torch"), ("torch_aa", "torch")])
+    return {
+        "median_us": {n: s["median_us"] for n, s in summary.items()},
+        "ratios": ratios,
+        "noise": _stats.noise(ratios.get("torch_aa/torch")),
+        "method": _stats.METHOD,
+    }
+
+
+class _NoScaler:
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m dscale.bench graph", description=__doc__)
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--backend", default="inductor")
+    parser.add_argument(
+        "--mode", default=None, help='torch.compile mode (default: "reduce-overhead" on CUDA)'
+    )
+    parser.add_argument("--configs", nargs="+", choices=sorted(CONFIGS), default=list(CONFIGS))
+    parser.add_argument("--reps", type=int, default=60, help="timed repetitions (CUDA only)")
+    parser.add_argument("--json", help="write the results here")
+    return parser
+
+
+def main(argv: Sequence[str]) -> int:
+    """Run every configuration; print one line each (rank 0); 0 when all agree, else 1."""
+    args = _parser().parse_args(argv)
+    cuda = torch.cuda.is_available() and args.device != "cpu"
+    if args.device == "cuda" and not cuda:
+        raise SystemExit("--device cuda: CUDA is not available here")
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if distributed:
+        if cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if cuda else "gloo")
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    mode = args.mode or ("reduce-overhead" if cuda and args.backend == "inductor" else None)
+    rank0 = not distributed or dist.get_rank() == 0
+    results: dict[str, Any] = {"device": str(device), "steps": args.steps, "configs": {}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # e.g. "no float16 tensors" on the CPU's fp32 dry run
+        try:
+            for config in args.configs:
+                res = replay(config, device, args.steps, args.backend, mode)
+                if cuda and not distributed and args.reps > 0 and "error" not in res:
+                    res["timing"] = step_times(config, device, args.reps, mode)
+                results["configs"][config] = res
+                if rank0:
+                    print(_line(res), flush=True)  # noqa: T201
+            if distributed:
+                mine = {c: r.get("counters") for c, r in results["configs"].items()}
+                every: list[Any] = [None] * dist.get_world_size()
+                dist.all_gather_object(every, mine)
+                results["ranks_agree"] = all(e == every[0] for e in every)
+        finally:
+            if distributed:
+                dist.destroy_process_group()
+    ok = all(r["ok"] for r in results["configs"].values()) and results.get("ranks_agree", True)
+    results["ok"] = ok
+    if rank0:
+        if "ranks_agree" in results:
+            print(f"ranks agree: {results['ranks_agree']}")  # noqa: T201
+        if args.json:
+            with open(args.json, "w", encoding="utf-8") as f:
+                json.dump(results, f, indent=2)
+        print("graph: all agree" if ok else "graph: FAILED")  # noqa: T201
+    return 0 if ok else 1
+
+
+def _line(res: dict[str, Any]) -> str:
+    head = f"{res['config']:<11} {res['backend']}/{res['mode']}: "
+    if "error" in res:
+        return head + f"FAILED to compile: {res['error']}"
+    c = res["counters"]
+    line = head + (
+        f"{'ok' if res['ok'] else 'MISMATCH'}; counters equal {res['counters_equal']}, params "
+        f"{'bitwise ' if res['exact'] else ''}equal {res['params_equal']} (max diff "
+        f"{res['params_max_abs_diff']:.2g}), skipped {c['skipped_steps']:.0f} (infs injected "
+        f"{res['injected_infs']}), host syncs {res['host_syncs']}, recompiles "
+        f"{res['recompiles']}, snapshot equal {res['snapshot_equal']}"
+    )
+    timing = res.get("timing")
+    if timing:
+        r = timing["ratios"]
+        parts = [
+            f"{k} {v['estimate']:.2f} [{v['low']:.2f}, {v['high']:.2f}] {v['verdict']}"
+            for k, v in r.items()
+        ]
+        us = timing["median_us"]
+        line += (
+            f"\n  step time (median us): plain {us['plain']:.0f}, torch eager {us['torch']:.0f}, "
+            f"dscale compiled {us['dscale_compiled']:.0f}; overhead ratios: {'; '.join(parts)}; "
+            f"{timing['noise']}"
+        )
+    return line
+
+
+if __name__ == "__main__":  # pragma: no cover - python -m dscale.bench graph
+    sys.exit(main(sys.argv[1:]))
