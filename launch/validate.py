@@ -362,6 +362,13 @@ def _compile_step(job: JobConfig) -> None:
     """``trainer.compile_step=true``: the region compiles for this job's scaler, here first."""
     if not job.trainer.compile_step or not job.scaler.enabled:
         return
+    _need(
+        job.scaler.sync_free,
+        "trainer.compile_step=true needs scaler.sync_free=true: the compiled region decides the "
+        "skip on the device, and scaler.sync_free=false reads the agreed flag on the host every "
+        "step, which ends a fullgraph region (docs/compiled-step.md); add scaler.sync_free=true, "
+        "or set trainer.compile_step=false",
+    )
     if job.trainer.precision == "fp8":
         from launch.fp8 import numerics_every
 

@@ -29,6 +29,7 @@ JOB = [
     "model=mlp",
     "trainer.max_steps=12",
     "scaler.growth_interval=3",  # the scale grows several times in 12 steps
+    "scaler.sync_free=true",  # what the compiled region needs (the eager job takes it too)
     "fault.inf_steps=[4,9]",
     "fault.inf_rank=1",
 ]
@@ -95,8 +96,17 @@ def _job(*overrides: str) -> JobConfig:
 
 
 def test_compile_step_refuses_what_cannot_compile_before_any_worker() -> None:
-    """fp8's step callbacks, and the backend key without the step key, are refused by name."""
-    typed = ["trainer.precision=fp8", "trainer.compile_step=true", "metrics.enabled=false"]
+    """A host-decision scaler, fp8's step callbacks, and the backend key without the step key
+    are refused by name, with what to set."""
+    typed = ["trainer.compile_step=true", "metrics.enabled=false"]
+    with pytest.raises(ConfigError, match=r"needs scaler\.sync_free=true.*add scaler\.sync_free"):
+        validate(_job(*typed), typed)
+    typed = [
+        "trainer.precision=fp8",
+        "trainer.compile_step=true",
+        "scaler.sync_free=true",
+        "metrics.enabled=false",
+    ]
     with pytest.raises(ConfigError, match=r"set fp8\.numerics_every=0, or trainer\.compile_step"):
         validate(_job(*typed), typed)
     typed = ["trainer.compile_backend=eager", "metrics.enabled=false"]
