@@ -85,18 +85,37 @@ def _backend_device_types(group: Any) -> set[str]:
         return types
 
 
+# (group, preferred, device) answers of flag_device, made eagerly: dynamo cannot read the
+# backend off a ProcessGroup (an internal error even without fullgraph), so a compiled step
+# finds the answer its eager warm-up step made.
+_FLAG_DEVICES: list[tuple[Any, torch.device, torch.device]] = []
+
+
 def flag_device(group: Any, preferred: torch.device) -> torch.device:
     """Device on which ``group``'s backend reduces the flag, ``preferred`` when it can.
 
     NCCL reduces CUDA tensors only, gloo CPU tensors (gloo's CUDA path stages through the host).
     Grads that live on the CPU (FSDP CPU offload) under NCCL therefore send their flag to the GPU.
     """
+    for known, asked, device in _FLAG_DEVICES:
+        if known is group and asked == preferred:
+            return device
+    if torch.compiler.is_compiling():
+        raise RuntimeError(
+            "torch.compile around scaler.step(): this process group's backend was not read "
+            "eagerly yet; run the first step(s) outside the compiled function (warm-up)"
+        )
     types = _backend_device_types(group)
     if preferred.type in types:
-        return preferred
-    if "cuda" in types and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+        device = preferred
+    elif "cuda" in types and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
+    if len(_FLAG_DEVICES) >= 16:  # groups come and go in tests: keep the newest
+        del _FLAG_DEVICES[0]
+    _FLAG_DEVICES.append((group, preferred, device))
+    return device
 
 
 # ------------------------------------------------------------------ rank facts and collectives

@@ -10,7 +10,7 @@ from typing import Any, Protocol
 import torch
 
 from dscale import _dist
-from dscale.scaler import _check, _decision, _legacy_step, _watchdogs
+from dscale.scaler import _check, _compiled, _decision, _legacy_step, _watchdogs
 from dscale.scaler._attach.hooks import AttachRefusal, ReductionHooks
 from dscale.scaler._program import agreement as _agreement
 from dscale.scaler._program import predictive as _predictive
@@ -234,6 +234,7 @@ class GradScaler(TorchGradScalerSurface):
         # False for a StepGuard (dscale/step_guard.py): the scale is 1 and never moves.
         self._loss_scaling = True
         self._spike_warned_at = 0  # the spike run length last warned about
+        self._watch_due = False  # a compiled update() left the watchdogs to the next scale()
 
     # ----------------------------------------------------------------- device state
     def _scale_on(self, device: torch.device) -> torch.Tensor:
@@ -261,6 +262,7 @@ class GradScaler(TorchGradScalerSurface):
         """Multiply a tensor, or nested lists/tuples of tensors, by the scale."""
         if not self._enabled:
             return outputs
+        self._after_compiled_update()
         self._scale_calls += 1  # attach()'s hooks refuse a backward with no scale() before it
         if self._spike is not None:
             self._spike.add_loss(outputs)
@@ -330,6 +332,8 @@ class GradScaler(TorchGradScalerSurface):
         the host makes update() plain arithmetic instead of tensor ops. Tests and the op-count
         benchmark turn ``_read_host_flags`` off to run the device-side path, as on CUDA.
         """
+        if torch.compiler.is_compiling():  # a host read would end the compiled region
+            return False
         return agreed.device.type == "cpu" and self._read_host_flags
 
     def _carries_range(self) -> bool:
@@ -337,6 +341,8 @@ class GradScaler(TorchGradScalerSurface):
 
         Always with the spike gate: its slots follow the scale fields, at a fixed place.
         """
+        if torch.compiler.is_compiling():  # every compiled iteration: no per-step number
+            return True
         return _agreement.carries_range(self._iteration) or self._spike is not None
 
     # ----------------------------------------------------------------- reduction hooks
@@ -362,7 +368,6 @@ class GradScaler(TorchGradScalerSurface):
                 measure,
             )
 
-    @_eager
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """Unscale (unless done), agree across ranks, then step unless some rank overflowed.
 
@@ -370,7 +375,16 @@ class GradScaler(TorchGradScalerSurface):
         foreach optimizer the skip decision reads the agreed flag (one host sync, as torch); fused
         optimizers (``_step_supports_amp_scaling``) and ``sync_free=True`` decide on the device,
         except on the CPU, where the flag is in host memory already and is read there for free.
+        Under ``torch.compile`` a ``sync_free`` step traces; any other runs eagerly, and
+        ``fullgraph=True`` raises why (``dscale.scaler._compiled``).
         """
+        if torch.compiler.is_compiling():
+            reason = _compiled.step_refusal(self, optimizer)
+            if reason is not None:
+                return _EAGER_STEP[reason](self, optimizer, *args, **kwargs)
+        return self._step(optimizer, *args, **kwargs)
+
+    def _step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         if not self._enabled:
             return optimizer.step(*args, **kwargs)
         if "closure" in kwargs or (args and callable(args[0])):
@@ -440,7 +454,6 @@ class GradScaler(TorchGradScalerSurface):
             callback(optimizer, self.step_applied(optimizer))
         return retval
 
-    @_eager
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         """Grow, keep or back off the scale once for this iteration, on every rank alike.
 
@@ -448,6 +461,13 @@ class GradScaler(TorchGradScalerSurface):
         one-element tensor) sets the scale directly instead. No host sync: after plain steps the
         decision is already known on the host and the update is host arithmetic.
         """
+        if torch.compiler.is_compiling():
+            reason = _compiled.update_refusal(self, new_scale)
+            if reason is not None:
+                return _EAGER_UPDATE[reason](self, new_scale)  # type: ignore[no-any-return]
+        return self._update(new_scale)
+
+    def _update(self, new_scale: float | torch.Tensor | None = None) -> None:
         if not self._enabled:
             return
         self._require_scale("update")
@@ -479,6 +499,19 @@ class GradScaler(TorchGradScalerSurface):
             self._policy, found, skipped, self._predictive, pinned=not self._loss_scaling
         )
         self._end_iteration()
+        if torch.compiler.is_compiling():  # they read the host: at the next eager call
+            self._watch_due = True
+        else:
+            self._watch()
+        if skip_flag is not None and found is not None:
+            found = skip_flag  # observers hear "the step was skipped", for a spike too
+        for observer in self._observers:
+            observer.on_update(self, found)  # type: ignore[arg-type]
+        if refused is not None:
+            raise refused
+
+    def _watch(self) -> None:
+        """The watchdogs after an update: a scale stuck at min_scale, a run of spike skips."""
         min_scale = self._policy.min_scale
         due, self._updates_since_stuck_check = _watchdogs.collapse_check_due(
             self._book, min_scale, self._stuck_patience, self._updates_since_stuck_check
@@ -495,12 +528,17 @@ class GradScaler(TorchGradScalerSurface):
         self._spike_warned_at = _watchdogs.watch_spikes(
             self._spike, patience=self._stuck_patience, warned_at=self._spike_warned_at
         )
-        if skip_flag is not None and found is not None:
-            found = skip_flag  # observers hear "the step was skipped", for a spike too
-        for observer in self._observers:
-            observer.on_update(self, found)  # type: ignore[arg-type]
-        if refused is not None:
-            raise refused
+
+    def _after_compiled_update(self) -> None:
+        """What a compiled update() leaves to the next eager call (scale()): the host copies
+        for scrapes, and the watchdogs (a collapse raises there, before the next backward)."""
+        tag = None if self._predictive is None else self._predictive.pos["window"]
+        self._book.publish_if_due(tag)
+        if self._spike is not None:
+            self._spike.publish_if_due()
+        if self._watch_due:
+            self._watch_due = False
+            self._watch()
 
     def _set_scale(self, new_scale: float | torch.Tensor, states: list[OptimizerState]) -> None:
         """update(new_scale=...): the scale is set, whatever the iteration's steps did."""
@@ -560,7 +598,9 @@ class GradScaler(TorchGradScalerSurface):
         """Forget the iteration's per-optimizer states and hooks' flags; count it."""
         self._forget_optimizer_states()
         self._hooks.reset()
-        if counted:
+        # Compiled iterations are not counted: the count would be a per-step number in the
+        # traced region (a recompile each step), and they carry the scale range anyway.
+        if counted and not torch.compiler.is_compiling():
             self._iteration += 1
 
     def agreed_scale_range(self) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -692,6 +732,16 @@ class GradScaler(TorchGradScalerSurface):
 
 
 GradScaler._optimizer_state_type = OptimizerState
+# Under torch.compile, the calls that need the host run eagerly: a graph break, or with
+# fullgraph=True torch's error carrying the reason (which names the configuration that compiles).
+_EAGER_STEP = {
+    reason: torch.compiler.disable(GradScaler._step, reason=reason)
+    for reason in _compiled.STEP_REASONS
+}
+_EAGER_UPDATE = {
+    reason: torch.compiler.disable(GradScaler._update, reason=reason)
+    for reason in _compiled.UPDATE_REASONS
+}
 # Scalers pickled before the step path's split (0010076 and earlier) name the per-optimizer
 # state's type here (their empty OptimizerStates holds it): unpickling them must find it.
 _OptimizerState = OptimizerState

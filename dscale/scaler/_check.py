@@ -212,7 +212,10 @@ def _hooks_report(
 
 def _leading_layout(scaler: Scaler) -> Layout:
     """This iteration's leading fields, for the check and a refusal alike (the peers' length)."""
-    return Layout.leading(scaler._carries_range(), scaler._predictive is not None)
+    with_range, measured = scaler._carries_range(), scaler._predictive is not None
+    if torch.compiler.is_compiling():  # made at trace time (dynamo skips lru_cache, warning)
+        return Layout(with_range=with_range, measured=measured)
+    return Layout.leading(with_range, measured)
 
 
 def _covered_grads(optimizer: torch.optim.Optimizer, report: HookReport) -> list[torch.Tensor]:
@@ -349,7 +352,9 @@ def _join_peers_refusing(
         state.agreed, state.refused = refusal, exc
         state.deferred, state.deferred_group = True, group
         return True
-    _agreement.all_reduce_flag(refusal, group).wait()
+    work = _agreement.all_reduce_flag(refusal, group)
+    if work is not None:  # None: synchronous under torch.compile
+        work.wait()
     # This rank now holds what its peers agreed on (a skip): update() backs off as theirs does,
     # and a second step() raises instead of waiting alone in a collective.
     state.agreed, state.over_group, state.stage = refusal, True, Stage.STEPPED

@@ -187,7 +187,9 @@ def start_deferred(scaler: Scaler, state: OptimizerState) -> None:
     assert state.agreed is not None and state.layout is not None  # noqa: S101 - the check's
     if state.refused is not None:  # the refusal vector: join the peers' agreement, raise
         refused, state.refused = state.refused, None
-        _agreement.all_reduce_flag(state.agreed, group).wait()
+        work = _agreement.all_reduce_flag(state.agreed, group)
+        if work is not None:  # None: synchronous under torch.compile
+            work.wait()
         raise refused
     if late is not None:
         with NoGrad():

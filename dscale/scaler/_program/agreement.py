@@ -123,7 +123,11 @@ class Layout:
         if host_scale is not None and device.type == "cpu":
             return _cpu_template(host_scale, extra).clone()
         # [0, 1, -1, 0...] * scale: the whole vector in one op (the scale is finite, never inf).
-        return _pattern(device, extra) * copy_to(scale, device).reshape(()).float()
+        if torch.compiler.is_compiling():  # a constant of the graph (dynamo skips lru_cache)
+            pattern = torch.tensor([0.0, 1.0, -1.0] + [0.0] * extra, device=device)
+        else:
+            pattern = _pattern(device, extra)
+        return pattern * copy_to(scale, device).reshape(()).float()
 
     def refusal(self, scale: torch.Tensor, device: torch.device, mark: float) -> torch.Tensor:
         """The leading fields of a rank that refuses its step: overflowed, measured as ``mark``."""
@@ -215,4 +219,9 @@ def all_reduce_flag(values: torch.Tensor, group: Any) -> Any:
     registered fields appended through :meth:`Layout.append`. The call is asynchronous; on NCCL
     ``work.wait()`` only makes the current CUDA stream wait, so the host never blocks here.
     """
+    if torch.compiler.is_compiling():
+        # Traced as _c10d_functional.all_reduce + wait_tensor (async_op=True does not trace);
+        # the compiled graph orders it, so there is no handle to wait on.
+        dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group, async_op=False)
+        return None
     return dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group, async_op=True)

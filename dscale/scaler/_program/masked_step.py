@@ -21,6 +21,7 @@ optimizer is refused at its first step with an error that names it.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import weakref
 from collections.abc import Callable
 from itertools import chain
@@ -114,6 +115,8 @@ def masked_step(
     Python numbers, sparse or strided tensors) each tensor is saved and restored on its own.
     """
     kwargs = kwargs or {}
+    if torch.compiler.is_compiling():
+        return _traced_masked_step(optimizer, found_inf, args, kwargs)
 
     def run_step() -> Any:
         return optimizer.step(*args, **kwargs)
@@ -150,6 +153,55 @@ def masked_step(
     if fresh or new_keys:
         _remove_state_if_skipped(optimizer, found_inf, fresh, new_keys)
     return result
+
+
+def traced_optimizer_step(
+    optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """``optimizer.step()`` in the form dynamo traces: torch's ``_use_grad`` wrapper breaks the
+    graph on purpose (pytorch #104053), so the unwrapped step runs under no_grad (as the wrapper
+    sets it). Step hooks are not run here: the scaler takes such an optimizer eagerly."""
+    raw = inspect.unwrap(type(optimizer).step)
+    optimizer._opt_called = True  # type: ignore[attr-defined] # what an LR scheduler's wrapper sets
+    with torch.no_grad():
+        return raw(optimizer, *args, **kwargs)
+
+
+def _traced_masked_step(
+    optimizer: torch.optim.Optimizer,
+    found_inf: torch.Tensor,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
+    """:func:`masked_step` under torch.compile: a copy of each tensor, the step, a ``where`` per
+    tensor (Inductor fuses them; the loops run at trace time). The optimizer state must exist
+    (eager warm-up steps make it): creating it is the one host read of the flag."""
+    params = _params(optimizer)
+    tensors = list(params)
+    for p in params:
+        state = optimizer.state.get(p)
+        if state is None:
+            raise RuntimeError(_NO_STATE_UNDER_COMPILE.format(name=type(optimizer).__name__))
+        for value in state.values():
+            if not isinstance(value, torch.Tensor) or value.layout != torch.strided:
+                raise RuntimeError(_NO_STATE_UNDER_COMPILE.format(name=type(optimizer).__name__))
+            tensors.append(value)
+    with torch.no_grad():
+        saved = [t.clone() for t in tensors]
+    result = traced_optimizer_step(optimizer, args, kwargs)
+    with torch.no_grad():
+        skip = found_inf > 0
+        for t, old in zip(tensors, saved, strict=True):
+            t.copy_(torch.where(skip, old, t))
+    return result
+
+
+_NO_STATE_UNDER_COMPILE = (
+    "torch.compile around scaler.step(): {name} has no optimizer state for every parameter yet "
+    "(or keeps state that is not a dense tensor), and creating it on a step that may be skipped "
+    "needs the flag on the host. Run the first step(s) eagerly (outside the compiled function) "
+    "so that the state exists, as torchtitan and Megatron do before capturing the step"
+)
 
 
 def _split_new_state(

@@ -129,6 +129,7 @@ class SpikeGate:
         self._host: dict[str, float | int] = self._fresh_host()
         self._in_flight: tuple[torch.Tensor, Any | None] | None = None
         self._pending_load: dict[str, Any] | None = None
+        self._publish_due = False  # a compiled push() left the host copy to publish_if_due()
 
     # ------------------------------------------------------------------ layout
     @property
@@ -195,13 +196,13 @@ class SpikeGate:
         inf64, inf32, zero = self._constants(device)
         loss = zero if self._loss is None else self._loss.to(device)
         if not self.watches_grad_norm:  # the loss alone: NaN -> inf as it is written
-            torch.fmin(loss.reshape(1), inf32, out=mine)
+            _out(torch.fmin, loss.reshape(1), inf32, out=mine)
             return slots.reshape(-1)
         local = self._local_values(loss, grads, device)  # float64 [loss, squared norm]
         if carried is not None:  # the grads are still scaled: divide the sum by scale^2
             local[1:].div_(carried.to(device).double().reshape(()).square())
         # fmin(x, inf) is x, and inf for a NaN: the write rounds to fp32 and clears NaNs at once.
-        torch.fmin(local if self.watches_loss else local[1:], inf64, out=mine)
+        _out(torch.fmin, local if self.watches_loss else local[1:], inf64, out=mine)
         return slots.reshape(-1)
 
     def _local_values(
@@ -294,7 +295,7 @@ class SpikeGate:
         # The loss is the mean over ranks, the grad norm the root of the summed squares; written
         # into this step's two columns, which push() shifts in.
         ranks = tail.view(n, 1, world).expand(n, 2, world)
-        pair = torch.sum(ranks, 2, dtype=torch.float64, out=state[:n, w : w + 2])
+        pair = _out(torch.sum, ranks, 2, dtype=torch.float64, out=state[:n, w : w + 2])
         if self.watches_loss and world > 1:
             pair[:1].div_(world)
         if self.watches_grad_norm:
@@ -311,8 +312,8 @@ class SpikeGate:
         )
         above = (values > threshold).any()
         overflow = overflow.reshape(())
-        spike = torch.gt(above, overflow, out=flags[0])  # a spike where no overflow
-        return spike, values, torch.maximum(overflow, spike, out=tail[-1])
+        spike = _out(torch.gt, above, overflow, out=flags[0])  # a spike where no overflow
+        return spike, values, _out(torch.maximum, overflow, spike, out=tail[-1])
 
     def push(self, values: torch.Tensor, spike: torch.Tensor, skip: torch.Tensor) -> None:
         """End of an iteration: an applied step's (finite) values enter the window; count.
@@ -324,15 +325,18 @@ class SpikeGate:
         assert state is not None and spare is not None and flags is not None  # noqa: S101
         w = self.window
         # Applied (skip == 0) and finite: a dot with zeros is 0, or NaN for an inf or NaN.
-        enters = torch.eq(torch.dot(values, self._zeros), skip.reshape(()), out=flags[1])
+        enters = _out(torch.eq, torch.dot(values, self._zeros), skip.reshape(()), out=flags[1])
         # Where a value enters every row moves left by one slot: the values, the ones, the
         # factors, and the spike skips into the "at the last entry" slot.
-        torch.where(enters, state[:, 1:], state[:, : w + 1], out=spare[:, : w + 1])
+        _out(torch.where, enters, state[:, 1:], state[:, : w + 1], out=spare[:, : w + 1])
         # [spike skips, entries] + [spike, enters] into both step columns (a spike skips the
         # step, so never both); written from this matrix, whose counts the shift may not carry.
         counts = state[self._spikes : self._entries + 1, w + 1 :].expand(2, 2)
-        torch.add(counts, flags[:, None], out=spare[self._spikes : self._entries + 1, w:])
+        _out(torch.add, counts, flags[:, None], out=spare[self._spikes : self._entries + 1, w:])
         self.state, self._spare = spare, state
+        if torch.compiler.is_compiling():  # the host copy is left to the next eager call
+            self._publish_due = True
+            return
         self._publish()  # with the step's values, which the shift carried into column `window`
 
     def end_iteration(self) -> None:
@@ -372,6 +376,12 @@ class SpikeGate:
         event.record()
         self._in_flight = (buffer, event)
 
+    def publish_if_due(self) -> None:
+        """Start the copy that compiled steps left (an eager call: scale())."""
+        if self._publish_due:
+            self._publish_due = False
+            self._publish()
+
     def _host_from(self, rows: list[list[float]]) -> dict[str, float | int]:
         """The host numbers from a read of :meth:`_published` (one row per matrix row)."""
         n = len(self.signals)
@@ -382,6 +392,8 @@ class SpikeGate:
 
     def snapshot(self, *, wait: bool = True) -> dict[str, float | int]:
         """Counters and the last step's values as Python numbers (see GradScaler.snapshot)."""
+        if wait:  # the training thread: a copy that compiled steps left starts here
+            self.publish_if_due()
         in_flight = self._in_flight
         if in_flight is not None:
             rows, event = in_flight
@@ -464,6 +476,14 @@ class SpikeGate:
         self._pending_load = state.get("_pending_load")
         if "_host" in state:
             self._host = state["_host"]
+
+
+def _out(op: Any, *args: Any, out: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+    """``op(*args, out=out)``; under torch.compile computed, then copied (dynamo refuses an
+    ``out=`` that is not contiguous)."""
+    if torch.compiler.is_compiling():
+        return out.copy_(op(*args, **kwargs))
+    return op(*args, out=out, **kwargs)  # type: ignore[no-any-return]
 
 
 def tensors_in(outputs: Any) -> list[torch.Tensor]:

@@ -123,3 +123,38 @@ def fold_on_device(words: torch.Tensor, rows: int, policy: ScalePolicy) -> None:
         refilled = torch.where(last_refill > last_found, policy.hysteresis, hyst)
         hyst.copy_(torch.where(last_found > last_refill, 0, refilled))
     words[FOLD_SCALE].copy_(words[SCALE])
+
+
+def fold_row_on_device(
+    words: torch.Tensor,
+    policy: ScalePolicy,
+    found_inf: torch.Tensor,
+    before: torch.Tensor,
+    tracker: torch.Tensor,
+) -> None:
+    """One update folded into the counters at once (compiled updates: no log row).
+
+    The same counts as :func:`fold_on_device` over a log of that one row: ``found_inf`` the
+    update's flag, ``before`` the scale before it, ``tracker`` the growth tracker after it.
+    """
+    found = found_inf > 0
+    scale = words[SCALE]
+    counters = counters_view(words)
+    in_a_row = torch.where(found, counters[2] + 1, 0)
+    increments = torch.stack(
+        [
+            torch.ones_like(in_a_row),
+            found.long(),
+            in_a_row - counters[2],
+            ((scale > before) & ~found).long(),
+            (scale < before).long(),
+        ]
+    )
+    counters.add_(increments)
+    if log_rule_hysteresis(policy):
+        refill = ~found
+        if policy.hysteresis_refill != "on_clean_step":
+            refill &= tracker == 0
+        hyst = int32_at(words, HYSTERESIS)
+        hyst.copy_(torch.where(found, 0, torch.where(refill, policy.hysteresis, hyst)))
+    words[FOLD_SCALE].copy_(scale)

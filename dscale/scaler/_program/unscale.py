@@ -40,6 +40,8 @@ def optimizer_grads(
 
     ``skip`` holds ids of parameters whose grads were already handled (the DDP hook).
     """
+    if torch.compiler.is_compiling():  # traced once: plain loops (no walrus, no map())
+        return _traced_grads(optimizer, skip)
     if not skip:  # the common case, in one pass at C speed per element (no call per grad)
         grads = [
             grad
@@ -65,6 +67,23 @@ def optimizer_grads(
                         param.grad = grad
                 grad = grad._values()
             out.append(grad)
+    return out
+
+
+def _traced_grads(optimizer: torch.optim.Optimizer, skip: set[int] | None) -> list[torch.Tensor]:
+    """:func:`optimizer_grads` in the form dynamo traces (its loop runs at trace time only)."""
+    out: list[torch.Tensor] = []
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            grad = param.grad
+            if grad is None or (skip is not None and id(param) in skip):
+                continue
+            if grad.is_sparse:
+                raise ValueError(
+                    "torch.compile around scaler.step(): a sparse grad cannot be checked in the "
+                    "compiled region; step this optimizer outside torch.compile"
+                )
+            out.append(local_tensor(grad))
     return out
 
 

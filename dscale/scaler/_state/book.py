@@ -54,6 +54,8 @@ class ScaleState:
         self._published: HostState = host
         self._published_words: tuple[torch.Tensor, int, Any, Any] | None = None
         self._in_flight: tuple[torch.Tensor, Any | None, int, Any, Any] | None = None
+        # A compiled update() leaves the copy above to the next eager call (publish_if_due).
+        self._publish_due = False
 
     @property
     def placed(self) -> bool:
@@ -228,6 +230,9 @@ class ScaleState:
             return
         self._flush()
         assert found_inf is not None  # noqa: S101 - GradScaler passes it for this path
+        if torch.compiler.is_compiling():
+            self._traced_update(policy, found_inf, predictive, pinned=pinned)
+            return
         assert self.words is not None and self.scale is not None  # noqa: S101
         assert self.growth_tracker is not None and self.hysteresis_tracker is not None  # noqa: S101
         if (policy is not self._policy and policy != self._policy) or (
@@ -258,6 +263,53 @@ class ScaleState:
         self._rows += 1
         self.host = None
         self._publish(None if predictive is None else predictive.pos["window"])
+
+    def _traced_update(
+        self,
+        policy: _policy.ScalePolicy,
+        flag: torch.Tensor,
+        predictive: PredictiveScaling | None,
+        *,
+        pinned: bool,
+    ) -> None:
+        """:meth:`update` under torch.compile: the same rule, then the update folded into the
+        counters at once instead of a log row, so that no per-step Python number (the log's row
+        count) enters the traced region. The views are made from ``words`` inside the graph
+        (AOTAutograd refuses one input mutated through views of two dtypes), and the copy for
+        scrapes is left to the next eager call (:meth:`publish_if_due`)."""
+        words = self.words
+        assert words is not None  # noqa: S101 - placed by scale()
+        if self._rows and self._policy is not None:  # eager updates logged before: fold them
+            _device_state.fold_on_device(words, self._rows, self._policy)
+            self._rows = 0
+        self._policy = policy
+        flag = flag.to(words.device).float().reshape(())
+        scale = words[_device_state.SCALE]
+        growth = _device_state.int32_at(words, _device_state.GROWTH)
+        hysteresis = _device_state.int32_at(words, _device_state.HYSTERESIS)
+        lean = predictive is not None and predictive.is_lean(policy)
+        before = scale.clone()
+        if lean:
+            pass  # the predictive rule alone sets the scale
+        elif _policy.is_torch_rule(policy) or (pinned and policy.hysteresis == 1):
+            growth.clamp_(max=policy.growth_interval - 1)  # idempotent: see _clamp_tracker
+            factors = (1.0, 1.0) if pinned else (policy.growth_factor, policy.backoff_factor)
+            torch._amp_update_scale_(scale, growth, flag, *factors, policy.growth_interval)
+        else:
+            _policy.update_(policy, scale, growth, hysteresis, flag)
+        if predictive is not None:
+            tail = words[_device_state.WORDS :]
+            predictive.update_(policy, tail, scale, None if lean else before, flag)
+        _device_state.fold_row_on_device(words, policy, flag, before, growth)
+        self._clamped_interval = None
+        self.host = None
+        self._publish_due = True
+
+    def publish_if_due(self, tag: Any = None) -> None:
+        """Start the copy for scrapes that compiled updates left (an eager call: scale())."""
+        if self._publish_due:
+            self._publish_due = False
+            self._publish(tag)
 
     def set_scale(self, new_scale: float | torch.Tensor) -> None:
         """``update(new_scale=...)``: a float keeps the host copy, a tensor moves to the device.
@@ -309,6 +361,7 @@ class ScaleState:
             "_published": state,
             "_published_words": None,
             "_in_flight": None,
+            "_publish_due": False,
             "tail_words": self.tail_words,
         }
 
@@ -326,4 +379,5 @@ class ScaleState:
         state.setdefault("_clamped_interval", None)
         state.setdefault("tail_words", 0)
         state.setdefault("_published_words", None)
+        state.setdefault("_publish_due", False)
         self.__dict__.update(state)

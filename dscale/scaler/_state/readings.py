@@ -170,6 +170,7 @@ _ADDED_SINCE = (
     ("_read_host_flags", True),
     ("_scale_for_step", None),
     ("_iteration", 0),
+    ("_watch_due", False),
     ("_placed_init_scale", 2.0**16),
     ("_loss_scaling", True),
     ("_spike", None),

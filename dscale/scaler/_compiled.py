@@ -1,0 +1,97 @@
+"""torch.compile around ``scaler.step(optimizer)`` and ``scaler.update()``: what traces, what not.
+
+The region after backward traces whole (``fullgraph=True``) where every decision stays on the
+device: ``sync_free=True`` (the step undone on the device where the agreed flag is set), with a
+foreach or plain optimizer, for ``GradScaler`` (either policy) and ``StepGuard`` (with or without
+the spike gate). Inside it the traced forms of the seams run (``torch.compiler.is_compiling()``):
+the optimizer's unwrapped step, copies and ``where`` instead of the flat snapshot, the update
+folded into the counters at once, the all-reduce synchronous (``_c10d_functional``).
+
+Every other configuration needs the host once per step (the skip decided from the agreed flag
+read on the host, torch's fused optimizers, which torch itself runs eagerly under dynamo, step
+callbacks that are told ``applied``), so its call runs eagerly, with the reason: without
+``fullgraph`` that is a graph break, as today; with ``fullgraph=True`` torch raises the
+reason, which names the configuration that compiles.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from dscale.scaler._stage import Stage
+
+_COMPILES = (
+    "torch.compile(fullgraph=True) around scaler.step()/update() needs every decision on the "
+    "device: GradScaler(..., sync_free=True) (or StepGuard(..., sync_free=True)) with a "
+    "foreach optimizer (foreach=True), after eager warm-up step(s) that create the optimizer "
+    "state"
+)
+
+#: Why a step() runs eagerly under torch.compile (the graph break's reason), by configuration.
+HOST_DECISION = (
+    "this scaler decides the skip on the host (sync_free=False: one read of the agreed flag "
+    "per step), which ends a compiled region. " + _COMPILES
+)
+FUSED = (
+    "the optimizer is fused (fused=True), and torch runs fused optimizers eagerly under "
+    "torch.compile (Inductor writes its own fused kernel for foreach=True). " + _COMPILES
+)
+CALLBACKS = (
+    "a step callback (register_step_callback) is told whether the step was applied, a host "
+    "read of the agreed flag per step; read step_applied() outside the compiled region "
+    "instead. " + _COMPILES
+)
+HOOKED_STEP = (
+    "the optimizer's step has hooks or was replaced (opt.step = ...), and the scaler runs the "
+    "class's own step in the compiled region. " + _COMPILES
+)
+UNSCALED = (
+    "unscale_() ran eagerly before this step(): call scaler.unscale_(optimizer) inside the "
+    "compiled region too, or not at all. " + _COMPILES
+)
+STEP_REASONS = (HOST_DECISION, FUSED, CALLBACKS, HOOKED_STEP, UNSCALED)
+
+#: Why an update() runs eagerly under torch.compile.
+HOST_UPDATE = (
+    "this iteration's decisions were taken on the host (a step() that ran eagerly, or "
+    "sync_free=False), so update() runs eagerly too. " + _COMPILES
+)
+NEW_SCALE = "update(new_scale=...) sets the scale from the host; call it outside the region"
+UPDATE_REASONS = (HOST_UPDATE, NEW_SCALE)
+
+
+def step_refusal(scaler: Any, optimizer: torch.optim.Optimizer) -> str | None:
+    """Why ``scaler.step(optimizer)`` cannot trace (one of :data:`STEP_REASONS`), or None."""
+    if not scaler._enabled:
+        return None
+    if getattr(optimizer, "_step_supports_amp_scaling", False):
+        return FUSED
+    if not scaler._sync_free:
+        return HOST_DECISION
+    if scaler._callbacks:
+        return CALLBACKS
+    own = vars(optimizer).get("step")
+    if (
+        (own is not None and not getattr(own, "_wrapped_by_lr_sched", False))
+        or optimizer._optimizer_step_pre_hooks
+        or optimizer._optimizer_step_post_hooks
+    ):
+        return HOOKED_STEP
+    state = scaler._per_optimizer_states.get(id(optimizer))
+    if state is not None and state.stage is not Stage.READY:
+        return UNSCALED
+    return None
+
+
+def update_refusal(scaler: Any, new_scale: Any) -> str | None:
+    """Why ``scaler.update()`` cannot trace (one of :data:`UPDATE_REASONS`), or None."""
+    if not scaler._enabled:
+        return None
+    if new_scale is not None:
+        return NEW_SCALE
+    states = scaler._per_optimizer_states.values()
+    if any(s.applied is not None or s.deferred or s.stage is not Stage.STEPPED for s in states):
+        return HOST_UPDATE
+    return None
