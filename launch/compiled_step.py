@@ -42,6 +42,13 @@ def _local(grad: torch.Tensor) -> torch.Tensor:
     return getattr(grad, "_local_tensor", grad)
 
 
+def _skips(scaler: GradScaler) -> torch.Tensor:
+    """Steps skipped so far, overflows and (with the spike gate) spikes: a device tensor."""
+    counters = scaler.counters()
+    spikes = counters.get("spike_skipped_steps")
+    return counters["skipped_steps"] + (0 if spikes is None else spikes)
+
+
 class CompiledStep:
     """Call once per iteration after backward: ``step(optimizer)`` and ``update()``, compiled.
 
@@ -68,6 +75,11 @@ class CompiledStep:
         self.record = record
         self._eager_left = warmup
         record.detach()
+        # On the CPU the eager warm-up would decide on the host (the agreed flag is in host
+        # memory there) and leave the scaler's state on the host; the compiled region keeps it
+        # on the device, as every step on a GPU does. dscale's tests and benchmarks use the same
+        # switch (dscale.bench._ops.force_device_decision); there is no public one yet.
+        scaler._read_host_flags = False  # type: ignore[attr-defined]
         self._compiled = torch.compile(self._region, fullgraph=True, backend=backend)
 
     def _region(self) -> None:
@@ -93,7 +105,7 @@ class CompiledStep:
                 ]
                 for observer in observers:
                     observer.on_grads(optimizer, grads, scale)
-                skipped_before = scaler.counters()["skipped_steps"].clone()
+                skipped_before = _skips(scaler).clone()
             if compiled:
                 self._compiled()
             else:
@@ -103,7 +115,7 @@ class CompiledStep:
             self.record.record_skip(int(scaler.snapshot()["steps"]) - 1)
         if observers:
             # The flag observers are given: > 0 where the step was skipped (a spike included).
-            found = (scaler.counters()["skipped_steps"] - skipped_before).float()
+            found = (_skips(scaler) - skipped_before).float()
             for observer in observers:
                 observer.on_update(scaler, found)
 

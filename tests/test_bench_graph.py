@@ -35,9 +35,10 @@ def test_graph_dry_run_compiled_equals_eager_for_every_configuration(tmp_path: P
         assert res["recompiles"] == 0, (name, res)
         assert res["counters"]["steps"] == 32, (name, res)
         assert res["injected_infs"] == 1
-    # the gate skipped the spike as well as the inf; the scalers the inf alone
-    assert result["configs"]["guard_gate"]["counters"]["skipped_steps"] == 2
-    assert result["configs"]["sync_free"]["counters"]["skipped_steps"] == 1
+    # every configuration skipped the inf; the gate the spike as well (counted apart)
+    for name in result["configs"]:
+        assert result["configs"][name]["counters"]["skipped_steps"] == 1, name
+    assert result["configs"]["guard_gate"]["counters"]["spike_skipped_steps"] == 1
 
 
 def test_graph_comparison_tells_a_one_ulp_difference_from_equality() -> None:

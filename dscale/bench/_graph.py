@@ -41,6 +41,7 @@ from torch import nn
 
 import dscale
 from dscale.bench import _stats, _timing
+from dscale.bench._ops import force_device_decision
 
 #: Parameters under Inductor: within this relative distance of eager (see the module docstring).
 RTOL = 1e-4
@@ -116,9 +117,11 @@ def _make(config: str, device: torch.device, seed: int, poison: bool) -> Run:
     batches = [torch.randn(32, WIDTH, generator=gen).to(device) for _ in range(8)]
     dtype = torch.bfloat16 if config == "guard_gate" else torch.float16
     autocast = torch.autocast(device.type, dtype=dtype, enabled=device.type == "cuda")
-    return Run(
-        model, opt, CONFIGS[config](device.type), batches, autocast, poison, config == "guard_gate"
-    )
+    scaler = CONFIGS[config](device.type)
+    # On the CPU the eager steps would decide on the host (the flag is in host memory there) and
+    # leave the state on the host; the device path is what a GPU runs and the region keeps.
+    force_device_decision(scaler)
+    return Run(model, opt, scaler, batches, autocast, poison, config == "guard_gate")
 
 
 def _unique_graphs() -> int:
