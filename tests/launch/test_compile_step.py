@@ -43,7 +43,8 @@ def _rows(run_dir: Path, name: str) -> list[dict[str, Any]]:
 def _progress_shapes(stdout: str) -> list[str]:
     """The progress lines with their numbers blanked: the same words in the same places."""
     lines = [line for line in stdout.splitlines() if re.search(r"step \d+/\d+ loss", line)]
-    return [re.sub(r"\d+(\.\d+)?(e[-+]?\d+)?", "N", line) for line in lines]
+    lines = [re.sub(r"\bETA (\d+m)?\d+s", "ETA T", line) for line in lines]
+    return [re.sub(r"\d[\d,]*(\.\d+)?(e[-+]?\d+)?", "N", line) for line in lines]
 
 
 def test_compiled_step_job_equals_the_same_job_uncompiled(tmp_path: Path) -> None:
@@ -53,7 +54,7 @@ def test_compiled_step_job_equals_the_same_job_uncompiled(tmp_path: Path) -> Non
         compiled_dir,
         *JOB,
         "trainer.compile_step=true",
-        "trainer.compile_backend=aot_eager",  # the region as Inductor sees it, compiled in ~5 s
+        "trainer.compile_backend=eager",  # dynamo traces the whole region; torch runs it (fast)
         f"metrics.port={free_port_pair()}",
     )
     procs = {"eager": eager.finish(), "compiled": compiled.finish()}
@@ -77,8 +78,8 @@ def test_compiled_step_job_equals_the_same_job_uncompiled(tmp_path: Path) -> Non
                 assert g["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-3), (rank, g)
             assert g["loss"] == pytest.approx(w["loss"], rel=1e-4), (rank, g)
     # The scale trace itself moved: back-offs at 4 and 9, growths in between.
-    scales = [r["scale"] for r in _rows(compiled_dir, "rank0.jsonl")]
-    assert len(set(scales)) > 2, scales
+    last = _rows(compiled_dir, "rank0.jsonl")[-1]
+    assert last["backoffs"] == 2 and last["growths"] >= 2, last
     shapes = _progress_shapes(procs["compiled"].stdout + procs["compiled"].stderr)
     assert shapes, output(procs["compiled"])
     assert shapes == _progress_shapes(procs["eager"].stdout + procs["eager"].stderr)
