@@ -135,7 +135,8 @@ def check(
     for observer in scaler._observers:
         observer.on_grads(optimizer, grads, scale)
     device = scale.device if group is None else _dist.flag_device(group, scale.device)
-    host = scaler._book.host
+    # Traced: the scale as a tensor only (the host's number would be a per-step constant).
+    host = None if torch.compiler.is_compiling() else scaler._book.host
     layout = _leading_layout(scaler)
     with _unscale.NoGrad():
         vector = layout.blank(scale, None if host is None else host.scale, device)

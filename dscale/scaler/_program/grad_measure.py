@@ -161,6 +161,7 @@ class GradMeasure:
         self.sample_every = sample_every
         self.iteration = 0  # update() calls: the same on every rank, so ranks sample alike
         self._scratch: dict[torch.dtype, torch.Tensor] = {}  # the CPU form's, per dtype
+        self._phase: torch.Tensor | None = None  # compiled iterations' schedule (device)
 
     @property
     def sampling(self) -> bool:
@@ -192,6 +193,9 @@ class GradMeasure:
         float32 included, but where hooks ran the check unscales and never reads this): what
         ``check_and_unscale_`` may read its flag from. Else None (a GPU keeps its check pass).
         """
+        if torch.compiler.is_compiling():
+            self._traced_write(vector, at, groups, hooks, scale)
+            return None
         device, sampling = vector.device, self.sampling
         largest: list[torch.Tensor] = []
         small: list[torch.Tensor] = []
@@ -237,6 +241,56 @@ class GradMeasure:
             vector[at + 1].copy_(share + 1.0)
         return value if on_cpu and groups else None
 
+    def sampling_flag(self, device: torch.device) -> torch.Tensor:
+        """Under torch.compile: whether this iteration samples, as a 0-d bool on ``device``.
+
+        The schedule's phase is a device counter (made at the first compiled iteration from
+        :attr:`iteration`), so that no per-step Python number enters the traced region.
+        """
+        if self._phase is None or self._phase.device != device:
+            self._phase = torch.full(
+                (), self.iteration % self.sample_every, dtype=torch.int64, device=device
+            )
+        return self._phase == 0
+
+    def _traced_write(
+        self,
+        vector: torch.Tensor,
+        at: int,
+        groups: GradGroups,
+        hooks: torch.Tensor | None,
+        scale: torch.Tensor | None,
+    ) -> None:
+        """:meth:`write` under torch.compile: the multi-tensor inf-norm (the GPU form, on every
+        device: the same largest magnitude bit for bit), the underflow count every iteration,
+        written where the device-side schedule samples (the same share as the eager form)."""
+        device = vector.device
+        largest: list[torch.Tensor] = []
+        small: list[torch.Tensor] = []
+        elements = 0.0
+        for per_dtype in groups.values():
+            for tensors in per_dtype.values():
+                largest.append(copy_to(_largest_by_norm(tensors), device))
+                small.append(copy_to(_count_small(tensors), device))
+                elements += float(sum(t.numel() for t in tensors))
+        if hooks is not None:
+            largest.append(hooks[0])
+        if not largest:
+            return
+        if len({t.dtype for t in largest}) > 1:
+            largest = [t.double() for t in largest]
+        value = largest[0] if len(largest) == 1 else torch.stack(largest).amax()
+        mark = torch.nan_to_num(value.float(), nan=OVERFLOW_MARK, posinf=OVERFLOW_MARK)
+        if scale is not None and any(torch.float64 in d for d in groups.values()):
+            mark = torch.minimum(mark, copy_to(scale, device).float().reshape(()) * 2.0**127)
+        vector[at].copy_(mark)
+        if hooks is not None:
+            small.append(hooks[1])
+        total = torch.stack(small).sum() if small else torch.zeros((), device=device)
+        count = hooks[2] + elements if hooks is not None else torch.tensor(elements)
+        share = total / copy_to(torch.as_tensor(count, dtype=torch.float32), device).clamp(min=1.0)
+        vector[at + 1].copy_(torch.where(self.sampling_flag(device), share + 1.0, vector[at + 1]))
+
     def _scratch_for(self, dtype: torch.dtype) -> torch.Tensor:
         """The CPU form's chunk buffer for ``dtype``, made once (CHUNK elements)."""
         scratch = self._scratch.get(dtype)
@@ -246,11 +300,17 @@ class GradMeasure:
 
     def next_iteration(self) -> None:
         """Called by update(): the next step may be a sample."""
+        if torch.compiler.is_compiling():  # the device phase counts compiled iterations
+            assert self._phase is not None  # noqa: S101 - the compiled check made it
+            self._phase.copy_((self._phase + 1) % self.sample_every)
+            return
         self.iteration += 1
+        self._phase = None  # an eager iteration: the host counts again
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self.__dict__.setdefault("_scratch", {})  # pickled at 0010076 or before: none kept
+        self.__dict__.setdefault("_phase", None)
 
 
 def mark_overflow(vector: torch.Tensor, at: int, flag: torch.Tensor) -> None:

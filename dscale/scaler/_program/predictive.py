@@ -251,3 +251,35 @@ def update_(
     target = torch.div(budget, window_max)
     target.view(torch.int32).bitwise_and_(_EXPONENT_BITS)
     scale.copy_(target.clamp(policy.min_scale, policy.max_scale))
+
+
+def traced_update_(
+    policy: ScalePolicy,
+    rings: torch.Tensor,
+    window: torch.Tensor,
+    memory: torch.Tensor,
+    pos: tuple[int, int],
+    scale: torch.Tensor,
+    before: torch.Tensor | None,
+    found: torch.Tensor,
+    measured: torch.Tensor,
+    budget: torch.Tensor,
+) -> None:
+    """:func:`update_` under torch.compile, with the positions ``pos`` fixed: each ring turns
+    by one (its oldest entry leaves) and the new entry goes into the slot before ``pos``, so
+    the ring read from ``pos`` on holds what :func:`update_` leaves read from ``pos + 1`` on.
+    The same values bit for bit (the entry, the maximum, the scale)."""
+    asked = torch.threshold(measured, 0.0, BUDGET)
+    if before is None:
+        entry = torch.div(asked, scale)
+    else:
+        entry = torch.where(found > 0, torch.div(budget, scale), torch.div(asked, before))
+    for ring, at, value in ((window, pos[0], entry), (memory, pos[1], torch.mul(entry, found))):
+        turned = torch.roll(ring, -1)
+        turned[(at - 1) % ring.numel()] = value
+        ring.copy_(turned)
+    target = torch.div(budget, rings.amax())
+    target = (target.view(torch.int32) & _EXPONENT_BITS).view(torch.float32)
+    if policy.min_scale is not None or policy.max_scale is not None:
+        target = target.clamp(policy.min_scale, policy.max_scale)
+    scale.copy_(target)

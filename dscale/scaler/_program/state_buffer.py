@@ -42,6 +42,15 @@ def header_words(host: HostState) -> torch.Tensor:
     return torch.frombuffer(bytearray(packed), dtype=torch.float32)
 
 
+def write_header_traced(words: torch.Tensor, host: HostState) -> None:
+    """:func:`header_words` written into ``words`` by tensor ops (struct does not trace)."""
+    words[SCALE].fill_(host.scale)
+    words[FOLD_SCALE].fill_(host.scale)
+    int32_at(words, GROWTH).fill_(host.growth_tracker)
+    int32_at(words, HYSTERESIS).fill_(host.hysteresis_tracker)
+    counters_view(words).copy_(torch.tensor(host.counters, dtype=torch.int64))
+
+
 def int32_at(words: torch.Tensor, index: int) -> torch.Tensor:
     """A 0-d int32 view of one word."""
     return words[index : index + 1].view(torch.int32).view(())

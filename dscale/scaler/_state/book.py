@@ -90,6 +90,12 @@ class ScaleState:
     def _write_header(self, host: HostState) -> None:
         """Make the device state equal ``host`` with an empty log: one host-to-device copy."""
         assert self.words is not None  # noqa: S101
+        if torch.compiler.is_compiling():  # the first compiled update after host updates
+            _device_state.write_header_traced(self.words, host)
+            self._rows = 0
+            self._clamped_interval = None
+            self._flushed = host
+            return
         header = _device_state.header_words(host)
         self.words[: _device_state.LOG].copy_(header.to(self.words.device, non_blocking=True))
         self._rows = 0

@@ -254,6 +254,17 @@ class PredictiveScaling:
         rings, window, memory = self._views(tail)
         pos = (self.pos["window"], self.pos["memory"])
         asked = tail[TAIL_ASKED]
+        if torch.compiler.is_compiling():
+            # The rings turn under their positions instead (no per-step Python number in the
+            # traced region): the same entries in the same ring order, from the same slot on.
+            _predictive.traced_update_(
+                policy, rings, window, memory, pos, scale, before, found_inf, measured, budget
+            )
+            torch.threshold(measured, 0.0, _predictive.BUDGET, out=asked)
+            sampled = self.measure.sampling_flag(tail.device)
+            tail[TAIL_UNDERFLOW].copy_(torch.where(sampled, underflow, tail[TAIL_UNDERFLOW]))
+            self._end()
+            return
         _predictive.update_(
             policy, rings, window, memory, pos, scale, before, found_inf, measured, budget, asked
         )
