@@ -75,11 +75,6 @@ class CompiledStep:
         self.record = record
         self._eager_left = warmup
         record.detach()
-        # On the CPU the eager warm-up would decide on the host (the agreed flag is in host
-        # memory there) and leave the scaler's state on the host; the compiled region keeps it
-        # on the device, as every step on a GPU does. dscale's tests and benchmarks use the same
-        # switch (dscale.bench._ops.force_device_decision); there is no public one yet.
-        scaler._read_host_flags = False  # type: ignore[attr-defined]
         self._compiled = torch.compile(self._region, fullgraph=True, backend=backend)
 
     def _region(self) -> None:
