@@ -42,6 +42,7 @@ from torch import nn
 import dscale
 from dscale.bench import _stats, _timing
 from dscale.bench._ops import force_device_decision
+from dscale.bench._syncs import count_host_syncs
 
 #: Parameters under Inductor: within this relative distance of eager (see the module docstring).
 RTOL = 1e-4
@@ -87,6 +88,7 @@ class Run:
     poison: bool
     spikes: bool
     region: Callable[[], None] = field(init=False)
+    sync_checked: bool = False  # run the region under sync debug mode "error" (CUDA)
 
     def __post_init__(self) -> None:
         self.region = self.eager_region
@@ -105,7 +107,15 @@ class Run:
             first = next(iter(self.model.parameters())).grad
             assert first is not None  # noqa: S101 - backward just wrote it
             first.view(-1)[0] = float("inf")
-        self.region()
+        if self.sync_checked:
+            previous = torch.cuda.get_sync_debug_mode()
+            torch.cuda.set_sync_debug_mode("error")  # any host sync in the region raises
+            try:
+                self.region()
+            finally:
+                torch.cuda.set_sync_debug_mode(previous)
+        else:
+            self.region()
         self.optimizer.zero_grad(set_to_none=False)  # the same grad buffers: a graph's inputs
 
 
@@ -166,7 +176,7 @@ def replay(
         for i in range(WARMUP, WARMUP + RECORD):
             compiled.iteration(i)
         graphs = _unique_graphs()
-        out["host_syncs"] = _replay_checked(compiled, range(WARMUP + RECORD, steps), device)
+        out.update(_replay_checked(compiled, range(WARMUP + RECORD, steps), device))
         out["recompiles"] = _unique_graphs() - graphs
     except Exception as exc:  # a region that does not compile: the result says what raised
         out["error"] = f"{type(exc).__name__}: {_first_line(exc)}"
@@ -194,23 +204,30 @@ def replay(
     return out
 
 
-def _replay_checked(run: Run, steps: range, device: torch.device) -> int | str:
-    """Run ``steps``; on CUDA under sync debug mode "error": 0, or the first sync's message."""
+def _replay_checked(run: Run, steps: range, device: torch.device) -> dict[str, Any]:
+    """Run ``steps``; on CUDA the region under sync debug mode "error" (``region_syncs``: 0, or
+    the first sync's message) and the whole iterations' syncs counted (``iteration_syncs``:
+    forward, backward and the eager ``scale()`` around the region; reported, not required)."""
     if device.type != "cuda":
         for i in steps:
             run.iteration(i)
-        return "n/a"
-    torch.cuda.synchronize(device)
-    previous = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for i in steps:
-            run.iteration(i)
-    except RuntimeError as exc:
-        return f"sync at step {i}: {_first_line(exc)}"
-    finally:
-        torch.cuda.set_sync_debug_mode(previous)
-    return 0
+        return {"host_syncs": "n/a", "iteration_syncs": "n/a"}
+    failed: list[str] = []
+
+    def replayed() -> None:
+        run.sync_checked = True
+        try:
+            for i in steps:
+                try:
+                    run.iteration(i)
+                except RuntimeError as exc:
+                    failed.append(f"sync at step {i}: {_first_line(exc)}")
+                    return
+        finally:
+            run.sync_checked = False
+
+    counted = count_host_syncs(replayed)
+    return {"host_syncs": failed[0] if failed else 0, "iteration_syncs": counted}
 
 
 def step_times(config: str, device: torch.device, reps: int, mode: str | None) -> dict[str, Any]:
@@ -326,7 +343,8 @@ def _line(res: dict[str, Any]) -> str:
         f"{'ok' if res['ok'] else 'MISMATCH'}; counters equal {res['counters_equal']}, params "
         f"{'bitwise ' if res['exact'] else ''}equal {res['params_equal']} (max diff "
         f"{res['params_max_abs_diff']:.2g}), skipped {c['skipped_steps']:.0f} (infs injected "
-        f"{res['injected_infs']}), host syncs {res['host_syncs']}, recompiles "
+        f"{res['injected_infs']}), host syncs in the region {res['host_syncs']} (whole "
+        f"iterations: {res['iteration_syncs']}), recompiles "
         f"{res['recompiles']}, snapshot equal {res['snapshot_equal']}"
     )
     timing = res.get("timing")
