@@ -159,8 +159,9 @@ def compare_params(a: nn.Module, b: nn.Module, exact: bool) -> dict[str, Any]:
 
 def replay(
     config: str, device: torch.device, steps: int, backend: str, mode: str | None
-) -> dict[str, Any]:
-    """Eager and compiled runs of ``config`` over ``steps`` iterations; what they agree on."""
+) -> tuple[dict[str, Any], Run]:
+    """Eager and compiled runs of ``config`` over ``steps`` iterations; what they agree on, and
+    the compiled run (warm, for the timing)."""
     poison = not dist.is_initialized() or dist.get_rank() == 1
     torch._dynamo.reset()
     eager = _make(config, device, 0, poison)
@@ -181,7 +182,7 @@ def replay(
     except Exception as exc:  # a region that does not compile: the result says what raised
         out["error"] = f"{type(exc).__name__}: {_first_line(exc)}"
         out["ok"] = False
-        return out
+        return out, compiled
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     got, want = _counters(compiled.scaler), _counters(eager.scaler)
@@ -201,7 +202,7 @@ def replay(
         and out["recompiles"] == 0
         and got["skipped_steps"] >= out["injected_infs"]
     )
-    return out
+    return out, compiled
 
 
 def _replay_checked(run: Run, steps: range, device: torch.device) -> dict[str, Any]:
@@ -230,27 +231,23 @@ def _replay_checked(run: Run, steps: range, device: torch.device) -> dict[str, A
     return {"host_syncs": failed[0] if failed else 0, "iteration_syncs": counted}
 
 
-def step_times(config: str, device: torch.device, reps: int, mode: str | None) -> dict[str, Any]:
+def step_times(compiled: Run, config: str, device: torch.device, reps: int) -> dict[str, Any]:
     """One whole iteration per arm: plain (no scaler), torch's eager scaler twice (A/A), and
-    dscale's compiled region; ratios of median paired overheads over the plain step."""
-    torch._dynamo.reset()
+    dscale's compiled region (``compiled``, warm from :func:`replay`: no second compile); ratios
+    of median paired overheads over the plain step."""
     arms: dict[str, Run] = {}
-    for name in ("plain", "torch", "torch_aa", "dscale_compiled"):
+    for name in ("plain", "torch", "torch_aa"):
         run = _make(config, device, 0, poison=False)
         run.spikes = False
         if name == "plain":
             run.region = run.optimizer.step  # type: ignore[assignment]
             run.scaler = _NoScaler()
-        elif name.startswith("torch"):
+        else:
             run.scaler = torch.amp.GradScaler(device.type, init_scale=2.0**12)
         arms[name] = run
-    compiled = arms["dscale_compiled"]
-    for i in range(WARMUP):
-        compiled.iteration(i)
-    compiled.region = torch.compile(compiled.eager_region, fullgraph=True, mode=mode)
-    for i in range(RECORD):
-        compiled.iteration(i)
-    counter = dict.fromkeys(arms, WARMUP + RECORD)
+    compiled.poison = compiled.spikes = False
+    arms["dscale_compiled"] = compiled
+    counter = dict.fromkeys(arms, 10**6)  # past the replay's steps; no inf, no spike
 
     def arm(name: str) -> _timing.Arm:
         def run() -> None:
@@ -284,7 +281,12 @@ def _parser() -> argparse.ArgumentParser:
         "--mode", default=None, help='torch.compile mode (default: "reduce-overhead" on CUDA)'
     )
     parser.add_argument("--configs", nargs="+", choices=sorted(CONFIGS), default=list(CONFIGS))
-    parser.add_argument("--reps", type=int, default=60, help="timed repetitions (CUDA only)")
+    parser.add_argument(
+        "--reps",
+        type=int,
+        default=None,
+        help="timed repetitions per arm (default: 60 on CUDA, none on the CPU); 0: no timing",
+    )
     parser.add_argument("--json", help="write the results here")
     return parser
 
@@ -308,12 +310,14 @@ def main(argv: Sequence[str]) -> int:
         warnings.simplefilter("ignore")  # e.g. "no float16 tensors" on the CPU's fp32 dry run
         try:
             for config in args.configs:
-                res = replay(config, device, args.steps, args.backend, mode)
-                if cuda and not distributed and args.reps > 0 and "error" not in res:
-                    res["timing"] = step_times(config, device, args.reps, mode)
+                res, compiled = replay(config, device, args.steps, args.backend, mode)
+                reps = args.reps if args.reps is not None else (60 if cuda else 0)
+                if reps > 0 and not distributed and "error" not in res:
+                    res["timing"] = step_times(compiled, config, device, reps)
                 results["configs"][config] = res
                 if rank0:
                     print(_line(res), flush=True)  # noqa: T201
+                    _write(args.json, results)  # after each: a run cut off keeps what it did
             if distributed:
                 mine = {c: r.get("counters") for c, r in results["configs"].items()}
                 every: list[Any] = [None] * dist.get_world_size()
@@ -327,11 +331,15 @@ def main(argv: Sequence[str]) -> int:
     if rank0:
         if "ranks_agree" in results:
             print(f"ranks agree: {results['ranks_agree']}")  # noqa: T201
-        if args.json:
-            with open(args.json, "w", encoding="utf-8") as f:
-                json.dump(results, f, indent=2)
+        _write(args.json, results)
         print("graph: all agree" if ok else "graph: FAILED")  # noqa: T201
     return 0 if ok else 1
+
+
+def _write(path: str | None, results: dict[str, Any]) -> None:
+    if path:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(results, f, indent=2)
 
 
 def _line(res: dict[str, Any]) -> str:
