@@ -25,13 +25,8 @@ CUDA-only parts are skipped there. ``.ci/gpu-check``'s ``graph`` part runs it on
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
-import os
-import sys
-import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -138,6 +133,10 @@ def _unique_graphs() -> int:
     return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
 
 
+def _cudagraph_skips() -> int:
+    return int(torch._dynamo.utils.counters["inductor"]["cudagraph_skips"])
+
+
 def _first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
 
@@ -170,6 +169,7 @@ def replay(
     out: dict[str, Any] = {"config": config, "backend": backend, "mode": mode or "default"}
     for i in range(steps):
         eager.iteration(i)
+    skips = _cudagraph_skips()
     try:
         for i in range(WARMUP):
             compiled.iteration(i)
@@ -179,6 +179,9 @@ def replay(
         graphs = _unique_graphs()
         out.update(_replay_checked(compiled, range(WARMUP + RECORD, steps), device))
         out["recompiles"] = _unique_graphs() - graphs
+        # reduce-overhead falls back to no graph (a warning, with TORCH_LOGS=cudagraphs its
+        # reason) where a graph cannot hold the region: counted, and a failure here.
+        out["cudagraph_skips"] = _cudagraph_skips() - skips
     except Exception as exc:  # a region that does not compile: the result says what raised
         out["error"] = f"{type(exc).__name__}: {_first_line(exc)}"
         out["ok"] = False
@@ -200,6 +203,7 @@ def replay(
         and out["params_equal"]
         and out["host_syncs"] in (0, "n/a")
         and out["recompiles"] == 0
+        and out["cudagraph_skips"] == 0
         and got["skipped_steps"] >= out["injected_infs"]
     )
     return out, compiled
@@ -270,106 +274,3 @@ def step_times(compiled: Run, config: str, device: torch.device, reps: int) -> d
 class _NoScaler:
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         return loss
-
-
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m dscale.bench graph", description=__doc__)
-    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--backend", default="inductor")
-    parser.add_argument(
-        "--mode", default=None, help='torch.compile mode (default: "reduce-overhead" on CUDA)'
-    )
-    parser.add_argument("--configs", nargs="+", choices=sorted(CONFIGS), default=list(CONFIGS))
-    parser.add_argument(
-        "--reps",
-        type=int,
-        default=None,
-        help="timed repetitions per arm (default: 60 on CUDA, none on the CPU); 0: no timing",
-    )
-    parser.add_argument("--json", help="write the results here")
-    return parser
-
-
-def main(argv: Sequence[str]) -> int:
-    """Run every configuration; print one line each (rank 0); 0 when all agree, else 1."""
-    args = _parser().parse_args(argv)
-    cuda = torch.cuda.is_available() and args.device != "cpu"
-    if args.device == "cuda" and not cuda:
-        raise SystemExit("--device cuda: CUDA is not available here")
-    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
-    if distributed:
-        if cuda:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl" if cuda else "gloo")
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    mode = args.mode or ("reduce-overhead" if cuda and args.backend == "inductor" else None)
-    rank0 = not distributed or dist.get_rank() == 0
-    results: dict[str, Any] = {"device": str(device), "steps": args.steps, "configs": {}}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # e.g. "no float16 tensors" on the CPU's fp32 dry run
-        try:
-            for config in args.configs:
-                res, compiled = replay(config, device, args.steps, args.backend, mode)
-                reps = args.reps if args.reps is not None else (60 if cuda else 0)
-                if reps > 0 and not distributed and "error" not in res:
-                    res["timing"] = step_times(compiled, config, device, reps)
-                results["configs"][config] = res
-                if rank0:
-                    print(_line(res), flush=True)  # noqa: T201
-                    _write(args.json, results)  # after each: a run cut off keeps what it did
-            if distributed:
-                mine = {c: r.get("counters") for c, r in results["configs"].items()}
-                every: list[Any] = [None] * dist.get_world_size()
-                dist.all_gather_object(every, mine)
-                results["ranks_agree"] = all(e == every[0] for e in every)
-        finally:
-            if distributed:
-                dist.destroy_process_group()
-    ok = all(r["ok"] for r in results["configs"].values()) and results.get("ranks_agree", True)
-    results["ok"] = ok
-    if rank0:
-        if "ranks_agree" in results:
-            print(f"ranks agree: {results['ranks_agree']}")  # noqa: T201
-        _write(args.json, results)
-        print("graph: all agree" if ok else "graph: FAILED")  # noqa: T201
-    return 0 if ok else 1
-
-
-def _write(path: str | None, results: dict[str, Any]) -> None:
-    if path:
-        with open(path, "w", encoding="utf-8") as f:
-            json.dump(results, f, indent=2)
-
-
-def _line(res: dict[str, Any]) -> str:
-    head = f"{res['config']:<11} {res['backend']}/{res['mode']}: "
-    if "error" in res:
-        return head + f"FAILED to compile: {res['error']}"
-    c = res["counters"]
-    line = head + (
-        f"{'ok' if res['ok'] else 'MISMATCH'}; counters equal {res['counters_equal']}, params "
-        f"{'bitwise ' if res['exact'] else ''}equal {res['params_equal']} (max diff "
-        f"{res['params_max_abs_diff']:.2g}), skipped {c['skipped_steps']:.0f} (infs injected "
-        f"{res['injected_infs']}), host syncs in the region {res['host_syncs']} (whole "
-        f"iterations: {res['iteration_syncs']}), recompiles "
-        f"{res['recompiles']}, snapshot equal {res['snapshot_equal']}"
-    )
-    timing = res.get("timing")
-    if timing:
-        r = timing["ratios"]
-        parts = [
-            f"{k} {v['estimate']:.2f} [{v['low']:.2f}, {v['high']:.2f}] {v['verdict']}"
-            for k, v in r.items()
-        ]
-        us = timing["median_us"]
-        line += (
-            f"\n  step time (median us): plain {us['plain']:.0f}, torch eager {us['torch']:.0f}, "
-            f"dscale compiled {us['dscale_compiled']:.0f}; overhead ratios: {'; '.join(parts)}; "
-            f"{timing['noise']}"
-        )
-    return line
-
-
-if __name__ == "__main__":  # pragma: no cover - python -m dscale.bench graph
-    sys.exit(main(sys.argv[1:]))
