@@ -135,8 +135,7 @@ def check(
     for observer in scaler._observers:
         observer.on_grads(optimizer, grads, scale)
     device = scale.device if group is None else _dist.flag_device(group, scale.device)
-    # Traced: the scale as a tensor only (the host's number would be a per-step constant).
-    host = None if torch.compiler.is_compiling() else scaler._book.host
+    host = None if torch.compiler.is_compiling() else scaler._book.host  # traced: no numbers
     layout = _leading_layout(scaler)
     with _unscale.NoGrad():
         vector = layout.blank(scale, None if host is None else host.scale, device)

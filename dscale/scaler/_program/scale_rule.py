@@ -78,6 +78,25 @@ def update_(
     scale.copy_(torch.where(backs_off, shrunk, torch.where(grows, grown, scale)))
 
 
+def torch_rule_(
+    scale: torch.Tensor,
+    growth_tracker: torch.Tensor,
+    found_inf: torch.Tensor,
+    growth_factor: float,
+    backoff_factor: float,
+    growth_interval: int,
+) -> None:
+    """torch's ``_amp_update_scale_`` as pointwise ops (Inductor does not lower the kernel; these
+    it fuses): the same scale and tracker bit for bit, its products in fp64 rounded once."""
+    found = found_inf != 0
+    successful = growth_tracker + 1
+    due = ~found & (successful == growth_interval)
+    grown = _times(scale, growth_factor)
+    keep = torch.where(due & torch.isfinite(grown), grown, scale)
+    scale.copy_(torch.where(found, _times(scale, backoff_factor), keep))
+    growth_tracker.copy_(torch.where(found | due, 0, successful))
+
+
 def is_torch_rule(policy: ScalePolicy) -> bool:
     """torch's own rule: no clamp, back off on every overflow (then torch's kernel applies)."""
     return policy.min_scale is None and policy.max_scale is None and policy.hysteresis == 1

@@ -44,11 +44,16 @@ def header_words(host: HostState) -> torch.Tensor:
 
 def write_header_traced(words: torch.Tensor, host: HostState) -> None:
     """:func:`header_words` written into ``words`` by tensor ops (struct does not trace)."""
-    words[SCALE].fill_(host.scale)
-    words[FOLD_SCALE].fill_(host.scale)
-    int32_at(words, GROWTH).fill_(host.growth_tracker)
-    int32_at(words, HYSTERESIS).fill_(host.hysteresis_tracker)
-    counters_view(words).copy_(torch.tensor(host.counters, dtype=torch.int64))
+    # Each part made as its own dtype and viewed as float32 words (the buffer's own dtype:
+    # AOTAutograd refuses some mutations through a view of another dtype).
+    parts = [
+        torch.tensor([host.scale], dtype=torch.float32),
+        torch.tensor([host.growth_tracker, host.hysteresis_tracker], dtype=torch.int32),
+        torch.tensor([host.scale], dtype=torch.float32),
+        torch.tensor(host.counters, dtype=torch.int64),
+    ]
+    header = torch.cat([part.view(torch.float32) for part in parts])
+    words[:LOG].copy_(header.to(words.device))
 
 
 def int32_at(words: torch.Tensor, index: int) -> torch.Tensor:

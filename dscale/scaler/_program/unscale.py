@@ -118,6 +118,9 @@ def check_and_unscale_(
     as it is, so only the flag is needed, and on the CPU reading and rewriting every grad cost as
     much as the measurement itself.
     """
+    if torch.compiler.is_compiling():
+        _traced_check_and_unscale_(groups, inv_scale, found)
+        return
     if checked is not None:
         unit = copy_to(inv_scale, found.device)
         torch._amp_foreach_non_finite_check_and_unscale_([checked], found, unit)
@@ -129,6 +132,24 @@ def check_and_unscale_(
             torch._amp_foreach_non_finite_check_and_unscale_(grads, here, scale_here)
         if here is not found:  # MAX: the flag stays 0 or 1 (fused kernels test == 1)
             torch.maximum(found, copy_to(here, found.device), out=found)
+
+
+def _traced_check_and_unscale_(
+    groups: GradGroups, inv_scale: torch.Tensor, found: torch.Tensor
+) -> None:
+    """:func:`check_and_unscale_` as plain pointwise ops and reductions, which Inductor fuses
+    (it does not lower torch's amp kernel): the same flag (1 where a grad holds an inf or NaN)
+    and the same grads (each times ``inv_scale`` in fp32, rounded once to its dtype)."""
+    flags = []
+    for device, per_dtype in groups.items():
+        scale_here = copy_to(inv_scale, device)
+        for grads in per_dtype.values():
+            for grad in grads:
+                flags.append(copy_to(grad.isfinite().logical_not().any(), found.device))
+                grad.copy_(grad.float() * scale_here)
+    if flags:
+        any_bad = flags[0] if len(flags) == 1 else torch.stack(flags).any()
+        found.copy_(torch.maximum(found, any_bad.float()))
 
 
 def norms(tensors: list[torch.Tensor], ord: float) -> tuple[torch.Tensor, ...]:

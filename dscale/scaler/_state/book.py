@@ -300,7 +300,7 @@ class ScaleState:
         elif _policy.is_torch_rule(policy) or (pinned and policy.hysteresis == 1):
             growth.clamp_(max=policy.growth_interval - 1)  # idempotent: see _clamp_tracker
             factors = (1.0, 1.0) if pinned else (policy.growth_factor, policy.backoff_factor)
-            torch._amp_update_scale_(scale, growth, flag, *factors, policy.growth_interval)
+            _policy.torch_rule_(scale, growth, flag, *factors, policy.growth_interval)
         else:
             _policy.update_(policy, scale, growth, hysteresis, flag)
         if predictive is not None:
