@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 import weakref
+from itertools import repeat
 from typing import Any
 
 import torch
@@ -73,12 +74,35 @@ class ParamSet:
 
 
 _sets: weakref.WeakKeyDictionary[torch.optim.Optimizer, ParamSet] = weakref.WeakKeyDictionary()
+#: optimizer -> the shape of its param lists when none of their params was a DTensor
+_plain: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[tuple[int, int], ...]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _shape(optimizer: torch.optim.Optimizer) -> tuple[tuple[int, int], ...]:
+    """Each group's param list (identity, length): grows with the groups, not the params."""
+    return tuple((id(params := group["params"]), len(params)) for group in optimizer.param_groups)
 
 
 def _param_set(optimizer: torch.optim.Optimizer) -> tuple[list[Any], ParamSet | None]:
     """The params holding a grad, and their set (None when no grad is a DTensor: nothing to
-    weigh or sum)."""
-    params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    weigh or sum).
+
+    An optimizer none of whose params is a DTensor (DDP, FSDP1, one process) is recognised by
+    its param lists' shape alone, so that a step visits no param here (``optimizer_grads``
+    already visits each once); a group added or a list grown or replaced is looked at again.
+    """
+    shape = _shape(optimizer)
+    if _plain.get(optimizer) == shape:
+        return [], None
+    every = [p for group in optimizer.param_groups for p in group["params"]]
+    if DTensor is None or not any(map(isinstance, every, repeat(DTensor))):
+        _plain[optimizer] = shape
+        _sets.pop(optimizer, None)
+        return [], None
+    _plain.pop(optimizer, None)
+    params = [p for p in every if p.grad is not None]
     key = tuple(map(id, params))
     known = _sets.get(optimizer)
     if known is None or known.key != key:  # plain tensors too: a step never looks at each grad
