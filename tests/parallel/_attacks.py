@@ -133,10 +133,42 @@ def resume_four_on_two(rank: int, world: int, root: str) -> dict[str, Any]:
     return out
 
 
+def grads_kept_then_freed(rank: int, world: int) -> dict[str, Any]:
+    """A second optimizer takes over while the first one's grads are kept (norm.weight's summed,
+    Replicate, accumulated into on its first step); from its second step zero_grad() frees them
+    and sequence parallel leaves them Partial again. The check must see the sum (finite pieces
+    of 3e38 overflow summed: skipped, scale backed off) and the gate the true norm."""
+    import dscale
+
+    setting = _meshes.build("tp_sp", rank, world)
+    params = list(setting.model.parameters())
+    first = torch.optim.SGD(params, lr=0.1)
+    scaler = dscale.GradScaler("cpu", init_scale=1.0, growth_interval=100)
+    scaler.scale(_loss(setting, 0)).backward()
+    scaler.step(first)  # norm.weight's grad summed: Replicate, kept
+    scaler.update()
+    second = torch.optim.SGD(params, lr=0.1)
+    out: dict[str, Any] = {"placements": []}
+    for step in (1, 2):
+        if step == 2:
+            second.zero_grad()  # set_to_none: the next grad is Partial again
+        scaler.scale(_loss(setting, step)).backward()
+        grad = setting.model.norm.weight.grad
+        out["placements"].append(str(grad.placements))  # type: ignore[union-attr]
+        if step == 2:
+            _meshes.local(grad).view(-1)[0] = 3e38  # type: ignore[arg-type]
+        scaler.step(second)
+        scaler.update()
+    weight = _meshes.local(setting.model.norm.weight).detach()
+    out["finite"] = bool(torch.isfinite(weight).all())
+    out["scale"] = scaler.get_scale()
+    return out
+
+
 def attacks(rank: int, world: int) -> dict[str, Any]:
     """Every scenario above but the resume, each one's traceback kept should it raise."""
     out: dict[str, Any] = {}
-    for fn in (late_param, keep_grads, fp16_autocast):
+    for fn in (late_param, keep_grads, fp16_autocast, grads_kept_then_freed):
         try:
             out[fn.__name__] = fn(rank, world)
         except Exception:

@@ -226,3 +226,18 @@ def test_a_checkpoint_of_four_ranks_resumes_on_two(spawned: dict[Any, Any], name
         assert got["scaler"] == whole["scaler"]
         for a, b in zip(got["full"] + got["momenta"], whole["full"] + whole["momenta"]):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_grad_kept_summed_then_freed_is_summed_again_before_the_check(
+    spawned: dict[Any, Any],
+) -> None:
+    """Review r42a: a second optimizer's param set first seen with norm.weight's grad kept
+    (Replicate, summed by the first optimizer's step); zero_grad() then frees it and sequence
+    parallel makes it Partial again. Pieces finite alone (3e38) that overflow summed must skip
+    the step and back the scale off on every rank (p42a's feb2337 listed only the grads Partial
+    when the set was first seen: the pieces were checked alone, the weight went inf)."""
+    for out in _spawn(spawned, 2).values():
+        got = out["attacks"]["grads_kept_then_freed"]
+        assert "error" not in got, got.get("error")
+        assert got["placements"] == ["(Replicate(),)", "(Partial(sum),)"]
+        assert got == {**got, "finite": True, "scale": 0.5}

@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import math
 import weakref
-from itertools import repeat
+from itertools import chain, repeat
+from operator import attrgetter
 from typing import Any
 
 import torch
@@ -35,13 +36,24 @@ import torch
 from dscale import _dist
 from dscale.scaler._program.unscale import DTensor
 
+try:
+    from torch.distributed.tensor import Partial
+except ImportError:  # torch without DTensor: no grad is a DTensor
+    Partial = None  # type: ignore[assignment,misc]
+
+_GRAD = attrgetter("grad")
+_PLACEMENTS = attrgetter("placements")
+
 
 class ParamSet:
     """One optimizer's params with grads, as last seen: their ids, sqrt weights, Partial ones."""
 
     def __init__(self, key: tuple[int, ...], grads: list[torch.Tensor]) -> None:
         self.key = key
-        self.partial: list[int] = []  # positions of the grads whose placements hold a Partial
+        # positions of the grads that are or may become Partial: a Partial grad, or one that is
+        # Replicate on some dim (summed and kept by zero_grad(set_to_none=False), it is Partial
+        # again once freed); read per step by C calls (:func:`sum_partial_grads`)
+        self.partial: list[int] = []
         self.on_a_mesh = False  # whether any grad is a DTensor
         roots: list[float] = []
         for position, grad in enumerate(grads):
@@ -49,7 +61,7 @@ class ParamSet:
             if DTensor is not None and isinstance(grad, DTensor):
                 self.on_a_mesh = True
                 mesh = grad.device_mesh
-                if any(p.is_partial() for p in grad.placements):  # summed into Replicate first
+                if any(p.is_partial() or p.is_replicate() for p in grad.placements):
                     self.partial.append(position)
                 for dim, placement in enumerate(grad.placements):
                     if placement.is_replicate() or placement.is_partial():
@@ -121,7 +133,11 @@ def sum_partial_grads(optimizer: torch.optim.Optimizer) -> ParamSet | None:
     params, found = _param_set(optimizer)
     if found is None or not found.partial:
         return found
-    for position in found.partial:
-        param = params[position]
-        param.grad = _dist.sum_partial(param.grad)
+    watched = [params[i] for i in found.partial] if len(found.partial) < len(params) else params
+    placements = chain.from_iterable(map(_PLACEMENTS, map(_GRAD, watched)))
+    if not any(map(isinstance, placements, repeat(Partial))):  # C calls only: no Python per grad
+        return found
+    for param in watched:
+        if any(p.is_partial() for p in param.grad.placements):  # summed into Replicate first
+            param.grad = _dist.sum_partial(param.grad)
     return found
