@@ -51,8 +51,9 @@ class ParamSet:
     def __init__(self, key: tuple[int, ...], grads: list[torch.Tensor]) -> None:
         self.key = key
         # positions of the grads that are or may become Partial: a Partial grad, or one that is
-        # Replicate on some dim (summed and kept by zero_grad(set_to_none=False), it is Partial
-        # again once freed); read per step by C calls (:func:`sum_partial_grads`)
+        # Replicate and sharded nowhere (TP's norm grads summed and kept by
+        # zero_grad(set_to_none=False) are Partial again once freed; FSDP2's and HSDP's grads,
+        # sharded, come out of its reduction summed); read per step by C calls
         self.partial: list[int] = []
         self.on_a_mesh = False  # whether any grad is a DTensor
         roots: list[float] = []
@@ -61,7 +62,10 @@ class ParamSet:
             if DTensor is not None and isinstance(grad, DTensor):
                 self.on_a_mesh = True
                 mesh = grad.device_mesh
-                if any(p.is_partial() or p.is_replicate() for p in grad.placements):
+                kinds = grad.placements
+                if any(p.is_partial() for p in kinds) or (  # whole on every rank: TP's norms
+                    any(p.is_replicate() for p in kinds) and not any(p.is_shard() for p in kinds)
+                ):
                     self.partial.append(position)
                 for dim, placement in enumerate(grad.placements):
                     if placement.is_replicate() or placement.is_partial():
