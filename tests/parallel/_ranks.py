@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from tests.parallel import _meshes
+from tests.parallel import _attacks, _meshes
 
 #: world size -> the settings run on it
 SETTINGS = {2: ("tp", "tp_sp"), 4: ("fsdp_tp", "hsdp")}
@@ -79,8 +79,11 @@ def run_settings(rank: int, world_size: int, root: str | None = None) -> dict[st
     if world_size == 2:
         out["attach_tp"] = _attach_refused(rank, world_size)
         out["partial_overflow"] = _partial_overflow(rank, world_size)
+        out["attacks"] = _attacks.attacks(rank, world_size)
     if root is not None:
         out["reshard"] = _reshard(rank, world_size, root)
+        if world_size == 2:  # the 4-rank spawn ran first and saved its 2-D checkpoint there
+            out["four_on_two"] = _attacks.resume_four_on_two(rank, world_size, root)
     return out
 
 

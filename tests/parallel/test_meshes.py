@@ -38,6 +38,8 @@ def spawned(tmp_path_factory: pytest.TempPathFactory) -> dict[Any, Any]:
 
 
 def _spawn(spawned: dict[Any, Any], world: int) -> dict[int, dict[str, Any]]:
+    if world == 2 and 4 not in spawned:  # 2 ranks resume the 4 ranks' 2-D checkpoint
+        _spawn(spawned, 4)
     if world not in spawned:
         spawned[world] = run_ranks(run_settings, spawned["root"], world_size=world, timeout_s=240)
     return spawned[world]
@@ -177,3 +179,65 @@ def test_table_rows_are_written_for_the_docs(
     (out / "table.json").write_text(json.dumps(rows, indent=1))
     (out / "table.md").write_text(table.markdown(rows) + "\n")
     print(f"\n{out / 'table.md'}:\n{table.markdown(rows)}")
+
+
+def test_a_param_group_added_mid_run_and_kept_grads_give_the_gate_the_global_norm(
+    spawned: dict[Any, Any],
+) -> None:
+    """TP + SP (review r42a): the norm's Partial-grad params added at step 2 (add_param_group),
+    and grads kept between steps (zero_grad(set_to_none=False), 2 microbatches accumulated:
+    Partial on step 0, Replicate after): the gate's norm is clip_grad_norm_'s on every step."""
+    for out in _spawn(spawned, 2).values():
+        for name in ("late_param", "keep_grads"):
+            got = out["attacks"][name]
+            assert "error" not in got, got.get("error")
+            for gate, true in zip(got["gate"], got["true"], strict=True):
+                assert math.isclose(gate, true, rel_tol=1e-6), (name, gate, true)
+        assert out["attacks"]["keep_grads"]["places"][1:] == ["(Replicate(),)"] * 2
+
+
+def test_fp16_autocast_under_tp_sp_grows_and_backs_off_like_the_one_process_run(
+    spawned: dict[Any, Any],
+) -> None:
+    """autocast fp16 under TP + SP (review r42a): dscale's GradScaler from 2^22, growing every
+    step, meets real fp16 overflows; its decisions and scales are the one-process torch run's
+    (backing off, then growing again), its params equal to fp32 rounding."""
+    for out in _spawn(spawned, 2).values():
+        got = out["attacks"]["fp16_autocast"]
+        assert "error" not in got, got.get("error")
+        ours, oracle = got["dscale"], got["oracle"]
+        assert not all(oracle["applied"]) and any(oracle["applied"])  # both decisions met
+        assert ours["applied"] == oracle["applied"]
+        assert ours["scales"] == oracle["scales"]
+        for a, b in zip(ours["full"], oracle["full"], strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["tp_sp", "fsdp"])
+def test_a_checkpoint_of_four_ranks_resumes_on_two(spawned: dict[Any, Any], name: str) -> None:
+    """The 2-D (FSDP2 x TP, 4 ranks) checkpoint of step 2 resumed by 2 ranks on TP + SP and on
+    FSDP2 (review r42a): the same decisions and scaler state as the uninterrupted 4-rank run,
+    params and momenta to fp32 rounding."""
+    whole = _spawn(spawned, 4)[0]["reshard"]["whole"]
+    for out in _spawn(spawned, 2).values():
+        got = out["four_on_two"][name]
+        assert "error" not in got, got.get("error")
+        assert got["applied"] == whole["applied"][2:] == [False, True]
+        assert got["scaler"] == whole["scaler"]
+        for a, b in zip(got["full"] + got["momenta"], whole["full"] + whole["momenta"]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_grad_kept_summed_then_freed_is_summed_again_before_the_check(
+    spawned: dict[Any, Any],
+) -> None:
+    """Review r42a: a second optimizer's param set first seen with norm.weight's grad kept
+    (Replicate, summed by the first optimizer's step); zero_grad() then frees it and sequence
+    parallel makes it Partial again. Pieces finite alone (3e38) that overflow summed must skip
+    the step and back the scale off on every rank (p42a's feb2337 listed only the grads Partial
+    when the set was first seen: the pieces were checked alone, the weight went inf)."""
+    for out in _spawn(spawned, 2).values():
+        got = out["attacks"]["grads_kept_then_freed"]
+        assert "error" not in got, got.get("error")
+        assert got["placements"] == ["(Replicate(),)", "(Partial(sum),)"]
+        assert got == {**got, "finite": True, "scale": 0.5}

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import math
 import weakref
+from itertools import chain, repeat
+from operator import attrgetter
 from typing import Any
 
 import torch
@@ -34,13 +36,25 @@ import torch
 from dscale import _dist
 from dscale.scaler._program.unscale import DTensor
 
+try:
+    from torch.distributed.tensor import Partial
+except ImportError:  # torch without DTensor: no grad is a DTensor
+    Partial = None  # type: ignore[assignment,misc]
+
+_GRAD = attrgetter("grad")
+_PLACEMENTS = attrgetter("placements")
+
 
 class ParamSet:
     """One optimizer's params with grads, as last seen: their ids, sqrt weights, Partial ones."""
 
     def __init__(self, key: tuple[int, ...], grads: list[torch.Tensor]) -> None:
         self.key = key
-        self.partial: list[int] = []  # positions of the grads whose placements hold a Partial
+        # positions of the grads that are or may become Partial: a Partial grad, or one that is
+        # Replicate and sharded nowhere (TP's norm grads summed and kept by
+        # zero_grad(set_to_none=False) are Partial again once freed; FSDP2's and HSDP's grads,
+        # sharded, come out of its reduction summed); read per step by C calls
+        self.partial: list[int] = []
         self.on_a_mesh = False  # whether any grad is a DTensor
         roots: list[float] = []
         for position, grad in enumerate(grads):
@@ -48,7 +62,10 @@ class ParamSet:
             if DTensor is not None and isinstance(grad, DTensor):
                 self.on_a_mesh = True
                 mesh = grad.device_mesh
-                if any(p.is_partial() for p in grad.placements):  # summed into Replicate first
+                kinds = grad.placements
+                if any(p.is_partial() for p in kinds) or (  # whole on every rank: TP's norms
+                    any(p.is_replicate() for p in kinds) and not any(p.is_shard() for p in kinds)
+                ):
                     self.partial.append(position)
                 for dim, placement in enumerate(grad.placements):
                     if placement.is_replicate() or placement.is_partial():
@@ -73,15 +90,39 @@ class ParamSet:
 
 
 _sets: weakref.WeakKeyDictionary[torch.optim.Optimizer, ParamSet] = weakref.WeakKeyDictionary()
+#: optimizer -> the shape of its param lists when none of their params was a DTensor
+_plain: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[tuple[int, int], ...]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _shape(optimizer: torch.optim.Optimizer) -> tuple[tuple[int, int], ...]:
+    """Each group's param list (identity, length): grows with the groups, not the params."""
+    return tuple((id(params := group["params"]), len(params)) for group in optimizer.param_groups)
 
 
 def _param_set(optimizer: torch.optim.Optimizer) -> tuple[list[Any], ParamSet | None]:
     """The params holding a grad, and their set (None when no grad is a DTensor: nothing to
-    weigh or sum)."""
-    params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-    if torch.compiler.is_compiling():  # traced once per graph, which dynamo guards on these grads
+    weigh or sum).
+
+    An optimizer none of whose params is a DTensor (DDP, FSDP1, one process) is recognised by
+    its param lists' shape alone, so that a step visits no param here (``optimizer_grads``
+    already visits each once); a group added or a list grown or replaced is looked at again.
+    """
+    if torch.compiler.is_compiling():  # traced once per graph, which dynamo guards on the grads
+        params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
         traced = ParamSet((), [p.grad for p in params])
         return params, (traced if traced.on_a_mesh else None)
+    shape = _shape(optimizer)
+    if _plain.get(optimizer) == shape:
+        return [], None
+    every = [p for group in optimizer.param_groups for p in group["params"]]
+    if DTensor is None or not any(map(isinstance, every, repeat(DTensor))):
+        _plain[optimizer] = shape
+        _sets.pop(optimizer, None)
+        return [], None
+    _plain.pop(optimizer, None)
+    params = [p for p in every if p.grad is not None]
     key = tuple(map(id, params))
     known = _sets.get(optimizer)
     if known is None or known.key != key:  # plain tensors too: a step never looks at each grad
@@ -100,7 +141,11 @@ def sum_partial_grads(optimizer: torch.optim.Optimizer) -> ParamSet | None:
     params, found = _param_set(optimizer)
     if found is None or not found.partial:
         return found
-    for position in found.partial:
-        param = params[position]
-        param.grad = _dist.sum_partial(param.grad)
+    watched = [params[i] for i in found.partial] if len(found.partial) < len(params) else params
+    placements = chain.from_iterable(map(_PLACEMENTS, map(_GRAD, watched)))
+    if not any(map(isinstance, placements, repeat(Partial))):  # C calls only: no Python per grad
+        return found
+    for param in watched:
+        if any(p.is_partial() for p in param.grad.placements):  # summed into Replicate first
+            param.grad = _dist.sum_partial(param.grad)
     return found
