@@ -64,12 +64,11 @@ class StartMethod(Choice):
     forkserver = "forkserver"
 
 
-class Strategy(Choice):
-    """How ``ctx.parallelize(model)`` spreads the model over ranks."""
-
-    single = "single"  # one process, no wrapper
-    ddp = "ddp"  # DistributedDataParallel
-    fsdp = "fsdp"  # FSDP2 fully_shard per block, then the root
+#: How ``ctx.parallelize(model)`` spreads the model over ranks (``parallel=``): single (one
+#: process, no wrapper), ddp (DistributedDataParallel), fsdp (FSDP2 fully_shard per block, then
+#: the root), tp (tensor parallel over all ranks), 2d (FSDP2 x TP), hsdp (FSDP2 on a replicate x
+#: shard mesh), pp (pipeline stages). The functional form, because ``2d`` is no Python name.
+Strategy = Choice("Strategy", [(s, s) for s in ("single", "ddp", "fsdp", "tp", "2d", "hsdp", "pp")])
 
 
 class Precision(Choice):
@@ -121,9 +120,25 @@ class LauncherConfig:
 
 @dataclass
 class ParallelConfig:
-    """How the model is spread over ranks: one process, DDP, or FSDP2 ``fully_shard``."""
+    """How the model is spread over ranks, and the degrees of its device mesh.
 
-    strategy: Strategy = Strategy.ddp
+    The degrees multiply to the world size; the data-parallel degree is what is left over
+    (``parallel=2d parallel.tp=2`` on 8 ranks: 4 x 2). ``launch/mesh.py`` checks them against
+    the world size and the model before any worker starts.
+
+    ``tp``: ranks per tensor-parallel group (``tp``: all of them; ``2d``: the inner mesh dim).
+    ``replicate``: ``hsdp``'s replicas; each shards over world / replicate ranks.
+    ``pp``: pipeline stages (``pp``: all ranks); ``schedule`` and ``microbatches`` are
+    ``torch.distributed.pipelining``'s (``gpipe`` or ``1f1b``; microbatches divide
+    ``data.batch_size``).
+    """
+
+    strategy: Strategy = Strategy["ddp"]
+    tp: int = 1
+    replicate: int = 1
+    pp: int = 1
+    schedule: str = field(default="1f1b", metadata=choices(("gpipe", "1f1b")))
+    microbatches: int = 4
 
 
 @dataclass

@@ -30,6 +30,7 @@ from dscale.checkpoint import CheckpointManager, CheckpointSaveError, Preemption
 from launch.applies import unused_keys
 from launch.choices import bad_choice
 from launch.entrypoint import EntrypointError, load_entrypoint
+from launch.mesh import MESH_STRATEGIES, MeshError, check_batches, check_model, mesh_shape
 from launch.schema import DEMO_ENTRYPOINT, Device, JobConfig
 
 
@@ -353,8 +354,34 @@ def validate(job: JobConfig, typed: Iterable[str] = (), read_elsewhere: Iterable
     _metrics(job, nproc)
     _checkpoint(job)
     _fault(job, nproc * max_nodes)
+    _parallel(job, nproc)
     _fp8(job)
     return nproc
+
+
+def _parallel(job: JobConfig, nproc: int) -> None:
+    """The mesh's degrees against the world size, and the demo model against the mesh."""
+    p = dataclasses.asdict(job.parallel)
+    if p["strategy"] not in MESH_STRATEGIES:
+        return
+    min_nodes, max_nodes = parse_min_max_nnodes(job.launcher.nnodes)
+    _need(
+        min_nodes == max_nodes,
+        f"parallel={p['strategy']} builds its mesh for one world size, but launcher.nnodes="
+        f"{job.launcher.nnodes} lets it change: give a fixed number of nodes",
+    )
+    try:
+        shape = mesh_shape(p, nproc * max_nodes)
+        if job.script is None and job.entrypoint == DEMO_ENTRYPOINT:
+            check_model(p, shape, dataclasses.asdict(job.model))
+            check_batches(p, job.data.batch_size)
+    except MeshError as exc:
+        raise ConfigError(str(exc)) from None
+    _need(
+        not (p["strategy"] == "pp" and job.fault.spike_steps),
+        "fault.spike_steps multiplies the loss of the loop's forward, which parallel=pp runs "
+        "inside its schedule: drop fault.spike_steps (fault.inf_steps works)",
+    )
 
 
 def _fp8(job: JobConfig) -> None:
