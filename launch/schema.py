@@ -64,11 +64,17 @@ class StartMethod(Choice):
     forkserver = "forkserver"
 
 
-#: How ``ctx.parallelize(model)`` spreads the model over ranks (``parallel=``): single (one
-#: process, no wrapper), ddp (DistributedDataParallel), fsdp (FSDP2 fully_shard per block, then
-#: the root), tp (tensor parallel over all ranks), 2d (FSDP2 x TP), hsdp (FSDP2 on a replicate x
-#: shard mesh), pp (pipeline stages). The functional form, because ``2d`` is no Python name.
-Strategy = Choice("Strategy", [(s, s) for s in ("single", "ddp", "fsdp", "tp", "2d", "hsdp", "pp")])
+class Strategy(Choice):
+    """How ``ctx.parallelize(model)`` spreads the model over ranks (``parallel=``)."""
+
+    single = "single"  # one process, no wrapper
+    ddp = "ddp"  # DistributedDataParallel
+    fsdp = "fsdp"  # FSDP2 fully_shard per block, then the root
+    hsdp = "hsdp"  # FSDP2 on a (replicate, shard) mesh
+    tp = "tp"  # tensor parallel over every rank
+    pp = "pp"  # pipeline stages, one per rank
+    # FSDP2 x TP on a (dp, tp) mesh. "2d" is no Python name; a class body's namespace takes it.
+    locals()["2d"] = "2d"
 
 
 class Precision(Choice):
@@ -133,7 +139,7 @@ class ParallelConfig:
     ``data.batch_size``).
     """
 
-    strategy: Strategy = Strategy["ddp"]
+    strategy: Strategy = Strategy.ddp
     tp: int = 1
     replicate: int = 1
     pp: int = 1
