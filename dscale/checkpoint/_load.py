@@ -66,11 +66,15 @@ logger = logging.getLogger(__name__)
 _Sums = tuple[str, list[tuple[str, str]]]
 
 
-def _check_keys(path: Path, metadata: Metadata, name: str, staged: Any) -> None:
+def _check_keys(
+    path: Path, metadata: Metadata, name: str, staged: Any, unplaced: dict[str, list[str]]
+) -> None:
     """Raise CheckpointError when the checkpoint holds other entries than the model/optimizer.
 
     DCP ignores saved entries that the object being loaded lacks, so without this a
     checkpoint of a bigger model, or an optimizer of another kind, would load partially.
+    Saved entries that are this rank's only problem go into ``unplaced``: another rank may
+    hold them (a pipeline stage loads its own layers), which :func:`_placed_somewhere` asks.
     """
     flat, _ = flatten_state_dict({name: staged})
     here = set(flat)
@@ -83,29 +87,62 @@ def _check_keys(path: Path, metadata: Metadata, name: str, staged: Any) -> None:
         parts.append(
             f"{len(missing)} entries are not in the checkpoint (e.g. {', '.join(missing[:3])})"
         )
-    if lacking:
-        parts.append(
-            f"{len(lacking)} saved entries have no place in the {name} "
-            f"being loaded (e.g. {', '.join(lacking[:3])})"
-        )
     for key in sorted(here & there):
         saved, value = metadata.state_dict_metadata[key], flat[key]
         size = getattr(saved, "size", None)
         if size is not None and isinstance(value, torch.Tensor) and value.shape != size:
             parts.append(f"{key} has shape {tuple(size)} there and {tuple(value.shape)} here")
             break
+    if lacking and not parts:
+        unplaced[name] = lacking
+        return
+    if lacking:
+        parts.insert(int(bool(missing)), _no_place(name, lacking))
     if parts:
-        hint = (
-            "is it a checkpoint of another model?"
-            if name == "model"
-            else "is the optimizer's state initialized (one step taken), is it of the same kind "
-            "over the same parameters, with an lr scheduler where the run had one (a scheduler "
-            "adds initial_lr to the param groups), or is it another run's checkpoint?"
+        raise CheckpointError(
+            f"{path} does not match the {name}: {'; '.join(parts)}; {_hint(name)}"
         )
-        raise CheckpointError(f"{path} does not match the {name}: {'; '.join(parts)}; {hint}")
 
 
-def _stage(path: Path, states: Mapping[str, Any], metadata: Metadata) -> dict[str, Any]:
+def _hint(name: str) -> str:
+    if name == "model":
+        return "is it a checkpoint of another model?"
+    return (
+        "is the optimizer's state initialized (one step taken), is it of the same kind "
+        "over the same parameters, with an lr scheduler where the run had one (a scheduler "
+        "adds initial_lr to the param groups), or is it another run's checkpoint?"
+    )
+
+
+def _no_place(name: str, lacking: list[str]) -> str:
+    return (
+        f"{len(lacking)} saved entries have no place in the {name} "
+        f"being loaded (e.g. {', '.join(lacking[:3])})"
+    )
+
+
+def _placed_somewhere(
+    path: Path, unplaced: dict[str, list[str]], group: Any
+) -> CheckpointError | None:
+    """The saved entries that no rank's model or optimizer has a place for, as an error.
+
+    A pipeline stage holds some layers only: what it lacks, another stage loads. Entries that
+    every rank lacks are another model's. One gather of the names, on every rank alike.
+    """
+    gathered = _dist.all_gather_objects(unplaced, group)
+    for name in ("model", "optimizer"):
+        lacking = [set(ranks.get(name, ())) for ranks in gathered]
+        nowhere = sorted(set.intersection(*lacking)) if lacking else []
+        if nowhere:
+            return CheckpointError(
+                f"{path} does not match the {name}: {_no_place(name, nowhere)}; {_hint(name)}"
+            )
+    return None
+
+
+def _stage(
+    path: Path, states: Mapping[str, Any], metadata: Metadata, unplaced: dict[str, list[str]]
+) -> dict[str, Any]:
     """Empty copies of every state to load into; checks model and optimizer keys."""
     staged: dict[str, Any] = {}
     saved = metadata.state_dict_metadata
@@ -119,7 +156,7 @@ def _stage(path: Path, states: Mapping[str, Any], metadata: Metadata) -> dict[st
             staged[name] = placeholders(metadata, "train")
         elif name in ("model", "optimizer"):
             staged[name] = empty_copy(state.state_dict())
-            _check_keys(path, metadata, name, staged[name])
+            _check_keys(path, metadata, name, staged[name], unplaced)
         else:
             if isinstance(state, Companion) and not any(k.startswith(name + ".") for k in saved):
                 kind = type(state.obj).__name__
@@ -185,7 +222,9 @@ def _check_shapes(path: Path, metadata: Metadata, name: str, staged: Any) -> Non
             )
 
 
-def _inspect(path: Path, states: Mapping[str, Any]) -> tuple[_Sums, dict[str, Any]]:
+def _inspect(
+    path: Path, states: Mapping[str, Any], unplaced: dict[str, list[str]]
+) -> tuple[_Sums, dict[str, Any]]:
     check_folder(path)
     sizes = check_regular_files(path)  # before anything is opened: a FIFO would block
     algorithm, entries = read_manifest(path)
@@ -203,7 +242,7 @@ def _inspect(path: Path, states: Mapping[str, Any]) -> tuple[_Sums, dict[str, An
     check_declared_shapes(path, metadata, "train", {})
     check_declared_sizes(path, metadata, sizes)
     data = [(digest, name) for digest, name in entries if name.startswith("__")]
-    return (algorithm, data), _stage(path, states, metadata)
+    return (algorithm, data), _stage(path, states, metadata, unplaced)
 
 
 def _read(path: Path, staged: dict[str, Any], sums: _Sums, group: Any) -> None:
@@ -294,12 +333,14 @@ def load_checkpoint(
     problem: BaseException | None = None
     sums: _Sums = ("crc32", [])
     staged: dict[str, Any] = {}
+    unplaced: dict[str, list[str]] = {}
     try:
-        sums, staged = _inspect(path, states)
+        sums, staged = _inspect(path, states, unplaced)
     except CheckpointError as exc:
         problem = exc
     except Exception as exc:
         problem = CheckpointError(f"{path} cannot be read ({type(exc).__name__}: {exc})")
+    problem = _placed_somewhere(path, unplaced, group) or problem
     _dist.gather_then_raise(problem, group, f"checking {path}", ERROR_TYPES)
 
     scaler_state = None

@@ -10,7 +10,7 @@ from typing import Any, Protocol
 import torch
 
 from dscale import _dist
-from dscale.scaler import _check, _decision, _legacy_step, _watchdogs
+from dscale.scaler import _check, _decision, _legacy_step, _pipeline, _watchdogs
 from dscale.scaler._attach.hooks import AttachRefusal, ReductionHooks
 from dscale.scaler._program import agreement as _agreement
 from dscale.scaler._program import predictive as _predictive
@@ -234,6 +234,10 @@ class GradScaler(TorchGradScalerSurface):
         # False for a StepGuard (dscale/step_guard.py): the scale is 1 and never moves.
         self._loss_scaling = True
         self._spike_warned_at = 0  # the spike run length last warned about
+        # pipeline_loss(): how the microbatch losses combine (None: not pipelined); the flag
+        # says scale() is called by it, with the loss recorded already.
+        self._pipeline: _pipeline.MicrobatchReduction | None = None
+        self._loss_recorded = False
 
     # ----------------------------------------------------------------- device state
     def _scale_on(self, device: torch.device) -> torch.Tensor:
@@ -246,9 +250,67 @@ class GradScaler(TorchGradScalerSurface):
         if self._book.scale is None:
             raise RuntimeError(
                 f"{funcname}() was called before scale(); call scaler.scale(loss).backward() "
-                "earlier in the iteration"
+                "earlier in the iteration. Under a pipeline schedule, where a stage without "
+                "the loss cannot: build every stage's schedule with "
+                "loss_fn=scaler.pipeline_loss(loss_fn) (see docs/scaler.md, 'Pipeline "
+                "parallel'); no dummy scale() call is needed then"
             )
         return self._book.scale
+
+    def _place_without_a_loss(self, optimizer: torch.optim.Optimizer) -> None:
+        """A pipelined stage that holds no loss calls no scale(): its first step() or
+        unscale_() places the scale where the optimizer's parameters are (once)."""
+        if self._book.scale is not None or self._pipeline is None:
+            return
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                self._scale_on(param.device)
+                return
+
+    def pipeline_loss(
+        self,
+        loss_fn: Callable[..., torch.Tensor],
+        *,
+        microbatch_reduction: _pipeline.MicrobatchReduction = "mean",
+    ) -> Callable[..., torch.Tensor]:
+        """``loss_fn`` for a ``torch.distributed.pipelining`` schedule: scaled, and recorded.
+
+        Build every stage's schedule with it (``ScheduleGPipe(stage, n, loss_fn=
+        scaler.pipeline_loss(loss_fn))``). The schedule's backward then runs from the scaled
+        loss; a stage without the loss needs no ``scale()`` call of its own (its first step()
+        places the scale); the spike gate's loss is the step's: the mean (or the sum, for
+        ``microbatch_reduction="sum"``, a ``loss_fn`` that returns each microbatch's share
+        under ``scale_grads=False``) of this step's microbatch losses, averaged over the ranks
+        that hold one. torch's shape-inference call of ``loss_fn`` (a schedule's first step, on
+        uninitialised tensors) and ``schedule.eval()``'s calls are returned unscaled and not
+        recorded. See ``docs/scaler.md``, "Pipeline parallel".
+        """
+        reduction = _pipeline.check_reduction(microbatch_reduction)
+        wrapped = _pipeline.PipelineLoss(self, loss_fn)
+        self._pipeline = reduction
+        if self._spike is not None:
+            self._spike.pipelined = True
+            self._spike.microbatch_reduction = reduction
+        return wrapped
+
+    def _records_loss(self) -> bool:
+        """Whether scale() adds what it is given to the spike gate's loss."""
+        assert self._spike is not None  # noqa: S101 - asked with the gate on
+        if not self._spike.watches_loss or self._loss_recorded:
+            return False
+        return _pipeline.call_site() == _pipeline.TRAINING
+
+    def _scale_microbatch_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """PipelineLoss: one microbatch's loss, recorded as such, times the scale."""
+        if not self._enabled:
+            return loss
+        if self._spike is not None:
+            self._spike.add_microbatch_loss(loss)
+        self._loss_recorded = True
+        try:
+            return self.scale(loss)  # type: ignore[no-any-return]
+        finally:
+            self._loss_recorded = False
 
     def _process_group(self) -> Any | None:
         if self._group_arg is None and self._group_ranks is not None:
@@ -262,7 +324,8 @@ class GradScaler(TorchGradScalerSurface):
         if not self._enabled:
             return outputs
         self._scale_calls += 1  # attach()'s hooks refuse a backward with no scale() before it
-        if self._spike is not None:
+        # Not a pipeline stage's shape inference nor an eval() (see _pipeline.call_site).
+        if self._spike is not None and self._records_loss():
             self._spike.add_loss(outputs)
         if not self._loss_scaling:  # a StepGuard: nothing to multiply; place the state only
             tensors = _spike_gate.tensors_in(outputs)
@@ -306,6 +369,7 @@ class GradScaler(TorchGradScalerSurface):
         """
         if not self._enabled:
             return
+        self._place_without_a_loss(optimizer)
         self._require_scale("unscale_")
         state = self._per_optimizer_states.setdefault(id(optimizer), OptimizerState())
         if state.stage is Stage.UNSCALED:
@@ -378,6 +442,7 @@ class GradScaler(TorchGradScalerSurface):
                 "Closure use is not currently supported if GradScaler is enabled: call "
                 "scaler.scale(loss).backward() yourself, then scaler.step(optimizer)."
             )
+        self._place_without_a_loss(optimizer)
         self._require_scale("step")
         state = self._per_optimizer_states.setdefault(id(optimizer), OptimizerState())
         if state.stage is Stage.STEPPED:

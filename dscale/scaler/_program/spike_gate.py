@@ -115,6 +115,13 @@ class SpikeGate:
         self.watches_loss = "loss" in signals
         self.watches_grad_norm = "grad_norm" in signals
         self._loss: torch.Tensor | None = None  # this iteration's loss on this rank (a sum)
+        # Pipeline schedules (GradScaler.pipeline_loss): a rank may hold no loss (its slot says
+        # -inf, and the step's loss is the mean over the ranks that hold one), and the
+        # microbatch losses the schedule computed are combined by `microbatch_reduction`.
+        self.pipelined = False
+        self.microbatch_reduction = "mean"
+        self._microbatch_sum: torch.Tensor | None = None
+        self._microbatches = 0
         self._device: torch.device | None = None
         # float64 [len(signals) + 4, window + 2], rows as the module docstring says: values,
         # ones, factors, spike skips (at the last entry | now), entries (column `window` on);
@@ -164,6 +171,29 @@ class SpikeGate:
                 value = value.float().sum()
             self._loss = value if self._loss is None else self._loss + value.to(self._loss.device)
 
+    def add_microbatch_loss(self, loss: torch.Tensor) -> None:
+        """Add one microbatch's loss, as a pipeline schedule computed it (detached; no sync)."""
+        if not self.watches_loss:
+            return
+        value = loss.detach()
+        if value.dim() or value.dtype != torch.float32:
+            value = value.float().sum()
+        total = self._microbatch_sum
+        self._microbatch_sum = value if total is None else total + value.to(total.device)
+        self._microbatches += 1
+
+    def _step_loss(self, device: torch.device) -> torch.Tensor | None:
+        """This rank's loss for the step: scale()'s sum plus the microbatches' mean (or sum)."""
+        loss = self._loss
+        total = self._microbatch_sum
+        if total is not None:
+            if self.microbatch_reduction == "mean" and self._microbatches > 1:
+                total = total / self._microbatches
+            loss = total if loss is None else loss + total.to(loss.device)
+        if loss is None and self.pipelined:  # a stage without the loss: no value, -inf
+            return torch.full((), -math.inf, device=device)
+        return None if loss is None else loss.to(device)
+
     def tail(
         self,
         grads: Sequence[torch.Tensor],
@@ -179,11 +209,14 @@ class SpikeGate:
         the squared grad norm rounded to fp32, a NaN made +inf: MAX must be well defined, and a
         NaN would vanish or not depending on the order.
         """
-        if self.watches_loss and self._loss is None:
+        loss = self._step_loss(device) if self.watches_loss else None
+        if self.watches_loss and loss is None:
             raise RuntimeError(
                 "the spike gate watches the loss, but no loss was passed to scale() in this "
                 "iteration: call scaler.scale(loss).backward() (a StepGuard returns the loss "
-                'unchanged), or drop "loss" from spike_signals'
+                'unchanged), or drop "loss" from spike_signals. A pipeline stage that holds '
+                "no loss: build every stage's schedule with "
+                "loss_fn=scaler.pipeline_loss(loss_fn)"
             )
         key = (device, rank, world)
         if self._slots is None or self._slots[0] != key:
@@ -193,7 +226,7 @@ class SpikeGate:
         slots = self._slots[1]
         mine = slots[:, rank]
         inf64, inf32, zero = self._constants(device)
-        loss = zero if self._loss is None else self._loss.to(device)
+        loss = zero if loss is None else loss
         if not self.watches_grad_norm:  # the loss alone: NaN -> inf as it is written
             torch.fmin(loss.reshape(1), inf32, out=mine)
             return slots.reshape(-1)
@@ -294,8 +327,11 @@ class SpikeGate:
         # The loss is the mean over ranks, the grad norm the root of the summed squares; written
         # into this step's two columns, which push() shifts in.
         ranks = tail.view(n, 1, world).expand(n, 2, world)
+        holders = self._loss_holders(tail, world) if self.pipelined else None
         pair = torch.sum(ranks, 2, dtype=torch.float64, out=state[:n, w : w + 2])
-        if self.watches_loss and world > 1:
+        if holders is not None:
+            pair[:1].div_(holders)
+        elif self.watches_loss and world > 1:
             pair[:1].div_(world)
         if self.watches_grad_norm:
             pair[n - 1 :].sqrt_()
@@ -313,6 +349,19 @@ class SpikeGate:
         overflow = overflow.reshape(())
         spike = torch.gt(above, overflow, out=flags[0])  # a spike where no overflow
         return spike, values, torch.maximum(overflow, spike, out=tail[-1])
+
+    def _loss_holders(self, tail: torch.Tensor, world: int) -> torch.Tensor | None:
+        """Pipelined: how many ranks sent a loss (float64), their -inf slots made 0 in place.
+
+        A stage without the loss sends -inf (no value); the step's loss is the mean over the
+        others (the ranks that hold the last stage, one per pipeline replica). 3 ops.
+        """
+        if not self.watches_loss:
+            return None
+        losses = tail[:world]  # the loss is the first signal: its row leads the tail
+        holders = losses.gt(-math.inf).sum(dtype=torch.float64)
+        losses.nan_to_num_(nan=math.inf, posinf=math.inf, neginf=0.0)
+        return holders
 
     def push(self, values: torch.Tensor, spike: torch.Tensor, skip: torch.Tensor) -> None:
         """End of an iteration: an applied step's (finite) values enter the window; count.
@@ -338,6 +387,8 @@ class SpikeGate:
     def end_iteration(self) -> None:
         """Forget this iteration's loss (update() calls it, whatever happened)."""
         self._loss = None
+        self._microbatch_sum = None
+        self._microbatches = 0
 
     # ------------------------------------------------------------------ reading
     def _fresh_host(self) -> dict[str, float | int]:
@@ -444,6 +495,7 @@ class SpikeGate:
             "_norms",
             "_device",
             "_loss",
+            "_microbatch_sum",
             "_in_flight",
         ):
             state[name] = None
@@ -462,6 +514,8 @@ class SpikeGate:
             state["signals"], sigma=state["sigma"], window=state["window"], warmup=state["warmup"]
         )
         self._pending_load = state.get("_pending_load")
+        self.pipelined = state.get("pipelined", False)
+        self.microbatch_reduction = state.get("microbatch_reduction", "mean")
         if "_host" in state:
             self._host = state["_host"]
 

@@ -174,6 +174,8 @@ _ADDED_SINCE = (
     ("_loss_scaling", True),
     ("_spike", None),
     ("_spike_warned_at", 0),
+    ("_pipeline", None),
+    ("_loss_recorded", False),
 )
 
 
