@@ -4,8 +4,9 @@ Each rank of the ``pp`` mesh dim runs one stage: the first holds the embeddings,
 final norm and the head, and the blocks are split evenly in order (torchtitan's split). A stage
 keeps the full model's parameter names (``layers.3.ln1.weight``), so its checkpoint shards fit
 together as the unsplit model's. :class:`Pipeline` runs ``torch.distributed.pipelining``'s
-GPipe or 1F1B schedule; every call it makes to the scaler is in :meth:`Pipeline._scaled_loss`
-and :meth:`Pipeline.step`.
+GPipe or 1F1B schedule with ``loss_fn=scaler.pipeline_loss(loss_fn)``: the scaler scales each
+microbatch's loss, ignores torch's shape-inference call, and lets the stages without the loss
+step without a ``scale()`` of their own (docs/scaler.md, "Pipeline parallel").
 """
 
 from __future__ import annotations
@@ -100,19 +101,21 @@ class Pipeline:
         self.module = (split or split_gpt)(model, self.stage_index, self.num_stages).to(device)
         self._group = pp.get_group()
         self._last_rank = dist.get_global_rank(self._group, self.num_stages - 1)
-        self._loss_fn, self._scaler, self._device = loss_fn, scaler, device
+        self._loss_fn, self._device = loss_fn, device
         self._microbatches = microbatches
         self._losses: list[torch.Tensor] = []
         stage = PipelineStage(
             self.module, self.stage_index, self.num_stages, device, group=self._group
         )
-        self.schedule = SCHEDULES[schedule](stage, microbatches, loss_fn=self._scaled_loss)
+        self.schedule = SCHEDULES[schedule](
+            stage, microbatches, loss_fn=scaler.pipeline_loss(self._noted_loss)
+        )
 
-    def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """The last stage's loss for one microbatch, scaled: what the schedule's backward runs."""
+    def _noted_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The last stage's loss for one microbatch, noted for :meth:`step`'s mean (unscaled)."""
         loss = self._loss_fn(output, target)
         self._losses.append(loss.detach())
-        return self._scaler.scale(loss)
+        return loss
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Forward and backward of one batch on every stage; the batch's mean loss on every rank.
@@ -133,8 +136,6 @@ class Pipeline:
             # step's own microbatches are the last calls.
             loss = torch.stack(self._losses[-self._microbatches :]).float().mean()
         else:
-            # A stage without the loss still tells the scaler a step is under way.
-            self._scaler.scale(torch.zeros((), device=self._device))
             loss = torch.zeros((), device=self._device)
         dist.broadcast(loss, src=self._last_rank, group=self._group)
         return loss

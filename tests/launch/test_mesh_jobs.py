@@ -120,17 +120,17 @@ def _check_every_rank_skipped(run_dir: Path, world: int) -> None:
         assert skipped_in_metrics_log(run_dir, rank) == [INF_STEP - 1]
 
 
-def test_pipeline_job_on_2_ranks_skips_rank_1s_inf_on_both_stages_and_trains_the_oracles_losses(
+def test_pipeline_job_on_2_ranks_skips_rank_0s_inf_on_both_stages_and_trains_the_oracles_losses(
     tmp_path: Path,
 ) -> None:
-    """parallel=pp, 1F1B, 4 microbatches: the inf is on the last stage (rank 1), the loss too."""
+    """parallel=pp, 1F1B, 4 microbatches: the inf is on the first stage (rank 0), which holds no loss."""
     proc = launch(
         tmp_path,
         *COMMON,
         "parallel=pp",
         "parallel.schedule=1f1b",
         "parallel.microbatches=4",
-        "fault.inf_rank=1",
+        "fault.inf_rank=0",
         f"metrics.port={_free_ports(2)}",
     )
     assert proc.returncode == 0, output(proc)
