@@ -3,18 +3,22 @@
 Megatron's split, as torchtitan's plan for a Llama block: q, k and v are column-parallel (each
 rank holds ``n_heads / tp`` heads), the attention's output projection row-parallel; the MLP's
 first linear column-parallel and its second row-parallel, so each block costs one all-reduce in
-the forward and one in the backward of each half. Embeddings, norms and the head stay replicated
-(plain tensors, whose grads are equal on every tp rank). ``nn.MultiheadAttention`` keeps q, k and
+the forward and one in the backward of each half. Embeddings, norms and the head stay whole on
+every rank, as ``Replicate`` DTensors (their grads are equal on every tp rank), so that dscale's
+gate counts each of them once in the global grad norm. ``nn.MultiheadAttention`` keeps q, k and
 v in one packed weight that ``parallelize_module`` cannot split by head, so the plan first swaps
 it for :class:`Attention`, the same maths with a Linear per projection and the same weights.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -94,4 +98,28 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: dict[str, ParallelStyl
             if isinstance(layer.attn, nn.MultiheadAttention):
                 layer.attn = Attention(layer.attn)
         plan = gpt_plan(model)
+        parallelize_module(model, tp_mesh, plan)
+        for module in (model.embed, model.pos, model.norm, model.head):
+            replicate(module, tp_mesh)
+        for layer in model.layers:
+            replicate(layer.ln1, tp_mesh)
+            replicate(layer.ln2, tp_mesh)
+        return
     parallelize_module(model, tp_mesh, plan)
+
+
+def replicate(module: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """``module``'s params as ``Replicate`` DTensors over ``tp_mesh``; plain tensors in and out.
+
+    The values are those of the plain params, and so are the grads (every tp rank computes the
+    same ones); the placement tells dscale (the spike gate's grad norm) and DCP that each tp rank
+    holds a copy of the same tensor, not a piece of a larger one.
+    """
+
+    def to_dtensor(_: nn.Module, inputs: tuple[torch.Tensor, ...], mesh: DeviceMesh) -> Any:
+        return tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False) for x in inputs)
+
+    def to_local(_: nn.Module, output: DTensor, mesh: DeviceMesh) -> torch.Tensor:
+        return output.to_local()
+
+    distribute_module(module, tp_mesh, input_fn=to_dtensor, output_fn=to_local)

@@ -378,6 +378,11 @@ def _parallel(job: JobConfig, nproc: int) -> None:
     except MeshError as exc:
         raise ConfigError(str(exc)) from None
     _need(
+        job.trainer.precision != "fp8",
+        f"trainer.precision=fp8 under parallel={p['strategy']} was not tried (torchao's float8 "
+        "linears under a TP plan or pipeline stages): use fp16 or bf16, or parallel=fsdp for fp8",
+    )
+    _need(
         not (p["strategy"] == "pp" and job.fault.spike_steps),
         "fault.spike_steps multiplies the loss of the loop's forward, which parallel=pp runs "
         "inside its schedule: drop fault.spike_steps (fault.inf_steps works)",

@@ -79,6 +79,7 @@ def _no_worker_started(run_dir: Path) -> bool:
         ("parallel=pp parallel.microbatches=3", "must divide data.batch_size=8"),
         ("parallel=pp parallel.microbatches=1", "parallel.schedule=1f1b needs parallel.micro"),
         ("parallel=pp fault.spike_steps=[3]", "drop fault.spike_steps"),
+        ("parallel=tp trainer.precision=fp8", "trainer.precision=fp8 under parallel=tp"),
         (
             "parallel=tp launcher.nnodes=1:2 launcher.rdzv_backend=c10d "
             "launcher.rdzv_endpoint=127.0.0.1:29400",

@@ -123,7 +123,7 @@ def _check_every_rank_skipped(run_dir: Path, world: int) -> None:
 def test_pipeline_job_on_2_ranks_skips_rank_0s_inf_on_both_stages_and_trains_the_oracles_losses(
     tmp_path: Path,
 ) -> None:
-    """parallel=pp, 1F1B, 4 microbatches: the inf is on the first stage (rank 0), which holds no loss."""
+    """parallel=pp, 1F1B, 4 microbatches: the inf is on the first stage (rank 0), without loss."""
     proc = launch(
         tmp_path,
         *COMMON,
