@@ -230,3 +230,18 @@ def gather_then_raise(
         for msg, r in messages.items()
     )
     raise cls(f"{what} failed on rank(s) {ranks}: {detail}") from problem
+
+
+def sum_partial(grad: Any) -> Any:
+    """``grad`` (a DTensor) with every ``Partial`` mesh dim summed into ``Replicate``.
+
+    DTensor's own ``redistribute``: the all-reduce an optimizer's op would run on that grad.
+    A grad with no Partial dim is returned as it is.
+    """
+    placements = grad.placements
+    if not any(p.is_partial() for p in placements):
+        return grad
+    from torch.distributed.tensor import Replicate
+
+    summed = [Replicate() if p.is_partial() else p for p in placements]
+    return grad.redistribute(grad.device_mesh, summed)

@@ -33,6 +33,7 @@ import torch
 from dscale import _dist
 from dscale.scaler._attach.hooks import AttachRefusal, HookReport
 from dscale.scaler._program import agreement as _agreement
+from dscale.scaler._program import placements as _placements
 from dscale.scaler._program import predictive as _predictive
 from dscale.scaler._program import unscale as _unscale
 from dscale.scaler._program.agreement import Layout
@@ -122,6 +123,7 @@ def check(
             return True
         raise
     state.backwards = report.backwards
+    placed = _placements.sum_partial_grads(optimizer)  # a Partial piece is not the grad
     # Nothing left for this rank's pass where the hooks checked every grad.
     grads = [] if report.complete else optimizer_grads(optimizer, set(report.covered))
     groups = group_by_device_and_dtype(grads)
@@ -160,10 +162,8 @@ def check(
             if scaler._predictive is not None:  # an inf found here reads as an overflow
                 mark_overflow(vector, layout.start("measured"), flag)
         fields = _field_values(scaler, optimizer)  # before the gate's, in the vector's order
-        spike = None
-        if scaler._spike is not None:  # every grad this rank holds, hooked ones too
-            every = optimizer_grads(optimizer) if report.covered else grads
-            spike = _spike_values(scaler, every, None if unscale else scale, device, group)
+        carried = None if unscale else scale  # every grad this rank holds, hooked ones too
+        spike = _spike_values(scaler, optimizer, report, grads, carried, device, group, placed)
         vector, layout = layout.append(vector, fields, spike)
     state.agreed, state.layout = vector, layout
     # 6. agree
@@ -299,18 +299,30 @@ def _field_values(
 
 def _spike_values(
     scaler: Scaler,
+    optimizer: torch.optim.Optimizer,
+    report: HookReport,
     grads: list[torch.Tensor],
     carried: torch.Tensor | None,
     device: torch.device,
     group: Any,
-) -> torch.Tensor:
+    placed: _placements.ParamSet | None,
+) -> torch.Tensor | None:
     """The spike gate's slots: this rank's loss and grad norm in its own, -inf in the peers'.
 
-    ``grads`` are every grad this rank holds for the step, carrying ``carried`` (the scale
-    while still scaled; None: unscaled).
+    None when the gate is off. The norm is over every grad this rank holds for the step:
+    ``grads`` (this rank's pass) and those attach()'s hooks checked (``report``), carrying
+    ``carried`` (the scale while still scaled; None: unscaled); ``placed`` their placements on
+    the mesh, whose weights make the norm global (:mod:`~dscale.scaler._program.placements`;
+    None: plain tensors).
     """
-    assert scaler._spike is not None  # noqa: S101 - called with the gate on
-    return scaler._spike.tail(grads, carried, device, _dist.rank(group), _dist.world_size(group))
+    if scaler._spike is None:
+        return None
+    if report.covered:
+        grads = optimizer_grads(optimizer)
+    roots = None if placed is None else placed.roots_on(device)  # a copy counts once
+    return scaler._spike.tail(
+        grads, carried, device, _dist.rank(group), _dist.world_size(group), roots
+    )
 
 
 def _join_peers_refusing(

@@ -131,6 +131,8 @@ class SpikeGate:
         self._flags: torch.Tensor | None = None  # bool [spike, enters] of this step
         self._slots: tuple[Any, torch.Tensor] | None = None  # ((device, rank, world), slots)
         self._norms: tuple[Any, torch.Tensor] | None = None  # ((device, count), buffer)
+        # (roots as given, the stacked order, the roots in that order): made once per pair
+        self._roots: tuple[torch.Tensor, tuple[int, ...], torch.Tensor] | None = None
         self._zeros = torch.zeros(len(signals), dtype=torch.float64)
         self._consts: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._host: dict[str, float | int] = self._fresh_host()
@@ -201,13 +203,16 @@ class SpikeGate:
         device: torch.device,
         rank: int,
         world: int,
+        roots: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """This rank's part of the agreement vector: ``len(signals) x world`` slots, -inf but ours.
 
         ``grads`` are every grad this rank holds for the optimizer, carrying the factor
         ``carried`` (the scale while still scaled; None when unscaled). Ours hold the loss and
         the squared grad norm rounded to fp32, a NaN made +inf: MAX must be well defined, and a
-        NaN would vanish or not depending on the order.
+        NaN would vanish or not depending on the order. ``roots`` (float64, one per grad, in
+        ``grads``' order; None: all 1) scale each grad's norm before it is squared, so that a
+        grad held whole by several ranks counts once in the sum over the ranks.
         """
         loss = self._step_loss(device) if self.watches_loss else None
         if self.watches_loss and loss is None:
@@ -230,7 +235,7 @@ class SpikeGate:
         if not self.watches_grad_norm:  # the loss alone: NaN -> inf as it is written
             torch.fmin(loss.reshape(1), inf32, out=mine)
             return slots.reshape(-1)
-        local = self._local_values(loss, grads, device)  # float64 [loss, squared norm]
+        local = self._local_values(loss, grads, device, roots)  # float64 [loss, squared norm]
         if carried is not None:  # the grads are still scaled: divide the sum by scale^2
             local[1:].div_(carried.to(device).double().reshape(()).square())
         # fmin(x, inf) is x, and inf for a NaN: the write rounds to fp32 and clears NaNs at once.
@@ -238,7 +243,11 @@ class SpikeGate:
         return slots.reshape(-1)
 
     def _local_values(
-        self, loss: torch.Tensor, grads: Sequence[torch.Tensor], device: torch.device
+        self,
+        loss: torch.Tensor,
+        grads: Sequence[torch.Tensor],
+        device: torch.device,
+        roots: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """[loss, sum of squared grad norms] in float64, by one fused norm per group and one mm.
 
@@ -252,14 +261,19 @@ class SpikeGate:
         """
         norms: list[torch.Tensor] = []
         parts: list[torch.Tensor] = []
+        order: list[int] = []  # the grads' positions in the stacked norms (roots only)
+        later: list[int] = []
         if grads:
-            grouped = torch._C._group_tensors_by_device_and_dtype([list(grads)], False)
-            for lists, _ in grouped.values():
+            with_positions = roots is not None  # where each norm comes from, for its weight
+            grouped = torch._C._group_tensors_by_device_and_dtype([list(grads)], with_positions)
+            for lists, positions in grouped.values():
                 found = _unscale.norms(lists[0], 2)  # type: ignore[arg-type]
                 if found[0].device == device:
                     norms.extend(found)
+                    order.extend(positions)
                 else:  # a group on another device: one stacked copy of its norms
                     parts.append(torch.stack(list(found)).to(device))
+                    later.extend(positions)
         count = len(norms) + sum(len(p) for p in parts)
         if count == 0:  # no grads: a norm of 0
             norms, count = [self._constants(device)[2]], 1
@@ -274,9 +288,20 @@ class SpikeGate:
             torch.cat([loss.reshape(1), *(n.reshape(1) for n in norms), *parts], out=written)
         else:
             torch.stack([loss, *norms], out=written)
+        if roots is not None and grads:  # each norm times sqrt(its weight), in stacked order
+            written[1:].mul_(self._ordered(roots, order + later))
         x = buffer.as_strided((2, count), (count, 1), count)
         y = buffer.as_strided((2, count), (2 * count, 1), 0)
         return torch.mm(x, y.t()).diagonal()
+
+    def _ordered(self, roots: torch.Tensor, order: list[int]) -> torch.Tensor:
+        """``roots`` in the stacked norms' order, made once per (roots, order)."""
+        key = tuple(order)
+        known = self._roots
+        if known is None or known[0] is not roots or known[1] != key:
+            index = torch.tensor(order, dtype=torch.long, device=roots.device)
+            self._roots = known = (roots, key, roots.index_select(0, index))
+        return known[2]
 
     # ------------------------------------------------------------------ decision
     def _place(self, device: torch.device) -> None:
@@ -493,6 +518,7 @@ class SpikeGate:
             "_flags",
             "_slots",
             "_norms",
+            "_roots",
             "_device",
             "_loss",
             "_microbatch_sum",
