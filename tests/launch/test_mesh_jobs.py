@@ -39,7 +39,12 @@ COMMON = [
     f"data.seq_len={DATA['seq_len']}",
     f"data.batch_size={DATA['batch_size']}",
     f"fault.inf_steps=[{INF_STEP}]",
+    # The gate reads the grad norm (warmup 64: it skips nothing here), so that its norm can be
+    # compared with the oracle's global one.
+    "scaler.spike_signals=[grad_norm]",
+    "entrypoint=user_entrypoints:demo_on_the_mesh",
 ]
+ENV = {"PYTHONPATH": os.pathsep.join([str(ROOT), str(HERE)])}
 
 
 def _free_ports(n: int) -> int:
@@ -58,12 +63,12 @@ def _free_ports(n: int) -> int:
     raise AssertionError(f"no {n} consecutive free ports found")
 
 
-def _oracle_losses(replicas: int) -> list[float]:
-    """Data rank 0's loss per step, training in one process on ``replicas`` replicas' batches.
+def _oracle(replicas: int) -> tuple[list[float], float]:
+    """Data rank 0's loss per step, and the last step's global grad norm, in one process.
 
-    The launcher's own pieces (model, batches, loss, fp16 autocast, job.yaml's scaler), one
-    process: each step averages the replicas' losses (DDP's mean of grads) and step INF_STEP's
-    grads get the inf, so the scaler skips it.
+    The launcher's own pieces (model, batches, loss, fp16 autocast, job.yaml's scaler), trained
+    on ``replicas`` replicas' batches: each step averages the replicas' losses (DDP's mean of
+    grads) and step INF_STEP's grads get the inf, so the scaler skips it.
     """
     torch.manual_seed(0)  # trainer.seed: the workers' initial weights
     model = build_model(MODEL, seq_len=DATA["seq_len"])
@@ -81,11 +86,13 @@ def _oracle_losses(replicas: int) -> list[float]:
         scaler.scale(torch.stack(per_replica).mean()).backward()
         if step + 1 == INF_STEP:
             next(model.parameters()).grad.view(-1)[0] = float("inf")
+        scaler.unscale_(opt)
+        norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item()
         scaler.step(opt)
         scaler.update()
         opt.zero_grad()
         losses.append(per_replica[0].item())
-    return losses
+    return losses, norm
 
 
 def _progress_losses(run_dir: Path) -> list[float]:
@@ -120,7 +127,7 @@ def _check_every_rank_skipped(run_dir: Path, world: int) -> None:
         assert skipped_in_metrics_log(run_dir, rank) == [INF_STEP - 1]
 
 
-def test_pipeline_job_on_2_ranks_skips_rank_0s_inf_on_both_stages_and_trains_the_oracles_losses(
+def test_pipeline_job_on_2_ranks_skips_rank_0s_inf_on_both_stages_and_matches_the_oracle(
     tmp_path: Path,
 ) -> None:
     """parallel=pp, 1F1B, 4 microbatches: the inf is on the first stage (rank 0), without loss."""
@@ -132,32 +139,37 @@ def test_pipeline_job_on_2_ranks_skips_rank_0s_inf_on_both_stages_and_trains_the
         "parallel.microbatches=4",
         "fault.inf_rank=0",
         f"metrics.port={_free_ports(2)}",
+        env=ENV,
     )
     assert proc.returncode == 0, output(proc)
     _check_every_rank_skipped(tmp_path, 2)
     # The progress line's loss came from the last stage to rank 0 (the first stage).
     assert re.search(rf"step {STEPS}/{STEPS} loss \d+\.\d+ scale 32768 skipped 1", proc.stderr)
-    oracle = _oracle_losses(replicas=1)
-    assert _progress_losses(tmp_path) == pytest.approx(oracle, abs=5e-4)
+    results = [r["result"] for r in summary(tmp_path)["ranks"]]
+    assert [r["mesh"] for r in results] == [{"pp": 2}] * 2
+    assert [(r["data_rank"], r["data_ranks"]) for r in results] == [(0, 1), (0, 1)]
+    losses, norm = _oracle(replicas=1)
+    assert _progress_losses(tmp_path) == pytest.approx(losses, abs=5e-4)
+    # The gate's norm is the whole model's, not a stage's (stage 0's alone is about a third).
+    assert [r["gate_grad_norm"] for r in results] == [pytest.approx(norm, rel=1e-3)] * 2
     # Both stages wrote their shards: the checkpoint holds every tensor of the unsplit model.
     whole = {k: list(v.shape) for k, v in build_model(MODEL, DATA["seq_len"]).state_dict().items()}
     assert _checkpoint_shapes(tmp_path) == whole
 
 
-def test_2d_job_on_4_ranks_skips_rank_3s_inf_everywhere_and_gives_the_entrypoint_its_mesh(
+def test_2d_job_on_4_ranks_skips_rank_3s_inf_everywhere_and_matches_the_oracle(
     tmp_path: Path,
 ) -> None:
     """parallel=2d parallel.tp=2: a (dp=2, tp=2) mesh; the user's entrypoint reads ctx.mesh."""
     proc = launch(
         tmp_path,
         *COMMON,
-        "entrypoint=user_entrypoints:demo_on_the_mesh",
         "parallel=2d",
         "parallel.tp=2",
         "launcher.nproc_per_node=4",
         "fault.inf_rank=3",
         f"metrics.port={_free_ports(4)}",
-        env={"PYTHONPATH": os.pathsep.join([str(ROOT), str(HERE)])},
+        env=ENV,
     )
     assert proc.returncode == 0, output(proc)
     _check_every_rank_skipped(tmp_path, 4)
@@ -166,8 +178,11 @@ def test_2d_job_on_4_ranks_skips_rank_3s_inf_everywhere_and_gives_the_entrypoint
     assert [r["mesh_coordinate"] for r in results] == [[0, 0], [0, 1], [1, 0], [1, 1]]
     # Ranks of one TP group share a batch; the two groups are the two data-parallel replicas.
     assert [(r["data_rank"], r["data_ranks"]) for r in results] == [(0, 2), (0, 2), (1, 2), (1, 2)]
-    oracle = _oracle_losses(replicas=2)
-    assert _progress_losses(tmp_path) == pytest.approx(oracle, abs=5e-4)
+    losses, norm = _oracle(replicas=2)
+    assert _progress_losses(tmp_path) == pytest.approx(losses, abs=5e-4)
+    # The global norm: replicated params counted once per TP group, not per rank (a DDP run's
+    # gate reads sqrt(2) times it), TP shards summed, FSDP2 shards summed.
+    assert [r["gate_grad_norm"] for r in results] == [pytest.approx(norm, rel=1e-3)] * 4
     # The shards of FSDP2 x TP fit together as whole tensors: global shapes, not local ones.
     shapes = _checkpoint_shapes(tmp_path)
     assert shapes["layers.0.mlp.0.weight"] == [4 * MODEL["d_model"], MODEL["d_model"]]

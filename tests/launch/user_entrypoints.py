@@ -123,4 +123,6 @@ def demo_on_the_mesh(ctx) -> dict:
         "mesh_coordinate": ctx.mesh.get_coordinate(),
         "data_rank": ctx.data_rank,
         "data_ranks": ctx.data_ranks,
+        # The spike gate's grad norm of the last step (scaler.spike_signals=[grad_norm]).
+        "gate_grad_norm": ctx.scaler.snapshot().get("spike_grad_norm"),
     }
