@@ -102,8 +102,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: dict[str, ParallelStyl
         for module in (model.embed, model.pos, model.norm, model.head):
             replicate(module, tp_mesh)
         for layer in model.layers:
-            replicate(layer.ln1, tp_mesh)
-            replicate(layer.ln2, tp_mesh)
+            for name in ("ln1", "ln2"):
+                replicate(layer.get_submodule(name), tp_mesh)
         return
     parallelize_module(model, tp_mesh, plan)
 
@@ -119,7 +119,7 @@ def replicate(module: nn.Module, tp_mesh: DeviceMesh) -> None:
     def to_dtensor(_: nn.Module, inputs: tuple[torch.Tensor, ...], mesh: DeviceMesh) -> Any:
         return tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False) for x in inputs)
 
-    def to_local(_: nn.Module, output: DTensor, mesh: DeviceMesh) -> torch.Tensor:
-        return output.to_local()
+    def to_local(_: nn.Module, output: DTensor, mesh: DeviceMesh) -> Any:
+        return output.to_local()  # torch's hint says None; a forward hook's return replaces
 
     distribute_module(module, tp_mesh, input_fn=to_dtensor, output_fn=to_local)
