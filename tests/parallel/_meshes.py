@@ -215,6 +215,63 @@ def run(
         assert make_scaler is not None
         scaler = make_scaler(setting.model)
     applied, scales, norms, gate = [], [], [], []
+    calls, restore = _count_agreements()
+    import dscale.scaler._program.placements as placements
+
+    made = placements.ParamSet.__init__
+    sets: list[int] = []
+
+    def counted(self: Any, *args: Any) -> None:
+        sets.append(1)
+        made(self, *args)
+
+    placements.ParamSet.__init__ = counted  # type: ignore[method-assign]
+    try:
+        _steps(setting, rank, params, opt, scaler, steps, write_grads, applied, scales, norms, gate)
+    finally:
+        restore()
+        placements.ParamSet.__init__ = made  # type: ignore[method-assign]
+    return {
+        "applied": applied,
+        "scales": scales,
+        "local": [local(p).detach().clone() for p in params],
+        "whole": [local(p).detach().clone() for p in params if _whole_on_tp(p)],
+        "full": [full(p.detach()).clone() for p in params],
+        "true_norms": norms,
+        "gate_norms": gate,
+        "agreements": len(calls),
+        "param_sets": len(sets),  # placements worked out: once per param set, not per step
+    }
+
+
+def _count_agreements() -> tuple[list[Any], Callable[[], None]]:
+    """Count dscale's one collective (the agreement all-reduce) by patching its seam."""
+    import dscale.scaler._program.agreement as agreement
+
+    calls: list[Any] = []
+    real = agreement.all_reduce_flag
+
+    def counting(flag: torch.Tensor, group: Any) -> Any:
+        calls.append(group)
+        return real(flag, group)
+
+    agreement.all_reduce_flag = counting
+    return calls, lambda: setattr(agreement, "all_reduce_flag", real)
+
+
+def _steps(
+    setting: Mesh,
+    rank: int,
+    params: list[nn.Parameter],
+    opt: torch.optim.Optimizer,
+    scaler: Any,
+    steps: range,
+    write_grads: bool,
+    applied: list[bool],
+    scales: list[float],
+    norms: list[float],
+    gate: list[float],
+) -> None:
     for step in steps:
         opt.zero_grad()
         out = setting.model(setting.local_batch(global_batch(step)))
@@ -234,15 +291,6 @@ def run(
         scales.append(scaler.get_scale())
         if step != INF_STEP and getattr(scaler, "_spike", None) is not None:
             gate.append(scaler.snapshot()["spike_grad_norm"])
-    return {
-        "applied": applied,
-        "scales": scales,
-        "local": [local(p).detach().clone() for p in params],
-        "whole": [local(p).detach().clone() for p in params if _whole_on_tp(p)],
-        "full": [full(p.detach()).clone() for p in params],
-        "true_norms": norms,
-        "gate_norms": gate,
-    }
 
 
 def run_oracle(setting: Mesh, first: bool) -> dict[str, Any]:

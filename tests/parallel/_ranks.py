@@ -15,6 +15,8 @@ from tests.parallel import _meshes
 SETTINGS = {2: ("tp", "tp_sp"), 4: ("fsdp_tp", "hsdp")}
 #: world size -> (the mesh a checkpoint is saved on, the mesh it resumes on)
 RESHARDS = {2: ("tp_sp", "fsdp"), 4: ("fsdp_tp", "hsdp")}
+#: settings run only for the table (torch's scaler and dscale's): their mesh is run in full as well
+CONTROLS = ("tp",)
 SAVED_AT = 2  # the checkpoint holds steps 0-1; the continuation runs the inf step and one more
 
 
@@ -23,6 +25,15 @@ def _dscale(**kwargs: Any) -> Any:
 
     kwargs = {"init_scale": 2.0**10, "growth_interval": 1, **kwargs}
     return dscale.GradScaler("cpu", **kwargs)
+
+
+def _on_device(scaler: Any) -> Any:
+    """sync_free decided on the device (masked step, device-side update), as on CUDA: on the CPU
+    the scaler would read the agreed flag in host memory instead."""
+    from dscale.bench._ops import force_device_decision
+
+    force_device_decision(scaler)
+    return scaler
 
 
 def _attached(model: torch.nn.Module) -> Any:
@@ -37,7 +48,7 @@ def _scalers(world: int) -> dict[str, Any]:
     scalers = {
         "torch": lambda _: torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1),
         "dscale": lambda _: _dscale(),
-        "dscale_sync_free": lambda _: _dscale(sync_free=True),
+        "dscale_sync_free": lambda _: _on_device(_dscale(sync_free=True)),
         "dscale_predictive": lambda _: _dscale(policy="predictive"),
         "step_guard_gate": lambda _: dscale.StepGuard(
             "cpu", spike_signals=("loss", "grad_norm"), spike_window=2, spike_warmup=2
@@ -58,6 +69,8 @@ def run_settings(rank: int, world_size: int, root: str | None = None) -> dict[st
             key = f"{name}_replicated_first" if first else name
             out[key] = {"oracle": _meshes.run_oracle(_meshes.build(name, rank, world_size), first)}
             for label, make in _scalers(world_size).items():
+                if key in CONTROLS and label not in ("torch", "dscale"):
+                    continue
                 setting = _meshes.build(name, rank, world_size)
                 write = label != "dscale_attach"
                 out[key][label] = _meshes.run(setting, rank, make, first=first, write_grads=write)
@@ -84,29 +97,39 @@ def _attach_refused(rank: int, world: int) -> str:
 def _partial_overflow(rank: int, world: int) -> dict[str, Any]:
     """Each rank's Partial piece of norm.weight's grad is finite (3e38), their sum is inf: the
     check must see the sum (as with fp16 pieces near 65504). Torch's scaler beside it checks
-    the pieces, steps, and the optimizer's own sum writes inf into the weight."""
+    the pieces, steps, and the optimizer's own sum writes inf into the weight. A clean step
+    before it counts the step's collectives (the optimizer's included) under both scalers."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
     out: dict[str, Any] = {}
     for label in ("dscale", "torch"):
         setting = _meshes.build("tp_sp", rank, world)
         params = _meshes.params_of(setting.model, False)
         opt = torch.optim.SGD(params, lr=0.1)
         scaler = (  # at a scale of 1 the unscaled pieces are the pieces
-            _dscale(init_scale=1.0)
+            _dscale(init_scale=1.0, growth_interval=100)
             if label == "dscale"
-            else torch.amp.GradScaler("cpu", init_scale=1.0, growth_interval=1)
+            else torch.amp.GradScaler("cpu", init_scale=1.0, growth_interval=100)
         )
-        out_t = setting.model(setting.local_batch(_meshes.global_batch(0)))
-        scaler.scale(_meshes.local(out_t).square().sum() / setting.loss_share).backward()
-        grad = setting.model.norm.weight.grad
-        placements = str(grad.placements)
-        _meshes.local(grad).view(-1)[0] = 3e38
-        scaler.step(opt)
-        scaler.update()
+        counts = []
+        for step in range(2):
+            opt.zero_grad()
+            out_t = setting.model(setting.local_batch(_meshes.global_batch(step)))
+            scaler.scale(_meshes.local(out_t).square().sum() / setting.loss_share).backward()
+            grad = setting.model.norm.weight.grad
+            placements = str(grad.placements)
+            if step == 1:
+                _meshes.local(grad).view(-1)[0] = 3e38
+            with CommDebugMode() as comms:  # the step's collectives, the optimizer's included
+                scaler.step(opt)
+                scaler.update()
+            counts.append(comms.get_total_counts())
         weight = _meshes.local(setting.model.norm.weight).detach()
         out[label] = {
             "grad_placements": placements,
             "finite": bool(torch.isfinite(weight).all()),
             "scale": scaler.get_scale(),
+            "clean_step_collectives": counts[0],
         }
     return out
 

@@ -18,13 +18,16 @@ until the optimizer's own op redistributes them. Two consequences, both handled 
 Both are worked out once per param set (the ids of the params holding a grad, with the grads'
 placements as first seen) and kept per optimizer; a step reads them back. A grad that is a plain
 tensor weighs 1 (the gate cannot know that DDP replicated it: its norm stays sqrt(world) times the
-true one there, a constant factor).
+true one there, a constant factor). The weights count the copies on the grad's own mesh, so the
+norm is global when the scaler's group is that mesh's ranks (the default, the world); over a
+larger group (DDP around a TP mesh) the replicas outside the mesh count as under DDP.
 """
 
 from __future__ import annotations
 
 import math
 import weakref
+from typing import Any
 
 import torch
 
@@ -38,14 +41,16 @@ class ParamSet:
     def __init__(self, key: tuple[int, ...], grads: list[torch.Tensor]) -> None:
         self.key = key
         self.partial: list[int] = []  # positions of the grads whose placements hold a Partial
+        self.on_a_mesh = False  # whether any grad is a DTensor
         roots: list[float] = []
         for position, grad in enumerate(grads):
             copies = 1
             if DTensor is not None and isinstance(grad, DTensor):
+                self.on_a_mesh = True
                 mesh = grad.device_mesh
+                if any(p.is_partial() for p in grad.placements):  # summed into Replicate first
+                    self.partial.append(position)
                 for dim, placement in enumerate(grad.placements):
-                    if placement.is_partial():  # summed into a Replicate first
-                        self.partial.append(position)
                     if placement.is_replicate() or placement.is_partial():
                         copies *= mesh.size(dim)
             roots.append(math.sqrt(1.0 / copies))
@@ -70,20 +75,15 @@ class ParamSet:
 _sets: weakref.WeakKeyDictionary[torch.optim.Optimizer, ParamSet] = weakref.WeakKeyDictionary()
 
 
-def _param_set(optimizer: torch.optim.Optimizer) -> ParamSet | None:
-    """The optimizer's param set (None when no grad is a DTensor: nothing to weigh or sum)."""
+def _param_set(optimizer: torch.optim.Optimizer) -> tuple[list[Any], ParamSet | None]:
+    """The params holding a grad, and their set (None when no grad is a DTensor: nothing to
+    weigh or sum)."""
     params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
     key = tuple(map(id, params))
     known = _sets.get(optimizer)
-    if known is not None and known.key == key:
-        return known
-    grads = [p.grad for p in params]
-    if DTensor is None or not any(isinstance(g, DTensor) for g in grads):
-        _sets.pop(optimizer, None)
-        return None
-    made = ParamSet(key, grads)  # type: ignore[arg-type]
-    _sets[optimizer] = made
-    return made
+    if known is None or known.key != key:  # plain tensors too: a step never looks at each grad
+        known = _sets[optimizer] = ParamSet(key, [p.grad for p in params])
+    return params, (known if known.on_a_mesh else None)
 
 
 def sum_partial_grads(optimizer: torch.optim.Optimizer) -> ParamSet | None:
@@ -94,10 +94,9 @@ def sum_partial_grads(optimizer: torch.optim.Optimizer) -> ParamSet | None:
     param set (None when no grad is a DTensor), whose :meth:`ParamSet.roots_on` gives the
     gate's weights.
     """
-    found = _param_set(optimizer)
+    params, found = _param_set(optimizer)
     if found is None or not found.partial:
         return found
-    params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
     for position in found.partial:
         param = params[position]
         param.grad = _dist.sum_partial(param.grad)

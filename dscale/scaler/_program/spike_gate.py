@@ -19,11 +19,12 @@ iteration) and the squared L2 norm of the grads it holds into its own slot of th
 vector; the other ranks' slots hold -inf, so the MAX all-reduce hands every rank every rank's
 values, in the same collective as the overflow flag. The step's loss is then the mean over the
 ranks (OLMo-core all-reduces the loss the same way) and its grad norm the square root of the
-sum of the squared norms: the global norm when the ranks hold shards (FSDP); with replicated
-grads (DDP) it is sqrt(world size) times the norm, a constant factor that leaves every decision
-unchanged (the z-score does not depend on the unit). Every rank reduces the same numbers in the
-same order, so every rank decides alike. The vector grows by one float per rank and watched
-value; nothing here grows with the parameter count.
+sum of the squared norms, each DTensor grad's weighted by 1 / (ranks holding a copy of it)
+(``placements``): the global norm on every mesh (FSDP2, TP, sequence parallel, HSDP, 2-D); with
+plain replicated grads (DDP) it is sqrt(world size) times the norm, a constant factor that leaves
+every decision unchanged (the z-score does not depend on the unit). Every rank reduces the same
+numbers in the same order, so every rank decides alike. The vector grows by one float per rank
+and watched value; nothing here grows with the parameter count.
 
 The window and the counters stay on the device (float64 tensors): no host sync. Every step is a
 handful of vector ops, whatever the window's length. One float64 matrix holds everything, a shift
