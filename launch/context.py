@@ -147,12 +147,12 @@ class RunContext:
 
         The ranks of one tensor-parallel group, or of one pipeline, share it (and the batch).
         """
-        return data_parallel(self.mesh, self.rank)[0]
+        return data_parallel(self.mesh)[0]
 
     @property
     def data_ranks(self) -> int:
         """How many different batches a step sees: the data-parallel degree of the mesh."""
-        return data_parallel(self.mesh, self.rank)[1]
+        return data_parallel(self.mesh)[1]
 
     def parallelize(self, model: nn.Module, *, tp_plan: dict[str, Any] | None = None) -> nn.Module:
         """Move ``model`` to the device and wrap it as ``parallel.strategy`` says, on ``mesh``.

@@ -126,7 +126,7 @@ def build_mesh(
     return init_device_mesh(device.type, tuple(shape.values()), mesh_dim_names=tuple(shape))
 
 
-def data_parallel(mesh: DeviceMesh | None, rank: int) -> tuple[int, int]:
+def data_parallel(mesh: DeviceMesh | None) -> tuple[int, int]:
     """(this rank's index among the data-parallel replicas, their number).
 
     Ranks of one tensor-parallel group or one pipeline see the same batch; every rank of a
