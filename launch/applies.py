@@ -126,6 +126,17 @@ RULES: tuple[Needs, ...] = (
     ),
     Needs(("script_args",), "script=PATH", lambda j: j.script is not None),
     Needs(
+        ("parallel.tp",),
+        "parallel=tp or parallel=2d",
+        lambda j: j.parallel.strategy in ("tp", "2d"),
+    ),
+    Needs(("parallel.replicate",), "parallel=hsdp", lambda j: j.parallel.strategy == "hsdp"),
+    Needs(
+        ("parallel.pp", "parallel.schedule", "parallel.microbatches"),
+        "parallel=pp",
+        lambda j: j.parallel.strategy == "pp",
+    ),
+    Needs(
         ("launcher.master_addr", "launcher.master_port"),
         "launcher.rdzv_backend=static on several nodes (launcher.nnodes) without "
         "launcher.rdzv_endpoint (an endpoint is the store's address; one node without one gets "

@@ -13,15 +13,22 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from omegaconf import DictConfig
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from launch.pipeline import Pipeline, Split
 
 from dscale import GradScaler, StepGuard
 from launch import integrations
 from launch.faults import Faults
+from launch.mesh import data_parallel
 from launch.parallel import wrap_model
 from launch.progress import Progress
 from launch.record import SkipRecord
@@ -63,6 +70,8 @@ class RunContext:
         progress: rank 0's progress bar and log lines (silent on other ranks).
         record: the steps this rank skipped, recorded from the scaler, checkpointed by
             :meth:`checkpoints`, and reported in ``summary.json``.
+        mesh: the job's ``DeviceMesh`` from ``parallel.*`` (dims ``dp``; ``tp``; ``dp``,
+            ``tp``; ``dp_replicate``, ``dp_shard``; ``pp``), None for ``parallel=single``.
 
     Example::
 
@@ -98,6 +107,7 @@ class RunContext:
     faults: Faults
     progress: Progress
     record: SkipRecord
+    mesh: DeviceMesh | None = None
     _checkpoints: list[integrations.Checkpoints] = field(default_factory=list, repr=False)
     _fp8_conversion: Any = field(default=None, repr=False)
     _fp8_parts: dict[str, Any] | None = field(default=None, repr=False)
@@ -131,13 +141,64 @@ class RunContext:
         """``torch.autocast`` on this device in ``trainer.precision`` (off for fp32)."""
         return torch.autocast(self.device.type, dtype=self.dtype, enabled=self.precision != "fp32")
 
-    def parallelize(self, model: nn.Module) -> nn.Module:
-        """Move ``model`` to the device and wrap it as ``parallel.strategy`` says."""
+    @property
+    def data_rank(self) -> int:
+        """This rank's index among the data-parallel replicas: the seed of its own batches.
+
+        The ranks of one tensor-parallel group, or of one pipeline, share it (and the batch).
+        """
+        return data_parallel(self.mesh)[0]
+
+    @property
+    def data_ranks(self) -> int:
+        """How many different batches a step sees: the data-parallel degree of the mesh."""
+        return data_parallel(self.mesh)[1]
+
+    def parallelize(self, model: nn.Module, *, tp_plan: dict[str, Any] | None = None) -> nn.Module:
+        """Move ``model`` to the device and wrap it as ``parallel.strategy`` says, on ``mesh``.
+
+        ``tp_plan``: with ``parallel=tp`` or ``2d``, ``parallelize_module``'s plan for your model
+        (the demo GPT has its own). ``parallel=pp`` takes :meth:`pipeline` instead.
+        """
         if self.precision == "fp8":  # float8 linears first: DDP and FSDP2 wrap the result
             from launch.fp8 import convert
 
             self._fp8_conversion = convert(model, self.config.get("fp8", {}), self.device)
-        return wrap_model(model, self.config["parallel"]["strategy"], self.device)
+        strategy = self.config["parallel"]["strategy"]
+        return wrap_model(model, strategy, self.device, self.mesh, tp_plan)
+
+    def pipeline(
+        self,
+        model: nn.Module,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        *,
+        split: Split | None = None,
+    ) -> Pipeline:
+        """``parallel=pp``: this rank's stage of ``model`` and the schedule (``parallel.*``).
+
+        ``loss_fn(output, target)`` is the unscaled loss of one microbatch; the pipeline scales
+        it. ``split(model, stage_index, num_stages)`` gives a stage's module (the demo GPT has
+        its own split). Use ``pipeline.module`` as the model (optimizer, checkpoints, metrics,
+        faults) and ``loss = pipeline.step(inputs, targets)`` for the forward and backward.
+        """
+        parallel = self.config["parallel"]
+        if parallel["strategy"] != "pp" or self.mesh is None:
+            raise ValueError(
+                f"ctx.pipeline() needs parallel=pp (this job has parallel={parallel['strategy']}); "
+                "use ctx.parallelize(model)"
+            )
+        from launch.pipeline import Pipeline
+
+        return Pipeline(
+            model,
+            loss_fn,
+            mesh=self.mesh,
+            schedule=parallel["schedule"],
+            microbatches=parallel["microbatches"],
+            scaler=self.scaler,
+            device=self.device,
+            split=split,
+        )
 
     def fp8_parts(self, model: nn.Module, optimizer: Any) -> dict[str, Any]:
         """``trainer.precision=fp8``: what dscale.fp8 adds, made once from ``fp8.*``.

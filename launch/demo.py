@@ -13,7 +13,7 @@ import torch
 
 from launch.context import RunContext
 from launch.data import build_batches
-from launch.loop import train
+from launch.loop import token_loss, train
 from launch.models import build_model
 
 logger = logging.getLogger(__name__)
@@ -23,14 +23,23 @@ def main(ctx: RunContext) -> dict[str, Any]:
     """Train the demo model; return the job's loss and speed (rank 0's go to the summary)."""
     cfg = ctx.config
     data, model_cfg = cfg["data"], cfg["model"]
-    model = ctx.parallelize(build_model(model_cfg, seq_len=data["seq_len"]))
+    model = build_model(model_cfg, seq_len=data["seq_len"])
+    pipeline = None
+    if cfg["parallel"]["strategy"] == "pp":
+        pipeline = ctx.pipeline(model, token_loss)
+        model = pipeline.module
+    else:
+        model = ctx.parallelize(model)
     # trainer.compile_step: the foreach form, which the compiled region steps on the device
     # (torch's default on the CPU is the per-parameter loop; on CUDA it is foreach already).
     foreach = True if cfg["trainer"].get("compile_step") else None
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg["trainer"]["lr"], foreach=foreach)
     checkpoints = ctx.checkpoints(model, optimizer)
     start = checkpoints.resume() or 0
-    batches = build_batches(data, seed=ctx.seed, rank=ctx.rank, vocab_size=model_cfg["vocab_size"])
+    # One batch per data-parallel replica: the ranks of a TP group or a pipeline share theirs.
+    batches = build_batches(
+        data, seed=ctx.seed, rank=ctx.data_rank, vocab_size=model_cfg["vocab_size"]
+    )
     logger.info(
         "world %d, device %s, %s, %s, resumed from %s",
         ctx.world_size,
@@ -47,7 +56,8 @@ def main(ctx: RunContext) -> dict[str, Any]:
             batches=batches,
             checkpoints=checkpoints,
             start=start,
-            tokens_per_step=ctx.world_size * data["batch_size"] * data["seq_len"],
+            tokens_per_step=ctx.data_ranks * data["batch_size"] * data["seq_len"],
+            pipeline=pipeline,
         )
     checkpoints.close()
     losses = result.losses

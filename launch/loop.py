@@ -13,6 +13,12 @@ from launch.compiled_step import CompiledStep
 from launch.context import RunContext
 from launch.data import Batches
 from launch.integrations import Checkpoints
+from launch.pipeline import Pipeline
+
+
+def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy, in fp32 whatever the autocast dtype of ``logits``."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
 @dataclass
@@ -31,11 +37,15 @@ def train(
     checkpoints: Checkpoints,
     start: int,
     tokens_per_step: int,
+    pipeline: Pipeline | None = None,
 ) -> LoopResult:
     """Run steps ``start`` .. ``ctx.max_steps - 1``; the context records the skipped ones.
 
     With ``trainer.compile_step=true`` the post-backward region (``scaler.step`` and
     ``scaler.update``) is compiled fullgraph after an eager warm-up (launch/compiled_step.py).
+
+    With ``pipeline`` (``parallel=pp``), ``model`` is this rank's stage and the pipeline runs
+    the forward and backward.
     """
     scaler, device = ctx.scaler, ctx.device
     trainer = ctx.config["trainer"]
@@ -52,12 +62,15 @@ def train(
         ctx.faults.before_step(step)
         batch = batches(step).to(device, non_blocking=True)
         inputs, targets = batch[:, :-1], batch[:, 1:]
-        with ctx.autocast():
-            logits = model(inputs)
-        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
-        loss = ctx.faults.after_forward(step, loss)
+        if pipeline is None:
+            with ctx.autocast():
+                logits = model(inputs)
+            loss = ctx.faults.after_forward(step, token_loss(logits, targets))
+            scaler.scale(loss).backward()
+        else:  # every stage: the schedule's forward and backward; the mean loss
+            with ctx.autocast():
+                loss = pipeline.step(inputs, targets)
         ctx.progress.note_loss(loss)  # the per-step loss log; read every log_every steps
-        scaler.scale(loss).backward()
         ctx.faults.after_backward(step, model)
         if compiled is not None:
             compiled()

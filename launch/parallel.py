@@ -1,20 +1,34 @@
-"""Spread a model over the ranks as ``parallel.strategy`` says: DDP, FSDP2, or nothing."""
+"""Spread a model over the ranks as ``parallel.strategy`` says: DDP, FSDP2, TP, 2-D, HSDP.
+
+The mesh comes from ``launch/mesh.py`` (built once per rank by the worker); pipeline stages are
+``launch/pipeline.py``'s, since a stage is not a wrapped model but a part of one.
+"""
 
 from __future__ import annotations
 
 import warnings
 from collections.abc import Iterable
+from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 
-def wrap_model(model: nn.Module, strategy: str, device: torch.device) -> nn.Module:
-    """Move ``model`` to ``device`` and wrap it: DDP, FSDP2 ``fully_shard``, or not at all.
+def wrap_model(
+    model: nn.Module,
+    strategy: str,
+    device: torch.device,
+    mesh: DeviceMesh | None = None,
+    tp_plan: dict[str, Any] | None = None,
+) -> nn.Module:
+    """Move ``model`` to ``device`` and spread it over ``mesh`` as ``strategy`` says.
 
-    FSDP2 shards each of the model's blocks (:func:`fsdp_blocks`), then the root, so each
-    block's parameters are gathered only while that block runs.
+    ddp: DistributedDataParallel. fsdp: FSDP2 shards each of the model's blocks
+    (:func:`fsdp_blocks`), then the root, so each block's parameters are gathered only while that
+    block runs. tp: ``tp_plan`` (``parallelize_module``'s), or the demo GPT's
+    (``launch/tensor_parallel.py``) over the ``tp`` dim. 2d: that, then FSDP2 over ``dp``. hsdp:
+    FSDP2 over the (``dp_replicate``, ``dp_shard``) mesh: sharded within, replicated across.
     """
     model = model.to(device)
     if strategy == "ddp":
@@ -22,17 +36,30 @@ def wrap_model(model: nn.Module, strategy: str, device: torch.device) -> nn.Modu
 
         ids = [device.index] if device.type == "cuda" else None
         return DistributedDataParallel(model, device_ids=ids)
-    if strategy == "fsdp":
+    if strategy == "pp":
+        raise ValueError(
+            "parallel=pp splits the model into stages: call ctx.pipeline(model, loss_fn) "
+            "instead of ctx.parallelize(model); it returns the stage this rank runs"
+        )
+    if strategy in ("tp", "2d"):
+        from launch.tensor_parallel import apply_tp
+
+        assert mesh is not None, "the worker builds the mesh for parallel=tp and 2d"  # noqa: S101
+        apply_tp(model, mesh["tp"], tp_plan)
+    if strategy in ("fsdp", "2d", "hsdp"):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
         # The demo's loop never modifies the logits in place, which is what this warns about.
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view")
-        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        if mesh is None:  # a caller without the worker's mesh (fsdp only)
+            import torch.distributed as dist
+
+            mesh = init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("dp",))
+        dp_mesh = mesh["dp_replicate", "dp_shard"] if strategy == "hsdp" else mesh["dp"]
         for block in fsdp_blocks(model):
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        return model
+            fully_shard(block, mesh=dp_mesh)
+        fully_shard(model, mesh=dp_mesh)
     return model
 
 

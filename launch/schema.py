@@ -65,11 +65,16 @@ class StartMethod(Choice):
 
 
 class Strategy(Choice):
-    """How ``ctx.parallelize(model)`` spreads the model over ranks."""
+    """How ``ctx.parallelize(model)`` spreads the model over ranks (``parallel=``)."""
 
     single = "single"  # one process, no wrapper
     ddp = "ddp"  # DistributedDataParallel
     fsdp = "fsdp"  # FSDP2 fully_shard per block, then the root
+    hsdp = "hsdp"  # FSDP2 on a (replicate, shard) mesh
+    tp = "tp"  # tensor parallel over every rank
+    pp = "pp"  # pipeline stages, one per rank
+    # FSDP2 x TP on a (dp, tp) mesh. "2d" is no Python name; a class body's namespace takes it.
+    locals()["2d"] = "2d"
 
 
 class Precision(Choice):
@@ -121,9 +126,25 @@ class LauncherConfig:
 
 @dataclass
 class ParallelConfig:
-    """How the model is spread over ranks: one process, DDP, or FSDP2 ``fully_shard``."""
+    """How the model is spread over ranks, and the degrees of its device mesh.
+
+    The degrees multiply to the world size; the data-parallel degree is what is left over
+    (``parallel=2d parallel.tp=2`` on 8 ranks: 4 x 2). ``launch/mesh.py`` checks them against
+    the world size and the model before any worker starts.
+
+    ``tp``: ranks per tensor-parallel group (``tp``: all of them; ``2d``: the inner mesh dim).
+    ``replicate``: ``hsdp``'s replicas; each shards over world / replicate ranks.
+    ``pp``: pipeline stages (``pp``: all ranks); ``schedule`` and ``microbatches`` are
+    ``torch.distributed.pipelining``'s (``gpipe`` or ``1f1b``; microbatches divide
+    ``data.batch_size``).
+    """
 
     strategy: Strategy = Strategy.ddp
+    tp: int = 1
+    replicate: int = 1
+    pp: int = 1
+    schedule: str = field(default="1f1b", metadata=choices(("gpipe", "1f1b")))
+    microbatches: int = 4
 
 
 @dataclass

@@ -30,6 +30,7 @@ from dscale.checkpoint import CheckpointManager, CheckpointSaveError, Preemption
 from launch.applies import unused_keys
 from launch.choices import bad_choice
 from launch.entrypoint import EntrypointError, load_entrypoint
+from launch.mesh import MESH_STRATEGIES, MeshError, check_batches, check_model, mesh_shape
 from launch.schema import DEMO_ENTRYPOINT, Device, JobConfig
 
 
@@ -353,6 +354,7 @@ def validate(job: JobConfig, typed: Iterable[str] = (), read_elsewhere: Iterable
     _metrics(job, nproc)
     _checkpoint(job)
     _fault(job, nproc * max_nodes)
+    _parallel(job, nproc)
     _fp8(job)
     _compile_step(job)
     return nproc
@@ -362,6 +364,12 @@ def _compile_step(job: JobConfig) -> None:
     """``trainer.compile_step=true``: the region compiles for this job's scaler, here first."""
     if not job.trainer.compile_step or not job.scaler.enabled:
         return
+    _need(
+        job.parallel.strategy in ("ddp", "fsdp", "single"),
+        f"trainer.compile_step=true was not tried under parallel={job.parallel.strategy} (a mesh's "
+        "placements or a pipeline schedule around the compiled region): use parallel=ddp, fsdp or "
+        "single with it, or set trainer.compile_step=false",
+    )
     _need(
         job.scaler.sync_free,
         "trainer.compile_step=true needs scaler.sync_free=true: the compiled region decides the "
@@ -405,6 +413,47 @@ def _compile_step(job: JobConfig) -> None:
 def _first_lines(exc: BaseException, lines: int = 6) -> str:
     """The head of an error's message (dynamo appends long tracebacks and log hints)."""
     return "\n".join(str(exc).strip().splitlines()[:lines])
+
+
+def _parallel(job: JobConfig, nproc: int) -> None:
+    """The mesh's degrees against the world size, and the demo model against the mesh."""
+    p = dataclasses.asdict(job.parallel)
+    if p["strategy"] not in MESH_STRATEGIES:
+        return
+    min_nodes, max_nodes = parse_min_max_nnodes(job.launcher.nnodes)
+    _need(
+        min_nodes == max_nodes,
+        f"parallel={p['strategy']} builds its mesh for one world size, but launcher.nnodes="
+        f"{job.launcher.nnodes} lets it change: give a fixed number of nodes",
+    )
+    try:
+        shape = mesh_shape(p, nproc * max_nodes)
+        if job.script is None and job.entrypoint == DEMO_ENTRYPOINT:
+            check_model(p, shape, dataclasses.asdict(job.model))
+            check_batches(p, job.data.batch_size)
+    except MeshError as exc:
+        raise ConfigError(str(exc)) from None
+    c = job.checkpoint
+    target = CheckpointManager.check_resume(c.resume) if c.enabled else None
+    if p["strategy"] == "pp" and target is not None:
+        found = CheckpointManager(c.dir).latest() if target == "auto" else Path(str(target))
+        _need(
+            found is None or _step(found) >= job.trainer.max_steps,
+            f"parallel=pp cannot resume yet: checkpoint.dir={c.dir} holds {found and found.name}, "
+            "and a pipeline's optimizer state does not load back (docs/parallelisms.md, 'What "
+            "was not tried, and what fails'); start a new run (hydra.job.name=NEW_NAME) or "
+            "checkpoint.resume=none with a new checkpoint.dir",
+        )
+    _need(
+        job.trainer.precision != "fp8",
+        f"trainer.precision=fp8 under parallel={p['strategy']} was not tried (torchao's float8 "
+        "linears under a TP plan or pipeline stages): use fp16 or bf16, or parallel=fsdp for fp8",
+    )
+    _need(
+        not (p["strategy"] == "pp" and job.fault.spike_steps),
+        "fault.spike_steps multiplies the loss of the loop's forward, which parallel=pp runs "
+        "inside its schedule: drop fault.spike_steps (fault.inf_steps works)",
+    )
 
 
 def _fp8(job: JobConfig) -> None:

@@ -26,6 +26,7 @@ from launch import integrations
 from launch.context import RunContext
 from launch.entrypoint import load_entrypoint
 from launch.faults import Faults
+from launch.mesh import build_mesh
 from launch.other_scaler import follow_the_scaler_used
 from launch.preemption import PREEMPTED_EXIT_CODE, Preempted
 from launch.progress import Progress, RankZeroProgress
@@ -109,6 +110,8 @@ def start_rank(cfg: dict[str, Any], run_dir: Path) -> RunContext:
             timeout=timedelta(seconds=cfg["launcher"]["pg_timeout_s"]),
             device_id=device if device.type == "cuda" else None,  # NCCL: bind the GPU now
         )
+    # Every rank builds the mesh here, together (it makes the process groups of its dims).
+    mesh = build_mesh(cfg["parallel"], dist.get_world_size(), device)
     # The same initial weights on every rank; per-rank data seeds are the user's choice.
     torch.manual_seed(trainer["seed"])
     random.seed(trainer["seed"])
@@ -130,6 +133,7 @@ def start_rank(cfg: dict[str, Any], run_dir: Path) -> RunContext:
         faults=Faults(cfg["fault"], rank, attempt),
         progress=progress_type(trainer["max_steps"], trainer["log_every"], scaler, skips),
         record=skips,
+        mesh=mesh,
     )
     return _current
 

@@ -54,6 +54,9 @@ SETTINGS: dict[str, tuple[list[str], list[str]]] = {
         ["launcher.nnodes=2"],
     ),
     "launcher.node_rank": ([], ["launcher.nnodes=2", "launcher.rdzv_endpoint=h:29500"]),
+    "parallel.tp": (["parallel=hsdp"], ["parallel=2d"]),
+    "parallel.replicate": (["parallel=fsdp"], ["parallel=hsdp"]),
+    "parallel.pp": (["parallel=tp"], ["parallel=pp"]),
 }
 
 

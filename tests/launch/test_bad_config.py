@@ -65,6 +65,25 @@ def _no_worker_started(run_dir: Path) -> bool:
         ("trainer.precision=fp8 fp8.fallback=true fp8.fallback_threshold=2", "fallback_threshold"),
         ("trainer.precision=fp8 fp8.numerics_every=-1", "fp8.numerics_every"),
         ("trainer.precision=fp8 fp8.predict=psychic", "fp8.predict"),
+        # The mesh's degrees against the world size (2 ranks unless said) and the demo model.
+        ("parallel=tp parallel.tp=4", "parallel.tp=4 but the job has 2 ranks"),
+        ("parallel=pp parallel.pp=3", "parallel.pp=3 but the job has 2 ranks"),
+        ("parallel=2d", "parallel=2d parallel.tp=2 must split the 2 ranks into two mesh dims"),
+        ("parallel=2d launcher.nproc_per_node=6 parallel.tp=4", "use parallel.tp=2 or 3"),
+        ("parallel=hsdp launcher.nproc_per_node=4 parallel.replicate=4", "parallel.replicate=2"),
+        ("parallel=tp parallel.tp=0", "parallel.tp=0 must be >= 1"),
+        ("parallel=tp model.n_heads=3 model.d_model=63", "model.n_heads=3 is not divisible by 2"),
+        ("parallel=tp model=mlp", "use model=gpt_small"),
+        ("parallel=pp model.n_layers=3", "model.n_layers=3 is not divisible by 2"),
+        ("parallel=pp parallel.microbatches=3", "must divide data.batch_size=8"),
+        ("parallel=pp parallel.microbatches=1", "parallel.schedule=1f1b needs parallel.micro"),
+        ("parallel=pp fault.spike_steps=[3]", "drop fault.spike_steps"),
+        ("parallel=tp trainer.precision=fp8", "trainer.precision=fp8 under parallel=tp"),
+        (
+            "parallel=tp launcher.nnodes=1:2 launcher.rdzv_backend=c10d "
+            "launcher.rdzv_endpoint=127.0.0.1:29400",
+            "give a fixed number of nodes",
+        ),
     ],
 )
 def test_impossible_value_names_its_key(override: str, named: str) -> None:
@@ -77,7 +96,7 @@ def test_impossible_value_names_its_key(override: str, named: str) -> None:
     ("override", "choices"),
     [
         ("trainer.precision=fp4", "[fp16, bf16, fp32, fp8]"),
-        ("parallel.strategy=tp", "[single, ddp, fsdp]"),
+        ("parallel.strategy=dp", "[single, ddp, fsdp, hsdp, tp, pp, 2d]"),
         ("trainer.device=tpu", "[auto, cpu, cuda]"),
         ("launcher.start_method=thread", "[spawn, fork, forkserver]"),
     ],
@@ -172,8 +191,10 @@ def test_unknown_key_fails_at_composition_before_any_worker(tmp_path: Path) -> N
         (["hydra.job.name=x", "trainer.max_stepz=10"], "did you mean trainer.max_steps?"),
         # A group option: Hydra's message lists base_parallel (a schema node) and names no fix.
         (
-            ["parallel=dpp"],
-            "parallel=dpp is not one of ddp, fsdp, single; did you mean parallel=ddp?",
+            # (dpp is one letter from both ddp and pp; ddpp only from ddp)
+            ["parallel=ddpp"],
+            "parallel=ddpp is not one of 2d, ddp, fsdp, hsdp, pp, single, tp; did you mean "
+            "parallel=ddp?",
         ),
         (
             ["model=gpt_smal"],
@@ -219,3 +240,26 @@ def test_taken_metrics_port_fails_before_any_worker(tmp_path: Path) -> None:
     assert f"metrics.port={port - 1}: port {port} is in use" in proc.stderr, output(proc)
     assert "metrics.port=..." in proc.stderr  # the fix
     assert _no_worker_started(tmp_path)
+
+
+def test_a_pipeline_job_that_would_resume_is_refused_before_any_worker(tmp_path: Path) -> None:
+    """A pp rerun loaded its checkpoint and failed at its first step (AdamW: KeyError 'betas',
+    the stages' optimizer param groups saved by position); it is refused before it starts."""
+    import torch
+
+    from dscale.checkpoint import CheckpointManager
+
+    CheckpointManager(str(tmp_path), every=0).save(4, model=torch.nn.Linear(2, 2))
+    job = _job("metrics.enabled=false", "parallel=pp", f"checkpoint.dir={tmp_path}")
+    with pytest.raises(ConfigError, match=r"parallel=pp cannot resume yet: .* holds step-4"):
+        validate(job)
+    # A run at or past its max_steps trains nothing, and a fresh folder has nothing to resume.
+    validate(
+        _job(
+            "metrics.enabled=false",
+            "parallel=pp",
+            f"checkpoint.dir={tmp_path}",
+            "trainer.max_steps=4",
+        )
+    )
+    validate(_job("metrics.enabled=false", "parallel=pp", f"checkpoint.dir={tmp_path / 'new'}"))

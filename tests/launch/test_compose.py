@@ -40,7 +40,7 @@ def test_every_group_has_the_options_the_docs_promise() -> None:
         "data": ["synthetic", "text"],
         "launcher": ["local", "slurm"],
         "model": ["gpt_small", "mlp"],
-        "parallel": ["ddp", "fsdp", "single"],
+        "parallel": ["2d", "ddp", "fsdp", "hsdp", "pp", "single", "tp"],
     }
 
 
@@ -49,6 +49,8 @@ def test_every_yaml_composes_and_validates(option: str, tmp_path: Path) -> None:
     extra = [f"data.path={__file__}"] if option == "data=text" else []
     if option == "parallel=single":
         extra.append("launcher.nproc_per_node=1")
+    if option in ("parallel=2d", "parallel=hsdp"):  # two mesh dims of 2
+        extra.append("launcher.nproc_per_node=4")
     job = _compose(option, "metrics.enabled=false", *extra)
     nproc = validate(job)
     assert nproc >= 1

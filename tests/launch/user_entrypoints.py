@@ -109,3 +109,20 @@ def fsdp_block_forms(ctx) -> dict:
     except ValueError as exc:
         out["wrong"] = str(exc)
     return out
+
+
+def demo_on_the_mesh(ctx) -> dict:
+    """The demo, plus what the context told this entrypoint about the job's mesh."""
+    from launch import demo
+
+    result = demo.main(ctx)
+    names = ctx.mesh.mesh_dim_names
+    return {
+        **result,
+        "mesh": {name: ctx.mesh[name].size() for name in names},
+        "mesh_coordinate": ctx.mesh.get_coordinate(),
+        "data_rank": ctx.data_rank,
+        "data_ranks": ctx.data_ranks,
+        # The spike gate's grad norm of the last step (scaler.spike_signals=[grad_norm]).
+        "gate_grad_norm": ctx.scaler.snapshot().get("spike_grad_norm"),
+    }
