@@ -19,7 +19,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from torch.distributed.run import parse_min_max_nnodes
 
 from launch.integrations import STEP_GUARD_FIELDS
-from launch.schema import JobConfig, ScalerConfig
+from launch.schema import DEMO_ENTRYPOINT, JobConfig, ScalerConfig
 
 
 @dataclass(frozen=True)
@@ -81,6 +81,17 @@ RULES: tuple[Needs, ...] = (
         ("scaler.on_stuck_at_min", "scaler.stuck_patience"),
         "scaler.min_scale=... (a scale can only be stuck at a minimum)",
         lambda j: j.scaler.min_scale is not None or j.trainer.precision != "fp16",
+    ),
+    Needs(
+        ("trainer.compile_step", "trainer.compile_backend"),
+        f"entrypoint={DEMO_ENTRYPOINT} (the launcher's own loop; a loop of your own compiles its "
+        "step itself, as docs/compiled-step.md shows)",
+        lambda j: j.script is None and j.entrypoint == DEMO_ENTRYPOINT,
+    ),
+    Needs(
+        ("trainer.compile_backend",),
+        "trainer.compile_step=true",
+        lambda j: j.trainer.compile_step,
     ),
     Needs(("fault.inf_rank",), "fault.inf_steps=[...]", lambda j: bool(j.fault.inf_steps)),
     Needs(

@@ -24,7 +24,10 @@ def main(ctx: RunContext) -> dict[str, Any]:
     cfg = ctx.config
     data, model_cfg = cfg["data"], cfg["model"]
     model = ctx.parallelize(build_model(model_cfg, seq_len=data["seq_len"]))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg["trainer"]["lr"])
+    # trainer.compile_step: the foreach form, which the compiled region steps on the device
+    # (torch's default on the CPU is the per-parameter loop; on CUDA it is foreach already).
+    foreach = True if cfg["trainer"].get("compile_step") else None
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg["trainer"]["lr"], foreach=foreach)
     checkpoints = ctx.checkpoints(model, optimizer)
     start = checkpoints.resume() or 0
     batches = build_batches(data, seed=ctx.seed, rank=ctx.rank, vocab_size=model_cfg["vocab_size"])

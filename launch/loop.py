@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from launch.compiled_step import CompiledStep
 from launch.context import RunContext
 from launch.data import Batches
 from launch.integrations import Checkpoints
@@ -31,8 +32,20 @@ def train(
     start: int,
     tokens_per_step: int,
 ) -> LoopResult:
-    """Run steps ``start`` .. ``ctx.max_steps - 1``; the context records the skipped ones."""
+    """Run steps ``start`` .. ``ctx.max_steps - 1``; the context records the skipped ones.
+
+    With ``trainer.compile_step=true`` the post-backward region (``scaler.step`` and
+    ``scaler.update``) is compiled fullgraph after an eager warm-up (launch/compiled_step.py).
+    """
     scaler, device = ctx.scaler, ctx.device
+    trainer = ctx.config["trainer"]
+    compiled = (
+        CompiledStep(
+            scaler, optimizer, ctx.record, backend=trainer.get("compile_backend", "inductor")
+        )
+        if trainer.get("compile_step")
+        else None
+    )
     losses: list[float] = []
     t0 = time.perf_counter()
     for step in range(start, ctx.max_steps):
@@ -46,8 +59,11 @@ def train(
         ctx.progress.note_loss(loss)  # the per-step loss log; read every log_every steps
         scaler.scale(loss).backward()
         ctx.faults.after_backward(step, model)
-        scaler.step(optimizer)
-        scaler.update()
+        if compiled is not None:
+            compiled()
+        else:
+            scaler.step(optimizer)
+            scaler.update()
         optimizer.zero_grad(set_to_none=True)
         if step == start or ctx.progress.wants_loss(step):
             losses.append(loss.item())

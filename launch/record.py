@@ -36,6 +36,7 @@ class SkipRecord:
         self._indices: list[int] = []  # 0-based, as the scaler counts and checkpoints hold them
         self.num_skipped = 0
         self._last: int | None = None
+        self._unregister: Any = None
 
     def attach(self, scaler: GradScaler) -> None:
         """Record every skipped step of ``scaler`` from now on (no-op for a disabled scaler)."""
@@ -46,7 +47,14 @@ class SkipRecord:
             if not applied:
                 self.record_skip(int(scaler.snapshot()["steps"]))
 
-        scaler.register_step_callback(on_step)
+        self._unregister = scaler.register_step_callback(on_step)
+
+    def detach(self) -> None:
+        """Stop recording from the scaler's callback (``trainer.compile_step``: the loop feeds
+        :meth:`record_skip` from outside the compiled region instead)."""
+        if self._unregister is not None:
+            self._unregister()
+            self._unregister = None
 
     def record_skip(self, step: int) -> None:
         """Note that 0-based iteration ``step`` was skipped (once, however many optimizers did)."""

@@ -219,7 +219,12 @@ class ScalerConfig:
 
 @dataclass
 class TrainerConfig:
-    """The loop: how long, in which precision, how chatty."""
+    """The loop: how long, in which precision, how chatty.
+
+    ``compile_step``: compile the post-backward region (``scaler.step`` + ``scaler.update``) with
+    ``torch.compile(fullgraph=True)`` after an eager warm-up step (docs/compiled-step.md);
+    ``compile_backend``: torch.compile's backend for it.
+    """
 
     max_steps: int = 300
     precision: Precision = Precision.fp16
@@ -227,6 +232,10 @@ class TrainerConfig:
     seed: int = 0
     lr: float = 3e-3
     device: Device = Device.auto
+    compile_step: bool = False
+    compile_backend: str = field(
+        default="inductor", metadata=choices(("inductor", "aot_eager", "eager"))
+    )
 
 
 @dataclass

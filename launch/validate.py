@@ -354,7 +354,57 @@ def validate(job: JobConfig, typed: Iterable[str] = (), read_elsewhere: Iterable
     _checkpoint(job)
     _fault(job, nproc * max_nodes)
     _fp8(job)
+    _compile_step(job)
     return nproc
+
+
+def _compile_step(job: JobConfig) -> None:
+    """``trainer.compile_step=true``: the region compiles for this job's scaler, here first."""
+    if not job.trainer.compile_step or not job.scaler.enabled:
+        return
+    _need(
+        job.scaler.sync_free,
+        "trainer.compile_step=true needs scaler.sync_free=true: the compiled region decides the "
+        "skip on the device, and scaler.sync_free=false reads the agreed flag on the host every "
+        "step, which ends a fullgraph region (docs/compiled-step.md); add scaler.sync_free=true, "
+        "or set trainer.compile_step=false",
+    )
+    if job.trainer.precision == "fp8":
+        from launch.fp8 import numerics_every
+
+        parts = {
+            "fp8.numerics_every=0": numerics_every(dataclasses.asdict(job.fp8)) > 0,
+            "fp8.float8_all_gather=false": job.fp8.float8_all_gather,
+        }
+        wanted = [fix for fix, on in parts.items() if on]
+        _need(
+            not wanted,
+            "trainer.compile_step=true compiles the scaler's step, but dscale.fp8's "
+            "Float8Numerics and WeightScales do host work after every step (step callbacks) "
+            'that cannot run inside a fullgraph region (docs/compiled-step.md, "FP8"): set '
+            f"{' and '.join(wanted)}, or trainer.compile_step=false",
+        )
+    from launch.compiled_step import check_compiles
+    from launch.integrations import build_scaler
+
+    scaler = build_scaler(
+        dataclasses.asdict(job.scaler), str(job.trainer.precision), torch.device("cpu")
+    )
+    try:
+        check_compiles(scaler)
+    except Exception as exc:  # dynamo's errors have many types; each is the answer here
+        raise ConfigError(
+            f"trainer.compile_step=true: this job's scaler step does not compile with "
+            f"torch.compile(fullgraph=True): {type(exc).__name__}: {_first_lines(exc)}; "
+            "or set trainer.compile_step=false to run it eagerly"
+        ) from exc
+    finally:
+        torch._dynamo.reset()
+
+
+def _first_lines(exc: BaseException, lines: int = 6) -> str:
+    """The head of an error's message (dynamo appends long tracebacks and log hints)."""
+    return "\n".join(str(exc).strip().splitlines()[:lines])
 
 
 def _fp8(job: JobConfig) -> None:

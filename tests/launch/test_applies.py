@@ -47,6 +47,8 @@ SETTINGS: dict[str, tuple[list[str], list[str]]] = {
     "metrics.:scaler": (["scaler.enabled=false"], []),
     "checkpoint.": (["checkpoint.enabled=false"], []),
     "script_args": ([], [f"script={__file__}"]),
+    "trainer.compile_step": ([f"script={__file__}"], []),
+    "trainer.compile_backend": ([], ["trainer.compile_step=true"]),
     "launcher.master_addr": (
         ["launcher.nnodes=2", "launcher.rdzv_endpoint=h:29500"],
         ["launcher.nnodes=2"],
