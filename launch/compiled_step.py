@@ -34,6 +34,12 @@ WARMUP_STEPS = 1
 BACKENDS = ("inductor", "aot_eager", "eager")
 
 
+def _has_state(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether every parameter of ``optimizer`` has its state (made by a step, or loaded)."""
+    state = optimizer.state
+    return all(bool(state.get(p)) for group in optimizer.param_groups for p in group["params"])
+
+
 class CompiledStep:
     """Call once per iteration after backward: ``step(optimizer)`` and ``update()``, compiled.
 
@@ -43,7 +49,8 @@ class CompiledStep:
         record: the launcher's skip record, detached from the scaler's callbacks here and fed
             from the region's outcome instead.
         backend: ``torch.compile``'s backend (``trainer.compile_backend``).
-        warmup: eager iterations before the first compiled one.
+        warmup: eager iterations before the first compiled one, while the optimizer has no
+            state (none after a resume, which loaded it).
     """
 
     def __init__(
@@ -72,7 +79,9 @@ class CompiledStep:
         if not scaler.is_enabled():  # nothing to agree on: a plain step
             optimizer.step()
             return
-        compiled = self._eager_left <= 0
+        # The warm-up only creates the optimizer's state: a resumed job loaded it, and an eager
+        # step there would differ from the uninterrupted job's compiled one in the last bits.
+        compiled = self._eager_left <= 0 or _has_state(optimizer)
         self._eager_left -= 1
         with scaler.observing(optimizer):
             if compiled:
