@@ -713,9 +713,16 @@ class GradScaler(TorchGradScalerSurface):
         step is the same with or without them. Works the same around eager calls. A compiled
         step() with observers outside this block runs eagerly (a graph break; under
         ``fullgraph=True`` an error naming this method).
+        At the end, with or without observers, it also does what a compiled update() leaves to
+        the next eager call: the host copy that ``snapshot(wait=False)`` and the exporter read,
+        and the watchdogs.
         """
-        if not self._enabled or not self._observers:
+        if not self._enabled:
             yield
+            return
+        if not self._observers:
+            yield
+            self._after_compiled_update()
             return
         if self._observing:
             raise RuntimeError("scaler.observing(): already inside an observing() block")
@@ -730,7 +737,7 @@ class GradScaler(TorchGradScalerSurface):
             yield
         finally:
             self._observing = False
-        self._deliver_observed()
+        self._after_compiled_update()  # publishes for scrapes, watchdogs, on_update
 
     # ----------------------------------------------------------------- inspection
     def counters(self) -> dict[str, torch.Tensor]:

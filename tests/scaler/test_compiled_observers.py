@@ -1,5 +1,7 @@
 """A user's GradObserver under a compiled step region: the same events, with the same values,
-as around the eager step, through the public API only (``scaler.observing(optimizer)``).
+as around the eager step, through the public API only (``scaler.observing(optimizer)``), and
+a scrape after the block (``snapshot(wait=False)``, the exporter's read) reads this update's
+values, as after an eager step (before r46b it read one update behind until the next scale()).
 
 The oracle is the same loop run eagerly in the same test. Before ``observing()`` existed (r46b),
 the only way was the launcher's: take the observers off ``scaler._observers`` and call them by
@@ -57,6 +59,8 @@ def _run(compiled: bool) -> tuple[list[tuple[Any, ...]], dict[str, Any], torch.T
         with scaler.observing(opt):
             # the first call eager: it creates the optimizer state (the documented warm-up)
             fn() if i else region()
+        # what a scrape (the exporter) reads between steps: this update's, as after an eager one
+        recorder.events.append(("scrape", scaler.snapshot(wait=False)))
         opt.zero_grad(set_to_none=True)
     values = {k: v.clone() for k, v in stats.device_values().items()}
     return recorder.events, values, torch.cat([p.detach().flatten() for p in model.parameters()])
@@ -74,7 +78,7 @@ def test_observer_sees_the_same_events_compiled_as_eager() -> None:
     eager_events, eager_stats, eager_params = _run(compiled=False)
     events, stats, params = _run(compiled=True)
     kinds = [e[0] for e in events]
-    assert kinds == ["grads", "update"] * STEPS
+    assert kinds == ["grads", "update", "scrape"] * STEPS
     assert [bool(e[1] > 0) for e in eager_events if e[0] == "update"] == [
         i in INF_AT for i in range(STEPS)
     ]
