@@ -7,21 +7,18 @@ which create the optimizer's state (docs/compiled-step.md). The demo loop does n
 clipping, so nothing else belongs in the region; the fault injection, the loss read and
 ``zero_grad`` stay outside it, eager, as they are host work or change from step to step.
 
-What the scaler would call back into on the host (its step callbacks and observers: the record
-of skipped steps, the metrics log, the numerics stats, the exporter's rank check) cannot run
-inside a fullgraph region. While the compiled region runs they are held off the scaler, and this
-module calls them around it, eagerly: observers' ``on_grads`` before, the launcher's skip record
-and observers' ``on_update`` after, with the same arguments the scaler gives them. Callbacks
+What the scaler would call back into on the host cannot run inside a fullgraph region. Its
+observers (the metrics log, the numerics stats, the exporter's rank check) run eagerly around it
+through dscale's public ``scaler.observing(optimizer)``: ``on_grads`` before the region,
+``on_update`` after it, with what the eager step gives them. The launcher's skip record is a step
+callback; it is detached here and fed from ``scaler.step_applied()`` after the region. Callbacks
 other than the record's (``dscale.fp8``'s) are refused before any worker starts
-(``launch/validate.py``).
+(``launch/validate.py``); a compiled step with a callback names them in torch's error.
 """
 
 from __future__ import annotations
 
-import contextlib
 import warnings
-from collections.abc import Iterator
-from typing import Any
 
 import torch
 
@@ -37,16 +34,10 @@ WARMUP_STEPS = 1
 BACKENDS = ("inductor", "aot_eager", "eager")
 
 
-def _local(grad: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a gradient: FSDP2's grads are DTensors; the scaler sees the shard."""
-    return getattr(grad, "_local_tensor", grad)
-
-
-def _skips(scaler: GradScaler) -> torch.Tensor:
-    """Steps skipped so far, overflows and (with the spike gate) spikes: a device tensor."""
-    counters = scaler.counters()
-    spikes = counters.get("spike_skipped_steps")
-    return counters["skipped_steps"] + (0 if spikes is None else spikes)
+def _has_state(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether every parameter of ``optimizer`` has its state (made by a step, or loaded)."""
+    state = optimizer.state
+    return all(bool(state.get(p)) for group in optimizer.param_groups for p in group["params"])
 
 
 class CompiledStep:
@@ -58,7 +49,8 @@ class CompiledStep:
         record: the launcher's skip record, detached from the scaler's callbacks here and fed
             from the region's outcome instead.
         backend: ``torch.compile``'s backend (``trainer.compile_backend``).
-        warmup: eager iterations before the first compiled one.
+        warmup: eager iterations before the first compiled one, while the optimizer has no
+            state (none after a resume, which loaded it).
     """
 
     def __init__(
@@ -87,55 +79,17 @@ class CompiledStep:
         if not scaler.is_enabled():  # nothing to agree on: a plain step
             optimizer.step()
             return
-        compiled = self._eager_left <= 0
+        # The warm-up only creates the optimizer's state: a resumed job loaded it, and an eager
+        # step there would differ from the uninterrupted job's compiled one in the last bits.
+        compiled = self._eager_left <= 0 or _has_state(optimizer)
         self._eager_left -= 1
-        with self._held_off() as observers:
-            if observers:
-                scale = scaler.counters()["scale"]
-                grads = [
-                    _local(p.grad)
-                    for group in optimizer.param_groups
-                    for p in group["params"]
-                    if p.grad is not None
-                ]
-                for observer in observers:
-                    observer.on_grads(optimizer, grads, scale)
-                skipped_before = _skips(scaler).clone()
+        with scaler.observing(optimizer):
             if compiled:
                 self._compiled()
             else:
                 self._region()
-        applied = scaler.step_applied(optimizer)  # on the host already on the CPU
-        if not applied:
+        if not scaler.step_applied(optimizer):  # on the host already on the CPU
             self.record.record_skip(int(scaler.snapshot()["steps"]) - 1)
-        if observers:
-            # The flag observers are given: > 0 where the step was skipped (a spike included).
-            found = (_skips(scaler) - skipped_before).float()
-            for observer in observers:
-                observer.on_update(scaler, found)
-
-    @contextlib.contextmanager
-    def _held_off(self) -> Iterator[list[Any]]:
-        """The scaler's observers, taken off it (and put back) around the region.
-
-        dscale has no public getter for them; this is the one place the launcher reads the
-        scaler's lists (``add_observer`` / ``register_step_callback`` fill them).
-        """
-        scaler: Any = self.scaler
-        observers: list[Any] = list(scaler._observers)
-        callbacks: list[Any] = list(scaler._callbacks)
-        if callbacks:
-            raise RuntimeError(
-                "trainer.compile_step=true: a step callback is registered on the scaler "
-                f"({callbacks[0]!r}); its host work cannot run inside the compiled region. "
-                "launch/validate.py refuses the fp8 parts that register one; set "
-                "trainer.compile_step=false to use it"
-            )
-        scaler._observers.clear()
-        try:
-            yield observers
-        finally:
-            scaler._observers[:] = observers
 
 
 def check_compiles(scaler: GradScaler, *, foreach: bool = True) -> None:

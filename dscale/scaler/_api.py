@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections import abc
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -216,6 +217,10 @@ class GradScaler(TorchGradScalerSurface):
         self._callbacks: list[Callable[[torch.optim.Optimizer, bool], None]] = []
         self._fields: list[_agreement.AgreementField] = []  # features' fields (dscale.fp8)
         self._observers: list[GradObserver] = []
+        # Inside observing(): the observers were handed the grads; update()'s flag waits for
+        # the block's end (a compiled update() cannot call them). See observing().
+        self._observing = False
+        self._observed: torch.Tensor | None = None
         self._updates_since_stuck_check = 0
         self._hooks = ReductionHooks()
         # The last update()'s scale range, or the agreed vector it is read from on request.
@@ -598,8 +603,10 @@ class GradScaler(TorchGradScalerSurface):
             self._watch()
         if skip_flag is not None and found is not None:
             found = skip_flag  # observers hear "the step was skipped", for a spike too
-        for observer in self._observers:
-            observer.on_update(self, found)  # type: ignore[arg-type]
+        if self._observers and (self._observing or torch.compiler.is_compiling()):
+            self._observed = found  # delivered eagerly: observing()'s end or the next scale()
+        else:
+            self._notify_update(found)
         if refused is not None:
             raise refused
 
@@ -622,9 +629,21 @@ class GradScaler(TorchGradScalerSurface):
             self._spike, patience=self._stuck_patience, warned_at=self._spike_warned_at
         )
 
+    def _notify_update(self, found: torch.Tensor | None) -> None:
+        for observer in self._observers:
+            observer.on_update(self, found)  # type: ignore[arg-type]
+
+    def _deliver_observed(self) -> None:
+        """Hand the observers the flag of an update() that could not call them."""
+        found, self._observed = self._observed, None
+        if found is not None:
+            self._notify_update(found)
+
     def _after_compiled_update(self) -> None:
         """What a compiled update() leaves to the next eager call (scale()): the host copies
-        for scrapes, and the watchdogs (a collapse raises there, before the next backward)."""
+        for scrapes, the watchdogs (a collapse raises there, before the next backward), and the
+        observers' on_update outside observing()."""
+        self._deliver_observed()
         tag = None if self._predictive is None else self._predictive.pos["window"]
         self._book.publish_if_due(tag)
         if self._spike is not None:
@@ -771,6 +790,47 @@ class GradScaler(TorchGradScalerSurface):
     def remove_observer(self, observer: GradObserver) -> None:
         """Detach an observer added with :meth:`add_observer`."""
         self._observers.remove(observer)
+
+    @contextlib.contextmanager
+    def observing(self, *optimizers: torch.optim.Optimizer) -> Iterator[None]:
+        """Run the observers eagerly around a compiled ``step()``/``update()`` region.
+
+        A compiled region cannot call an observer's host code, so wrap the call::
+
+            with scaler.observing(optimizer):
+                compiled_step()  # scaler.step(optimizer); scaler.update()
+
+        On entry each observer's ``on_grads`` gets each optimizer's grads (still scaled) and the
+        scale, as step() would give them before its check; at the end it gets ``on_update`` with
+        the update's flag. The observers see what they see eagerly, in the same order, and the
+        step is the same with or without them. Works the same around eager calls. A compiled
+        step() with observers outside this block runs eagerly (a graph break; under
+        ``fullgraph=True`` an error naming this method).
+        At the end, with or without observers, it also does what a compiled update() leaves to
+        the next eager call: the host copy that ``snapshot(wait=False)`` and the exporter read,
+        and the watchdogs.
+        """
+        if not self._enabled:
+            yield
+            return
+        if not self._observers:
+            yield
+            self._after_compiled_update()
+            return
+        if self._observing:
+            raise RuntimeError("scaler.observing(): already inside an observing() block")
+        self._deliver_observed()  # a compiled update() outside a block: its flag first
+        scale = self._require_scale("observing")
+        for optimizer in optimizers:
+            grads = _unscale.optimizer_grads(optimizer)
+            for observer in self._observers:
+                observer.on_grads(optimizer, grads, scale)
+        self._observing = True
+        try:
+            yield
+        finally:
+            self._observing = False
+        self._after_compiled_update()  # publishes for scrapes, watchdogs, on_update
 
     # ----------------------------------------------------------------- inspection
     def counters(self) -> dict[str, torch.Tensor]:

@@ -77,6 +77,8 @@ class Scaler(Protocol):
     @property
     def _observers(self) -> Sequence[_GradsObserver]: ...
     @property
+    def _observing(self) -> bool: ...
+    @property
     def _per_optimizer_states(self) -> dict[int, Any]: ...
     @property
     def _predictive(self) -> PredictiveScaling | None: ...
@@ -133,9 +135,10 @@ def check(
     unscale = unscale or report.unscaled  # the pass must match what the hooks did
     if not scaler._loss_scaling:
         unscale = True  # the scale is 1: checked grads are unscaled grads
-    # 2. observe
-    for observer in scaler._observers:
-        observer.on_grads(optimizer, grads, scale)
+    # 2. observe (inside scaler.observing() the observers had the grads already)
+    if not scaler._observing:
+        for observer in scaler._observers:
+            observer.on_grads(optimizer, grads, scale)
     device = scale.device if group is None else _dist.flag_device(group, scale.device)
     host = None if torch.compiler.is_compiling() else scaler._book.host  # traced: no numbers
     layout = _leading_layout(scaler)

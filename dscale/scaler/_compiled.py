@@ -51,7 +51,12 @@ UNSCALED = (
     "unscale_() ran eagerly before this step(): call scaler.unscale_(optimizer) inside the "
     "compiled region too, or not at all. " + _COMPILES
 )
-STEP_REASONS = (HOST_DECISION, FUSED, CALLBACKS, HOOKED_STEP, UNSCALED)
+OBSERVERS = (
+    "observers are attached (add_observer: metrics, numerics stats), and their host code "
+    "cannot run in a compiled region: call it inside `with scaler.observing(optimizer):`, "
+    "which runs them eagerly around the region. " + _COMPILES
+)
+STEP_REASONS = (HOST_DECISION, FUSED, CALLBACKS, HOOKED_STEP, UNSCALED, OBSERVERS)
 
 #: Why an update() runs eagerly under torch.compile.
 HOST_UPDATE = (
@@ -72,6 +77,8 @@ def step_refusal(scaler: Any, optimizer: torch.optim.Optimizer) -> str | None:
         return HOST_DECISION
     if scaler._callbacks:
         return CALLBACKS
+    if scaler._observers and not scaler._observing:
+        return OBSERVERS
     own = vars(optimizer).get("step")
     if (
         (own is not None and not getattr(own, "_wrapped_by_lr_sched", False))

@@ -152,6 +152,8 @@ def picklable(scaler: Scaler) -> dict[str, Any]:
     # Callbacks and observers belong to the running job, not to the scaler's state.
     state["_callbacks"] = []
     state["_observers"] = []
+    state["_observing"] = False
+    state["_observed"] = None
     state["_outcomes"] = {}
     state["_last_stepped"] = None
     state["_scale_range"] = None
