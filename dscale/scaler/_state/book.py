@@ -341,13 +341,23 @@ class ScaleState:
         self._publish()
 
     def load(self, host: HostState) -> None:
-        """Replace the whole state (load_state_dict)."""
+        """Replace the whole state (load_state_dict).
+
+        A state kept on the device (device-side or compiled updates) stays there: the loaded
+        values are written to the buffer now, eagerly, so that a compiled update() after the load
+        finds the state in the form it was traced with (the loaded numbers would otherwise be
+        baked into a new graph: a recompile per load).
+        """
+        on_device = self.host is None and self.placed
         self.host = host
         self._published = host
         self._published_words = None
         self._in_flight = None
         self._flushed = None
         self._flush()
+        if on_device:
+            self.host = None
+            self._publish()
 
     def __getstate__(self) -> dict[str, Any]:
         # Tensors are not pickled (torch's scaler does the same): the copy starts on the host.
