@@ -532,7 +532,10 @@ class GradScaler(TorchGradScalerSurface):
     def _after_compiled_update(self) -> None:
         """What a compiled update() leaves to the next eager call (scale()): the host copies
         for scrapes, and the watchdogs (a collapse raises there, before the next backward)."""
-        tag = None if self._predictive is None else self._predictive.pos["window"]
+        tag = None
+        if self._predictive is not None:
+            self._predictive.settle()  # a compiled update's turn of the rings
+            tag = self._predictive.pos["window"]
         self._book.publish_if_due(tag)
         if self._spike is not None:
             self._spike.publish_if_due()

@@ -6,9 +6,14 @@ warm-up steps, while the loop changes the state between compiled calls, eagerly:
 times, ``update(new_scale=float)`` and ``update(new_scale=tensor)``; ``snapshot()`` and
 ``state_dict()`` read after every step. The oracle is the same loop run eagerly: every scale,
 snapshot, state dict and parameter must be equal bit for bit, and the loads must not recompile
-the region. Before this test, a load put the state back on the host and the next compiled call
-traced the loaded numbers into a new graph: one recompile per load (graphs 2 -> 3 here; after
-eight, torch's recompile limit).
+the region. policy="predictive" saves its rings as eager does (compiled updates turn the device
+rings under fixed positions; the saved form turns the positions), and an eager iteration between
+compiled ones (update(new_scale=...)) keeps the sampling phase's tensor. Before (2a7fd9e): a
+load put the state back on the host and the next compiled call traced the loaded numbers into a
+new graph, one recompile per load (graphs 3 != 2; after eight, torch's recompile limit);
+predictive's state dict after compiled steps held the rings rotated (another
+`_predictive_window_pos` than eager's); the eager new_scale iteration dropped the sampling
+phase (one more recompile) and left `iteration` behind the compiled iterations.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import pytest
 import torch
 import torch._dynamo
 from torch._dynamo.backends.registry import lookup_backend
@@ -30,11 +36,21 @@ LOAD_AT = {9: 6, 15: 12, 21: 6}  # step: the step whose saved dict is loaded aft
 NEW_SCALE_AT = {24: 300.0, 28: "tensor"}
 
 
-def _train(compiled: bool) -> dict[str, Any]:
+MAKERS = {
+    "dynamic": lambda: dscale.GradScaler(
+        "cpu", init_scale=2.0**10, growth_interval=3, sync_free=True
+    ),
+    "predictive": lambda: dscale.GradScaler(
+        "cpu", growth_interval=4, sync_free=True, policy="predictive", predictive_window=4
+    ),
+}
+
+
+def _train(name: str, compiled: bool) -> dict[str, Any]:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, foreach=True)
-    scaler = dscale.GradScaler("cpu", init_scale=2.0**10, growth_interval=3, sync_free=True)
+    scaler = MAKERS[name]()
 
     def region() -> None:
         scaler.step(opt)
@@ -75,10 +91,12 @@ def _train(compiled: bool) -> dict[str, Any]:
     }
 
 
-def test_state_changed_between_compiled_calls_equals_eager_without_recompiling() -> None:
-    """Loads and new scales between compiled calls: eager's results, and no graph per load."""
-    eager = _train(False)
-    compiled = _train(True)
+@pytest.mark.parametrize("name", sorted(MAKERS))
+def test_state_changed_between_compiled_calls_equals_eager_without_recompiling(name: str) -> None:
+    """Loads and new scales between compiled calls: eager's results (predictive's saved rings
+    included, in eager's positions), and no graph per load."""
+    eager = _train(name, False)
+    compiled = _train(name, True)
     torch._dynamo.reset()
     for i, (a, b) in enumerate(zip(compiled["trace"], eager["trace"], strict=True)):
         assert a == b, i
