@@ -51,7 +51,12 @@ UNSCALED = (
     "unscale_() ran eagerly before this step(): call scaler.unscale_(optimizer) inside the "
     "compiled region too, or not at all. " + _COMPILES
 )
-STEP_REASONS = (HOST_DECISION, FUSED, CALLBACKS, HOOKED_STEP, UNSCALED)
+ATTACHED = (
+    "attach() folded the check into the model's gradient reduction, and step() reads what "
+    "its hooks recorded on the host (which grads they left, unwritten), which does not trace; "
+    "compile the region without attach() (step() then checks the grads itself). " + _COMPILES
+)
+STEP_REASONS = (HOST_DECISION, FUSED, CALLBACKS, HOOKED_STEP, UNSCALED, ATTACHED)
 
 #: Why an update() runs eagerly under torch.compile.
 HOST_UPDATE = (
@@ -72,6 +77,8 @@ def step_refusal(scaler: Any, optimizer: torch.optim.Optimizer) -> str | None:
         return HOST_DECISION
     if scaler._callbacks:
         return CALLBACKS
+    if scaler._hooks.states:
+        return ATTACHED
     own = vars(optimizer).get("step")
     if (
         (own is not None and not getattr(own, "_wrapped_by_lr_sched", False))
