@@ -106,3 +106,58 @@ def test_state_changed_between_compiled_calls_equals_eager_without_recompiling(n
     # The warm-up's host form, then the device form (issue 46's known 2nd-call recompile);
     # nothing more for the loads.
     assert compiled["graphs"] == 2
+
+
+def _checkpointed(directory: str, compiled: bool) -> dict[str, Any]:
+    """16 iterations; dscale.checkpoint saves after step 5 and loads it back after step 10."""
+    from dscale.checkpoint import CheckpointManager, load_checkpoint
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, foreach=True)
+    scaler = MAKERS["predictive"]()
+
+    def region() -> None:
+        scaler.step(opt)
+        scaler.update()
+
+    graphs: list[int] = []
+    call = region
+    if compiled:
+        torch._dynamo.reset()
+        aot_eager = lookup_backend("aot_eager")
+
+        def backend(gm: Any, example: Any) -> Any:
+            graphs.append(1)
+            return aot_eager(gm, example)
+
+        call = torch.compile(region, backend=backend, fullgraph=True)
+    manager = CheckpointManager(directory, every=0, keep=1)
+    trace = []
+    for i in range(16):
+        x = torch.linspace(-1.0, 1.0, 24).reshape(4, 6) * (1 + i % 3)
+        scaler.scale(model(x).square().mean()).backward()
+        if i % INF_EVERY == 5:
+            model[0].weight.grad[1, 2] = math.inf
+        (region if i < WARM_UP else call)()
+        opt.zero_grad()
+        if i == 5:
+            manager.save(6, model=model, optimizer=opt, scaler=scaler)
+        if i == 10:
+            load_checkpoint(f"{directory}/step-6", model=model, optimizer=opt, scaler=scaler)
+        trace.append(repr((scaler.get_scale(), scaler.snapshot(), scaler.state_dict())))
+    params = [p.detach().clone() for p in model.parameters()]
+    return {"trace": trace, "params": params, "graphs": len(graphs)}
+
+
+def test_a_checkpoint_loaded_mid_run_continues_compiled_as_eager(tmp_path: Any) -> None:
+    """dscale.checkpoint (model, optimizer, predictive scaler) loaded between compiled calls:
+    the compiled run goes on as the eager one, bit for bit. The one graph more is torch's:
+    the optimizer's load_state_dict makes new momentum buffers, which the graph holds."""
+    eager = _checkpointed(str(tmp_path / "eager"), False)
+    compiled = _checkpointed(str(tmp_path / "compiled"), True)
+    torch._dynamo.reset()
+    assert compiled["trace"] == eager["trace"]
+    for a, b in zip(compiled["params"], eager["params"], strict=True):
+        assert torch.equal(a, b)
+    assert compiled["graphs"] == 3
