@@ -263,6 +263,8 @@ class GradScaler(TorchGradScalerSurface):
         if not self._enabled:
             return outputs
         self._after_compiled_update()
+        if self._sync_free:  # the state moves to its compiled form when compiling starts
+            _compiled.track(self)
         self._scale_calls += 1  # attach()'s hooks refuse a backward with no scale() before it
         if self._spike is not None:
             self._spike.add_loss(outputs)
@@ -542,6 +544,13 @@ class GradScaler(TorchGradScalerSurface):
         if self._watch_due:
             self._watch_due = False
             self._watch()
+
+    def _to_compiled_form(self) -> None:
+        """The state where compiled updates keep it, values unchanged (``_compiled.track``)."""
+        self._book.to_device_form()
+        tail = self._book.tail
+        if self._predictive is not None and tail is not None:
+            self._predictive.to_device_form(tail)
 
     def _set_scale(self, new_scale: float | torch.Tensor, states: list[OptimizerState]) -> None:
         """update(new_scale=...): the scale is set, whatever the iteration's steps did."""

@@ -109,6 +109,14 @@ class ScaleState:
             return
         self._write_header(host)
 
+    def to_device_form(self) -> None:
+        """The form device-side updates leave: the device buffer authoritative, its log folded."""
+        self._flush()
+        self.fold()
+        if self.host is not None:
+            self.host = None
+            self._publish()
+
     def fold(self) -> None:
         """Fold the logged updates into the device counters (a few ops; no host sync)."""
         if self._rows and self.words is not None and self._policy is not None:

@@ -312,6 +312,15 @@ class PredictiveScaling:
         self.shift = dict.fromkeys(self.lengths, 0)
         self.host = None
 
+    def to_device_form(self, tail: torch.Tensor) -> None:
+        """The rings in the device tail, and the sampling phase made (``_compiled.track``)."""
+        self._to_device(tail)
+        self._tail = tail
+        if self._budget is None or self._budget.device != tail.device:
+            self._budget = torch.full((), _predictive.BUDGET, device=tail.device)
+        self.measure.settle()
+        self.measure.sampling_flag(tail.device)
+
     def settle(self) -> None:
         """Count a compiled update's turn of the rings (an eager call after it)."""
         self.measure.settle()
