@@ -356,6 +356,8 @@ class GradScaler(TorchGradScalerSurface):
         if not self._enabled:
             return outputs
         self._after_compiled_update()
+        if self._sync_free:  # the state moves to its compiled form when compiling starts
+            _compiled.track(self)
         self._scale_calls += 1  # attach()'s hooks refuse a backward with no scale() before it
         # Not a pipeline stage's shape inference nor an eval() (see _pipeline.call_site).
         if self._spike is not None and self._records_loss():
@@ -644,13 +646,23 @@ class GradScaler(TorchGradScalerSurface):
         for scrapes, the watchdogs (a collapse raises there, before the next backward), and the
         observers' on_update outside observing()."""
         self._deliver_observed()
-        tag = None if self._predictive is None else self._predictive.pos["window"]
+        tag = None
+        if self._predictive is not None:
+            self._predictive.settle()  # a compiled update's turn of the rings
+            tag = self._predictive.pos["window"]
         self._book.publish_if_due(tag)
         if self._spike is not None:
             self._spike.publish_if_due()
         if self._watch_due:
             self._watch_due = False
             self._watch()
+
+    def _to_compiled_form(self) -> None:
+        """The state where compiled updates keep it, values unchanged (``_compiled.track``)."""
+        self._book.to_device_form()
+        tail = self._book.tail
+        if self._predictive is not None and tail is not None:
+            self._predictive.to_device_form(tail)
 
     def _set_scale(self, new_scale: float | torch.Tensor, states: list[OptimizerState]) -> None:
         """update(new_scale=...): the scale is set, whatever the iteration's steps did."""

@@ -16,6 +16,7 @@ reason, which names the configuration that compiles.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -56,7 +57,12 @@ OBSERVERS = (
     "cannot run in a compiled region: call it inside `with scaler.observing(optimizer):`, "
     "which runs them eagerly around the region. " + _COMPILES
 )
-STEP_REASONS = (HOST_DECISION, FUSED, CALLBACKS, HOOKED_STEP, UNSCALED, OBSERVERS)
+ATTACHED = (
+    "attach() folded the check into the model's gradient reduction, and step() reads what "
+    "its hooks recorded on the host (which grads they left, unwritten), which does not trace; "
+    "compile the region without attach() (step() then checks the grads itself). " + _COMPILES
+)
+STEP_REASONS = (HOST_DECISION, FUSED, CALLBACKS, HOOKED_STEP, UNSCALED, OBSERVERS, ATTACHED)
 
 #: Why an update() runs eagerly under torch.compile.
 HOST_UPDATE = (
@@ -79,6 +85,8 @@ def step_refusal(scaler: Any, optimizer: torch.optim.Optimizer) -> str | None:
         return CALLBACKS
     if scaler._observers and not scaler._observing:
         return OBSERVERS
+    if scaler._hooks.states:
+        return ATTACHED
     own = vars(optimizer).get("step")
     if (
         (own is not None and not getattr(own, "_wrapped_by_lr_sched", False))
@@ -102,3 +110,32 @@ def update_refusal(scaler: Any, new_scale: Any) -> str | None:
     if any(s.applied is not None or s.deferred or s.stage is not Stage.STEPPED for s in states):
         return HOST_UPDATE
     return None
+
+
+# ----------------------------------------------------------------- the first compiled call
+#: Scalers whose state a compilation puts in its compiled form first (sync_free ones, placed).
+_LIVE: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def track(scaler: Any) -> None:
+    """Put ``scaler``'s state in its compiled form whenever torch.compile starts compiling.
+
+    Eager warm-up updates leave the state where eager keeps it (on the host on the CPU, a log
+    of rows on the device); the first compiled update moves it to the form compiled updates
+    keep (the device buffer, folded). A graph traced before that move would not match the
+    calls after it: one recompile at the second compiled call. Moving it first, eagerly, when
+    dynamo starts a compilation (torch's compile-start callback, ``torch._dynamo.callback``),
+    makes the first graph the one every later call runs. The move keeps every value (eager
+    steps after it take the device path, with the same results). Called by every scale() of a
+    sync_free scaler: ``torch._dynamo.reset()`` drops the callback, so it is checked again.
+    """
+    _LIVE.add(scaler)
+    handler = getattr(getattr(torch._dynamo, "callback", None), "callback_handler", None)
+    if handler is not None and _to_compiled_forms not in handler.start_callbacks:
+        handler.register_start_callback(_to_compiled_forms)
+
+
+def _to_compiled_forms(*_: Any) -> None:
+    for scaler in list(_LIVE):
+        if scaler._enabled and scaler._sync_free and scaler._book.placed:
+            scaler._to_compiled_form()

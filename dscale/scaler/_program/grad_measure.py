@@ -162,6 +162,8 @@ class GradMeasure:
         self.iteration = 0  # update() calls: the same on every rank, so ranks sample alike
         self._scratch: dict[torch.dtype, torch.Tensor] = {}  # the CPU form's, per dtype
         self._phase: torch.Tensor | None = None  # compiled iterations' schedule (device)
+        # Set by a compiled iteration until an eager call counts it in `iteration` (settle()).
+        self.counted_due = False
 
     @property
     def sampling(self) -> bool:
@@ -303,14 +305,25 @@ class GradMeasure:
         if torch.compiler.is_compiling():  # the device phase counts compiled iterations
             assert self._phase is not None  # noqa: S101 - the compiled check made it
             self._phase.copy_((self._phase + 1) % self.sample_every)
+            self.counted_due = True  # `iteration` counts it at the next eager call
             return
+        self.settle()
         self.iteration += 1
-        self._phase = None  # an eager iteration: the host counts again
+        if self._phase is not None:  # kept (a new one would recompile the region), set alike
+            self._phase.fill_(self.iteration % self.sample_every)
+
+    def settle(self) -> None:
+        """Count a compiled iteration in :attr:`iteration` (eagerly: no number in the graph),
+        so that eager iterations after compiled ones sample on the same schedule."""
+        if self.counted_due:
+            self.counted_due = False
+            self.iteration += 1
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self.__dict__.setdefault("_scratch", {})  # pickled at 0010076 or before: none kept
         self.__dict__.setdefault("_phase", None)
+        self.__dict__.setdefault("counted_due", False)
 
 
 def mark_overflow(vector: torch.Tensor, at: int, flag: torch.Tensor) -> None:

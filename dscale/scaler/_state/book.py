@@ -109,6 +109,14 @@ class ScaleState:
             return
         self._write_header(host)
 
+    def to_device_form(self) -> None:
+        """The form device-side updates leave: the device buffer authoritative, its log folded."""
+        self._flush()
+        self.fold()
+        if self.host is not None:
+            self.host = None
+            self._publish()
+
     def fold(self) -> None:
         """Fold the logged updates into the device counters (a few ops; no host sync)."""
         if self._rows and self.words is not None and self._policy is not None:
@@ -341,13 +349,23 @@ class ScaleState:
         self._publish()
 
     def load(self, host: HostState) -> None:
-        """Replace the whole state (load_state_dict)."""
+        """Replace the whole state (load_state_dict).
+
+        A state kept on the device (device-side or compiled updates) stays there: the loaded
+        values are written to the buffer now, eagerly, so that a compiled update() after the load
+        finds the state in the form it was traced with (the loaded numbers would otherwise be
+        baked into a new graph: a recompile per load).
+        """
+        on_device = self.host is None and self.placed
         self.host = host
         self._published = host
         self._published_words = None
         self._in_flight = None
         self._flushed = None
         self._flush()
+        if on_device:
+            self.host = None
+            self._publish()
 
     def __getstate__(self) -> dict[str, Any]:
         # Tensors are not pickled (torch's scaler does the same): the copy starts on the host.

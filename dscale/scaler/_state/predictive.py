@@ -126,6 +126,16 @@ def _short(value: Any) -> str:
     return text if len(text) <= 200 else text[:200] + "..."
 
 
+def _turned(slots: list[float], pos: int, by: int) -> tuple[list[float], int]:
+    """The same ring (``slots``, next slot ``pos``) with its next slot at ``pos + by``."""
+    n = len(slots)
+    at = (pos + by) % n
+    out = [0.0] * n
+    for k in range(n):  # oldest first
+        out[(at + k) % n] = slots[(pos + k) % n]
+    return out, at
+
+
 def _resized(ring: Ring, length: int) -> Ring:
     """A ring of ``length`` slots holding the newest entries of ``ring``."""
     slots, pos = ring
@@ -157,6 +167,13 @@ class PredictiveScaling:
             name: Window([0.0] * n, 0) for name, n in self.lengths.items()
         }
         self.pos = {"window": 0, "memory": 0}  # the device rings' next slots (host None)
+        # Compiled updates turn the device rings under fixed positions (no per-step Python
+        # number in the traced region); the saved form turns the positions instead, as eager
+        # updates do: `shift` is how far each saved position is ahead of `pos`, and `turned`
+        # is set by a compiled update until the next eager call counts it (settle()).
+        self.shift = {"window": 0, "memory": 0}
+        self.turned = False
+        self.loaded = False  # rings loaded onto the device: telemetry as loaded until an update
         self.telemetry = Telemetry()  # host form's; replaced whole (scrapes read it)
         self._budget: torch.Tensor | None = None
         self._tail: torch.Tensor | None = None  # the device tail, once the rings are there
@@ -246,6 +263,7 @@ class PredictiveScaling:
         """
         assert self._device_values is not None  # noqa: S101 - begin() ran
         measured, underflow = self._device_values
+        self.loaded = False
         self._to_device(tail)
         self._tail = tail
         budget = self._budget
@@ -263,8 +281,10 @@ class PredictiveScaling:
             torch.threshold(measured, 0.0, _predictive.BUDGET, out=asked)
             sampled = self.measure.sampling_flag(tail.device)
             tail[TAIL_UNDERFLOW].copy_(torch.where(sampled, underflow, tail[TAIL_UNDERFLOW]))
+            self.turned = True  # counted by settle(), eagerly
             self._end()
             return
+        self.settle()
         _predictive.update_(
             policy, rings, window, memory, pos, scale, before, found_inf, measured, budget, asked
         )
@@ -272,6 +292,11 @@ class PredictiveScaling:
         if self.measure.sampling:  # the only steps whose vector carries a share
             tail[TAIL_UNDERFLOW].copy_(underflow)
         self._end()
+
+    def _to_device_at(self, tail: torch.Tensor, pos: dict[str, int]) -> None:
+        """:meth:`_to_device`, keeping the device positions ``pos`` (the host rings are at them)."""
+        self._to_device(tail)
+        self.pos = pos
 
     def _to_device(self, tail: torch.Tensor) -> None:
         """Hand the rings to the device buffer (once, after plain steps; no host sync)."""
@@ -284,7 +309,24 @@ class PredictiveScaling:
         # non_blocking: a blocking host-to-device copy waits for the GPU (a sync on CUDA).
         tail.copy_(torch.tensor(values, dtype=torch.float32).to(tail.device, non_blocking=True))
         self.pos = {name: ring.pos for name, ring in host.items()}
+        self.shift = dict.fromkeys(self.lengths, 0)
         self.host = None
+
+    def to_device_form(self, tail: torch.Tensor) -> None:
+        """The rings in the device tail, and the sampling phase made (``_compiled.track``)."""
+        self._to_device(tail)
+        self._tail = tail
+        if self._budget is None or self._budget.device != tail.device:
+            self._budget = torch.full((), _predictive.BUDGET, device=tail.device)
+        self.measure.settle()
+        self.measure.sampling_flag(tail.device)
+
+    def settle(self) -> None:
+        """Count a compiled update's turn of the rings (an eager call after it)."""
+        self.measure.settle()
+        if self.turned:
+            self.turned = False
+            self.shift = {name: (self.shift[name] + 1) % n for name, n in self.lengths.items()}
 
     def _end(self) -> None:
         self._host_values = self._device_values = None
@@ -300,11 +342,11 @@ class PredictiveScaling:
         if self.host is not None:
             return {name: (list(r.slots), r.pos) for name, r in self.host.items()}
         assert self._tail is not None  # noqa: S101 - host None only after a device update
+        self.settle()
         _, window, memory = self._views(self._tail)
-        return {
-            "window": (window.tolist(), self.pos["window"]),
-            "memory": (memory.tolist(), self.pos["memory"]),
-        }
+        found = {"window": window.tolist(), "memory": memory.tolist()}
+        # As eager updates leave them: the same ring, its positions turned by `shift`.
+        return {name: _turned(found[name], self.pos[name], self.shift[name]) for name in found}
 
     def telemetry_from(
         self, words: torch.Tensor | None, rows: int, pos: Any, policy: ScalePolicy | None
@@ -315,7 +357,7 @@ class PredictiveScaling:
         the overflow run in the counters, which a fold of the log keeps and a scale set since
         (``update(new_scale=...)``, which runs no rule) leaves as they were.
         """
-        if self.host is not None or words is None or policy is None:
+        if self.host is not None or self.loaded or words is None or policy is None:
             return self.telemetry
         tail = words[_device_state.WORDS :]
         rings, window, _ = self._views(tail)
@@ -345,7 +387,12 @@ class PredictiveScaling:
         return state
 
     def load(self, loaded: dict[str, Ring] | None) -> None:
-        """Replace the rings (``from_state_dict``'s result); None empties them and says so."""
+        """Replace the rings (``from_state_dict``'s result); None empties them and says so.
+
+        Rings kept on the device stay there, at their positions (written eagerly, turned to
+        them; `shift` keeps the loaded positions for the saved form), so that a compiled update
+        after the load runs the graph it was traced with.
+        """
         if loaded is None:
             logger.warning(
                 "the loaded GradScaler state dict has no predictive window (saved by torch, by "
@@ -368,10 +415,24 @@ class PredictiveScaling:
                 )
                 ring = _resized(ring, n)
             host[name] = Window(list(ring[0]), ring[1])
-        self.host = host
-        self.pos = {name: ring.pos for name, ring in host.items()}
         largest = max(ring.max for ring in host.values())
         self.telemetry = Telemetry(window_max=largest)
+        self.turned = False
+        if self.host is None and self._tail is not None:
+            self.host = {
+                name: Window(*_turned(ring.slots, ring.pos, (self.pos[name] - ring.pos)))
+                for name, ring in host.items()
+            }
+            self._to_device_at(self._tail, dict(self.pos))
+            self.loaded = True
+            self.shift = {
+                name: (ring.pos - self.pos[name]) % n
+                for (name, ring), n in zip(host.items(), self.lengths.values(), strict=True)
+            }
+            return
+        self.host = host
+        self.pos = {name: ring.pos for name, ring in host.items()}
+        self.shift = dict.fromkeys(self.lengths, 0)
 
     def note_interval(self, growth_interval: int) -> None:
         """Say so when a loaded growth_interval differs from the overflow memory's length.
@@ -414,4 +475,7 @@ class PredictiveScaling:
         return fresh.__dict__
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        state.setdefault("shift", dict.fromkeys(state["lengths"], 0))
+        state.setdefault("turned", False)
+        state.setdefault("loaded", False)
         self.__dict__.update(state)
