@@ -52,10 +52,10 @@ def _digests(state_dict: dict[str, Any], plan: SavePlan) -> dict[Any, Any]:
         if item.type == WriteItemType.BYTE_IO:
             out[key] = repr(value)
             continue
+        if hasattr(value, "local_shards") or not isinstance(value, torch.Tensor):
+            continue  # a ShardedTensor's shards have their own offsets: never duplicated
         if hasattr(value, "to_local"):
             value = value.to_local()
-        if not isinstance(value, torch.Tensor):
-            continue  # a ShardedTensor's shards have their own offsets: never duplicated
         keys.append(key)
         shapes.append((tuple(value.shape), str(value.dtype)))
         sums.append(_bit_sum(value).cpu())
