@@ -58,9 +58,10 @@ def _digests(state_dict: dict[str, Any], plan: SavePlan) -> dict[Any, Any]:
             value = value.to_local()
         keys.append(key)
         shapes.append((tuple(value.shape), str(value.dtype)))
-        sums.append(_bit_sum(value).cpu())
-    if sums:
-        for key, shape, bit_sum in zip(keys, shapes, torch.stack(sums).tolist(), strict=True):
+        sums.append(_bit_sum(value))
+    if sums:  # one host read for all of them
+        read = torch.stack([s.to(sums[0].device) for s in sums]).tolist()
+        for key, shape, bit_sum in zip(keys, shapes, read, strict=True):
             out[key] = (*shape, bit_sum)
     return out
 
