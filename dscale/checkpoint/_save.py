@@ -24,7 +24,6 @@ from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_asyn
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from dscale import _dist
-from dscale.checkpoint._collisions import CheckedSavePlanner, CollidingEntriesError
 from dscale.checkpoint._errors import CheckpointSaveError, describe_failure
 from dscale.checkpoint._hashing import HashingWriter
 from dscale.checkpoint._publish import remove_temp_dirs
@@ -132,20 +131,10 @@ def write(
         with quiet_single_process():
             if use_async:
                 future = dcp_async_save(
-                    states,
-                    storage_writer=writer,
-                    planner=CheckedSavePlanner(),
-                    process_group=async_group,
-                    no_dist=no_dist,
+                    states, storage_writer=writer, process_group=async_group, no_dist=no_dist
                 )
                 return future, None  # type: ignore[return-value]
-            dcp_save(
-                states,
-                storage_writer=writer,
-                planner=CheckedSavePlanner(),
-                process_group=group,
-                no_dist=no_dist,
-            )
+            dcp_save(states, storage_writer=writer, process_group=group, no_dist=no_dist)
     except CheckpointException as exc:
         return None, exc
     except OSError as exc:
@@ -164,13 +153,6 @@ def _cause(problem: BaseException) -> OSError | None:
                 return seen
             seen = seen.__cause__ or seen.__context__
     return None
-
-
-def _colliding(problem: BaseException | None) -> bool:
-    """Whether ``problem`` (DCP wraps each rank's error) is ranks saving one entry differently."""
-    failures = getattr(problem, "failures", None)
-    errors = [f[0] for f in failures.values()] if isinstance(failures, dict) else [problem]
-    return any(isinstance(e, CollidingEntriesError) for e in errors)
 
 
 def raise_if_failed(
@@ -198,11 +180,6 @@ def raise_if_failed(
     cause = _cause(problem) if problem is not None else None
     failed = [f"rank {r}: {msg}" for r, msg in enumerate(reports) if msg is not None]
     advice = "free space on that filesystem or point the checkpoint directory elsewhere"
-    if _colliding(problem):
-        raise CheckpointSaveError(
-            f"saving step {step} into {tmp} failed ({'; '.join(failed)}). The unfinished "
-            "folder was removed and the previous checkpoints are kept"
-        ) from problem
     if cause is not None and cause.errno in _NOT_WRITABLE:
         advice = f"{root} is not writable: pass a checkpoint directory this job can write to"
     free_text = "unknown" if free is None else format_bytes(free)
