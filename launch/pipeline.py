@@ -125,7 +125,9 @@ class Pipeline:
         float, one broadcast over the ``pp`` group).
         """
         self._losses.clear()
-        if self.is_first:
+        if self.is_first and self.is_last:  # one stage (parallel.pp=1): it reads both
+            self.schedule.step(inputs, target=targets)
+        elif self.is_first:
             self.schedule.step(inputs)
         elif self.is_last:
             self.schedule.step(target=targets)

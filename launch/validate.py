@@ -433,17 +433,6 @@ def _parallel(job: JobConfig, nproc: int) -> None:
             check_batches(p, job.data.batch_size)
     except MeshError as exc:
         raise ConfigError(str(exc)) from None
-    c = job.checkpoint
-    target = CheckpointManager.check_resume(c.resume) if c.enabled else None
-    if p["strategy"] == "pp" and target is not None:
-        found = CheckpointManager(c.dir).latest() if target == "auto" else Path(str(target))
-        _need(
-            found is None or _step(found) >= job.trainer.max_steps,
-            f"parallel=pp cannot resume yet: checkpoint.dir={c.dir} holds {found and found.name}, "
-            "and a pipeline's optimizer state does not load back (docs/parallelisms.md, 'What "
-            "was not tried, and what fails'); start a new run (hydra.job.name=NEW_NAME) or "
-            "checkpoint.resume=none with a new checkpoint.dir",
-        )
     _need(
         job.trainer.precision != "fp8",
         f"trainer.precision=fp8 under parallel={p['strategy']} was not tried (torchao's float8 "

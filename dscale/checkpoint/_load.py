@@ -55,6 +55,7 @@ from dscale.checkpoint._states import (
     build_states,
     checked_by,
     placeholders,
+    saved_by_position,
     scaler_update,
 )
 
@@ -155,6 +156,8 @@ def _stage(
         elif name == "train":
             staged[name] = placeholders(metadata, "train")
         elif name in ("model", "optimizer"):
+            if isinstance(state, OptimizerState):
+                state.by_position = saved_by_position(metadata)  # a checkpoint of the old layout
             staged[name] = empty_copy(state.state_dict())
             _check_keys(path, metadata, name, staged[name], unplaced)
         else:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import random
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -17,6 +18,7 @@ import torch
 from torch.distributed import ProcessGroup
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -92,18 +94,48 @@ class ModelState:
         set_model_state_dict(self.model, state_dict)
 
 
-class OptimizerState:
-    """A torch optimizer's state dict keyed by parameter names, so it reshards with the model."""
+_POSITIONAL_GROUP = re.compile(r"optimizer\.param_groups\.\d+\.params")
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+
+def saved_by_position(metadata: Metadata) -> bool:
+    """Whether the checkpoint keeps the optimizer's param groups by position, as dscale wrote
+    them before it keyed them by parameter name (``optimizer.param_groups.0.params``)."""
+    return any(_POSITIONAL_GROUP.fullmatch(key) for key in metadata.state_dict_metadata)
+
+
+class OptimizerState:
+    """A torch optimizer's state dict keyed by parameter names, so it reshards with the model.
+
+    The param groups are keyed by parameter name too (``param_groups.<fqn>.lr``; torch's
+    ``flatten_optimizer_state_dict``): keyed by position, the stages of a pipeline would all
+    write ``param_groups.0.*``, DCP would keep one stage's, and the others would load its
+    parameter names (AdamW then failed with ``KeyError: 'betas'`` at its first step).
+    ``by_position=True`` reads a checkpoint written the old way (set by the load from the
+    checkpoint's keys). An optimizer whose state holds values torch cannot flatten (other than
+    tensors and numbers) is saved by position, as before.
+    """
+
+    def __init__(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, by_position: bool = False
+    ) -> None:
         self.model = model
         self.optimizer = optimizer
+        self.by_position = by_position
 
     def state_dict(self) -> dict[str, Any]:
+        if not self.by_position:
+            try:
+                return get_optimizer_state_dict(self.model, self.optimizer, options=_BY_NAME)
+            except NotImplementedError:  # a state value torch's flattening does not take
+                pass
         return get_optimizer_state_dict(self.model, self.optimizer)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # torch tells the two layouts apart by the nested one's "state" key.
         set_optimizer_state_dict(self.model, self.optimizer, state_dict)
+
+
+_BY_NAME = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 class ScalerState:

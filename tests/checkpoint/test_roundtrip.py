@@ -117,3 +117,53 @@ def test_bad_save_arguments_name_the_argument_and_write_nothing(tmp_path):
     with pytest.raises(TypeError, match=r"optimizer must be a torch\.optim\.Optimizer"):
         ckpt.save(1, model=model, optimizer=object())
     assert not tmp_path.exists() or not any(tmp_path.iterdir())
+
+
+def test_optimizer_param_groups_are_saved_by_parameter_name_and_the_positional_layout_loads(
+    tmp_path, monkeypatch
+):
+    """Param groups are keyed by parameter name (``optimizer.param_groups.<fqn>.lr``): keyed by
+    position, pipeline stages all wrote ``param_groups.0.*`` and DCP kept one stage's (a resumed
+    AdamW stage failed with KeyError 'betas'). A checkpoint of the positional layout, as dscale
+    wrote it before, still loads, groups and state alike."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    from dscale.checkpoint import _states
+
+    def setup(seed):
+        model = make_model(seed)
+        weights, biases = (
+            [p for n, p in model.named_parameters() if n.endswith(kind)]
+            for kind in ("weight", "bias")
+        )
+        opt = torch.optim.AdamW([{"params": weights}, {"params": biases, "lr": 3e-3}], lr=1e-2)
+        return model, opt
+
+    def saved_keys(folder):
+        return set(FileSystemReader(str(folder)).read_metadata().state_dict_metadata)
+
+    model, opt = setup(0)
+    train(model, opt, make_scaler(), 3)
+    CheckpointManager(tmp_path / "by_name").save(3, model=model, optimizer=opt)
+    keys = saved_keys(tmp_path / "by_name" / "step-3")
+    assert {"optimizer.param_groups.0.weight.lr", "optimizer.param_groups.0.bias.betas"} <= keys
+    assert not [k for k in keys if k.startswith("optimizer.param_groups.0.params")]
+
+    positional = lambda self: get_optimizer_state_dict(self.model, self.optimizer)  # noqa: E731
+    with monkeypatch.context() as m:
+        m.setattr(_states.OptimizerState, "state_dict", positional)
+        CheckpointManager(tmp_path / "by_position").save(3, model=model, optimizer=opt)
+    assert "optimizer.param_groups.0.params" in saved_keys(tmp_path / "by_position" / "step-3")
+
+    for layout in ("by_name", "by_position"):
+        model2, opt2 = setup(99)
+        train(model2, opt2, make_scaler(), 1)  # state of other values, to be overwritten
+        opt2.param_groups[1]["lr"] = 1.0
+        assert (
+            CheckpointManager(tmp_path / layout).resume("auto", model=model2, optimizer=opt2) == 3
+        )
+        torch.testing.assert_close(
+            optim_state(model2, opt2), optim_state(model, opt), rtol=0, atol=0
+        )
+        assert [g["lr"] for g in opt2.param_groups] == [1e-2, 3e-3], layout

@@ -242,24 +242,13 @@ def test_taken_metrics_port_fails_before_any_worker(tmp_path: Path) -> None:
     assert _no_worker_started(tmp_path)
 
 
-def test_a_pipeline_job_that_would_resume_is_refused_before_any_worker(tmp_path: Path) -> None:
-    """A pp rerun loaded its checkpoint and failed at its first step (AdamW: KeyError 'betas',
-    the stages' optimizer param groups saved by position); it is refused before it starts."""
+def test_a_pipeline_job_that_would_resume_is_validated_like_any_other(tmp_path: Path) -> None:
+    """A pp rerun is no longer refused before it starts: it failed at its first step (AdamW:
+    KeyError 'betas', the stages' optimizer param groups saved by position), and the
+    checkpoint now keys them by parameter name (tests/launch/test_mesh_jobs.py resumes one)."""
     import torch
 
     from dscale.checkpoint import CheckpointManager
 
     CheckpointManager(str(tmp_path), every=0).save(4, model=torch.nn.Linear(2, 2))
-    job = _job("metrics.enabled=false", "parallel=pp", f"checkpoint.dir={tmp_path}")
-    with pytest.raises(ConfigError, match=r"parallel=pp cannot resume yet: .* holds step-4"):
-        validate(job)
-    # A run at or past its max_steps trains nothing, and a fresh folder has nothing to resume.
-    validate(
-        _job(
-            "metrics.enabled=false",
-            "parallel=pp",
-            f"checkpoint.dir={tmp_path}",
-            "trainer.max_steps=4",
-        )
-    )
-    validate(_job("metrics.enabled=false", "parallel=pp", f"checkpoint.dir={tmp_path / 'new'}"))
+    validate(_job("metrics.enabled=false", "parallel=pp", f"checkpoint.dir={tmp_path}"))

@@ -13,6 +13,7 @@ import json
 import os
 import re
 import socket
+import warnings
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -127,24 +128,32 @@ def _check_every_rank_skipped(run_dir: Path, world: int) -> None:
         assert skipped_in_metrics_log(run_dir, rank) == [INF_STEP - 1]
 
 
+PIPELINE = [
+    *COMMON,
+    "parallel=pp",
+    "parallel.schedule=1f1b",
+    "parallel.microbatches=4",
+    "fault.inf_rank=0",
+]
+
+
+@pytest.fixture(scope="module")
+def pipeline_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """One 2-rank pipeline job, STEPS steps (checkpoints at 2 and 4): its folder and stderr."""
+    run_dir = tmp_path_factory.mktemp("pp")
+    proc = launch(run_dir, *PIPELINE, f"metrics.port={_free_ports(2)}", env=ENV)
+    assert proc.returncode == 0, output(proc)
+    return run_dir, proc.stderr
+
+
 def test_pipeline_job_on_2_ranks_skips_rank_0s_inf_on_both_stages_and_matches_the_oracle(
-    tmp_path: Path,
+    pipeline_run: tuple[Path, str],
 ) -> None:
     """parallel=pp, 1F1B, 4 microbatches: the inf is on the first stage (rank 0), without loss."""
-    proc = launch(
-        tmp_path,
-        *COMMON,
-        "parallel=pp",
-        "parallel.schedule=1f1b",
-        "parallel.microbatches=4",
-        "fault.inf_rank=0",
-        f"metrics.port={_free_ports(2)}",
-        env=ENV,
-    )
-    assert proc.returncode == 0, output(proc)
+    tmp_path, stderr = pipeline_run
     _check_every_rank_skipped(tmp_path, 2)
     # The progress line's loss came from the last stage to rank 0 (the first stage).
-    assert re.search(rf"step {STEPS}/{STEPS} loss \d+\.\d+ scale 32768 skipped 1", proc.stderr)
+    assert re.search(rf"step {STEPS}/{STEPS} loss \d+\.\d+ scale 32768 skipped 1", stderr)
     results = [r["result"] for r in summary(tmp_path)["ranks"]]
     assert [r["mesh"] for r in results] == [{"pp": 2}] * 2
     assert [(r["data_rank"], r["data_ranks"]) for r in results] == [(0, 1), (0, 1)]
@@ -155,6 +164,57 @@ def test_pipeline_job_on_2_ranks_skips_rank_0s_inf_on_both_stages_and_matches_th
     # Both stages wrote their shards: the checkpoint holds every tensor of the unsplit model.
     whole = {k: list(v.shape) for k, v in build_model(MODEL, DATA["seq_len"]).state_dict().items()}
     assert _checkpoint_shapes(tmp_path) == whole
+
+
+def test_a_pipeline_job_resumed_from_step_2_trains_steps_3_and_4_as_the_uninterrupted_job(
+    pipeline_run: tuple[Path, str], tmp_path: Path
+) -> None:
+    """The pp job restarted from its step-2 checkpoint (after the skipped step) equals the
+    uninterrupted job: the same losses, bit for bit, and the same scales on both stages.
+
+    Before, the stages' optimizer param groups were saved by position, both stages wrote
+    ``optimizer.param_groups.0.*``, and the resumed stage 0 failed at its first step
+    (AdamW: ``KeyError: 'betas'``); the launcher refused the resume.
+    """
+    first, _ = pipeline_run
+    proc = launch(
+        tmp_path,
+        *PIPELINE,
+        f"checkpoint.resume={first / 'checkpoints' / 'step-2'}",
+        f"metrics.port={_free_ports(2)}",
+        env=ENV,
+    )
+    assert proc.returncode == 0, output(proc)
+    assert _progress_losses(tmp_path) == _progress_losses(first)[2:]
+    resumed, uninterrupted = summary(tmp_path), summary(first)
+    assert [r["final_scale"] for r in resumed["ranks"]] == [
+        r["final_scale"] for r in uninterrupted["ranks"]
+    ]
+    assert [r["final_scale"] for r in resumed["ranks"]] == [32768.0] * 2
+    # The resumed stages' optimizers ended where the uninterrupted ones did (state, groups).
+    assert _optimizer_entries(tmp_path) == _optimizer_entries(first)
+
+
+def _optimizer_entries(run_dir: Path) -> dict[str, object]:
+    """The last checkpoint's optimizer tensors and param groups, by key."""
+    from torch.distributed.checkpoint import load
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = FileSystemReader(str(run_dir / "checkpoints" / f"step-{STEPS}"))
+    meta = reader.read_metadata().state_dict_metadata
+    out: dict[str, object] = {
+        k: torch.empty(m.size, dtype=m.properties.dtype)
+        for k, m in meta.items()
+        if k.startswith("optimizer.") and isinstance(m, TensorStorageMetadata)
+    }
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
+        warnings.simplefilter("ignore", UserWarning)
+        load(out, storage_reader=reader, no_dist=True)
+    groups = sorted(k for k in meta if k.startswith("optimizer.param_groups."))
+    assert groups, "no param group was saved"
+    return {k: (v.tolist() if isinstance(v, torch.Tensor) else v) for k, v in out.items()} | {
+        "groups": groups
+    }
 
 
 def test_2d_job_on_4_ranks_skips_rank_3s_inf_everywhere_and_matches_the_oracle(
