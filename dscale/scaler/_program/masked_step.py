@@ -174,21 +174,25 @@ def _traced_masked_step(
     kwargs: dict[str, Any],
 ) -> Any:
     """:func:`masked_step` under torch.compile: a copy of each tensor, the step, a ``where`` per
-    tensor (Inductor fuses them; the loops run at trace time). The optimizer state must exist
-    (eager warm-up steps make it): creating it is the one host read of the flag."""
+    tensor (Inductor fuses them; the loops run at trace time). The optimizer state the step uses
+    must exist (eager warm-up steps make it): creating it is the one host read of the flag. A
+    parameter without state (all of them for an optimizer that keeps none, as SGD without
+    momentum) is fine while the step creates none for it; one that does is refused."""
     params = _params(optimizer)
     tensors = list(params)
+    keys: list[tuple[int, Any]] = []
     for p in params:
-        state = optimizer.state.get(p)
-        if state is None:
-            raise RuntimeError(_NO_STATE_UNDER_COMPILE.format(name=type(optimizer).__name__))
-        for value in state.values():
+        state = optimizer.state.get(p)  # get: it is a defaultdict
+        for key, value in (state or {}).items():
             if not isinstance(value, torch.Tensor) or value.layout != torch.strided:
                 raise RuntimeError(_NO_STATE_UNDER_COMPILE.format(name=type(optimizer).__name__))
             tensors.append(value)
+            keys.append((id(p), key))
     with torch.no_grad():
         saved = [t.clone() for t in tensors]
     result = traced_optimizer_step(optimizer, args, kwargs)
+    if [(id(p), key) for p in params for key in optimizer.state.get(p) or {}] != keys:
+        raise RuntimeError(_NO_STATE_UNDER_COMPILE.format(name=type(optimizer).__name__))
     with torch.no_grad():
         skip = found_inf > 0
         for t, old in zip(tensors, saved, strict=True):
