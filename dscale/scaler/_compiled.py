@@ -139,3 +139,23 @@ def _to_compiled_forms(*_: Any) -> None:
     for scaler in list(_LIVE):
         if scaler._enabled and scaler._sync_free and scaler._book.placed:
             scaler._to_compiled_form()
+            mark_static(scaler)
+
+
+def mark_static(scaler: Any) -> None:
+    """Mark the tensors the compiled region reads from ``scaler`` as static addresses.
+
+    Inductor's cudagraph trees (``mode="reduce-overhead"``) keep a graph only where every input
+    it writes in place is static (parameters, the optimizer's state, which torch marks itself);
+    the scale, the device words, predictive's and the spike gate's buffers are the scaler's,
+    so it marks them, eagerly, when compiling starts (``guard=False``: no recompile guard on
+    the address; the tensors are made once and kept, and the gate writes into its fixed matrix
+    under compile instead of swapping two). Not the loss the gate reads: a new tensor each step.
+    """
+    tensors = [*scaler._book.static_tensors()]
+    if scaler._predictive is not None:
+        tensors += scaler._predictive.static_tensors()
+    if scaler._spike is not None:
+        tensors += scaler._spike.static_tensors()
+    for t in tensors:
+        torch._dynamo.mark_static_address(t, guard=False)

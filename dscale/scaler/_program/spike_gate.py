@@ -322,6 +322,15 @@ class SpikeGate:
         self._zeros = torch.zeros(len(self.signals), dtype=torch.float64, device=device)
         self._device = device
 
+    def static_tensors(self) -> list[torch.Tensor]:
+        """The gate's device tensors a compiled region reads or writes (``_compiled.mark_static``);
+        not the loss (a new tensor each step)."""
+        kept = [self.state, self._spare, self._flags, self._zeros]
+        kept += [self._slots[1] if self._slots else None, self._norms[1] if self._norms else None]
+        kept += [self._roots[2] if self._roots else None]
+        kept += [c for consts in self._consts.values() for c in consts]
+        return [t for t in kept if t is not None]
+
     @property
     def counts(self) -> torch.Tensor | None:
         """[ENTERED, SKIPPED, IN_A_ROW] on the device (float64, exact), once placed.
@@ -408,10 +417,13 @@ class SpikeGate:
         # step, so never both); written from this matrix, whose counts the shift may not carry.
         counts = state[self._spikes : self._entries + 1, w + 1 :].expand(2, 2)
         _out(torch.add, counts, flags[:, None], out=spare[self._spikes : self._entries + 1, w:])
-        self.state, self._spare = spare, state
-        if torch.compiler.is_compiling():  # the host copy is left to the next eager call
-            self._publish_due = True
+        if torch.compiler.is_compiling():
+            # One matrix, at one address: a CUDA graph's static input (the swap below would move
+            # which tensor sits at this input: a re-record per step). The same values, copied.
+            state.copy_(spare)
+            self._publish_due = True  # the host copy is left to the next eager call
             return
+        self.state, self._spare = spare, state
         self._publish()  # with the step's values, which the shift carried into column `window`
 
     def end_iteration(self) -> None:

@@ -61,6 +61,11 @@ class ScaleState:
     def placed(self) -> bool:
         return self.scale is not None
 
+    def static_tensors(self) -> list[torch.Tensor]:
+        """The device buffer and its views a compiled region reads (``_compiled.mark_static``)."""
+        views = (self.words, self.scale, self.growth_tracker, self.hysteresis_tracker, self.tail)
+        return [t for t in views if t is not None]
+
     @property
     def tail(self) -> torch.Tensor | None:
         """The predictive state's words of the device buffer (a view), once placed."""

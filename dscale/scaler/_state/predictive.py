@@ -321,6 +321,11 @@ class PredictiveScaling:
         self.measure.settle()
         self.measure.sampling_flag(tail.device)
 
+    def static_tensors(self) -> list[torch.Tensor]:
+        """The device tensors a compiled update reads and writes (``_compiled.mark_static``)."""
+        kept = (self._budget, self.measure._phase)
+        return [t for t in kept if t is not None]
+
     def settle(self) -> None:
         """Count a compiled update's turn of the rings (an eager call after it)."""
         self.measure.settle()
