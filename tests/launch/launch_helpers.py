@@ -111,7 +111,9 @@ def leftover_workers(run_dir: Path) -> list[str]:
     """Processes still alive that the launcher started for ``run_dir`` (it marks their env).
 
     multiprocessing's resource tracker is not a worker: it leaves on its own once the
-    launcher's pipe closes.
+    launcher's pipe closes. Nor is a process already exiting (state Z or X, or no command line
+    left: the kernel clears it while tearing the process down), which a loaded machine can show
+    for a moment after the launcher returned.
     """
     marker = f"DSCALE_RUN_DIR={run_dir}".encode()
     found = []
@@ -121,9 +123,11 @@ def leftover_workers(run_dir: Path) -> list[str]:
         try:
             env = (proc / "environ").read_bytes().split(b"\0")
             cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:  # gone meanwhile, or not ours
+            state = (proc / "stat").read_text().rpartition(")")[2].split()[0]
+        except (OSError, IndexError):  # gone meanwhile, or not ours
             continue
-        if marker in env and "resource_tracker" not in cmdline:
+        exiting = state in ("Z", "X") or not cmdline.strip()
+        if marker in env and "resource_tracker" not in cmdline and not exiting:
             found.append(f"{proc.name}: {cmdline}")
     return found
 
