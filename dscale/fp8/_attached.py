@@ -15,9 +15,16 @@ from typing import Any
 _weight_scales: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 _numerics: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 _fallback: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+_schedule: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
 #: The checkpoint key of each companion (the launcher's, and what docs/fp8.md passed as extra=).
-KEYS = {"fp8_weight_scales": _weight_scales, "fp8_numerics": _numerics, "fp8_fallback": _fallback}
+#: (``dscale.precision``'s schedule loads before the fallback, whose switches go through it.)
+KEYS = {
+    "fp8_weight_scales": _weight_scales,
+    "fp8_numerics": _numerics,
+    "precision_schedule": _schedule,
+    "fp8_fallback": _fallback,
+}
 #: Every live (not closed) companion per scaler and key: a second one (two models on one scaler,
 #: torch's multi-model recipe) would not travel under the one key (:func:`shadowed`).
 _live: weakref.WeakKeyDictionary[Any, dict[str, weakref.WeakSet[Any]]] = weakref.WeakKeyDictionary()
@@ -41,6 +48,16 @@ def attach_numerics(scaler: Any, numerics: Any) -> None:
 def attach_fallback(scaler: Any, fallback: Any) -> None:
     """Record ``fallback`` as ``scaler``'s (the latest one wins)."""
     _record("fp8_fallback", scaler, fallback)
+
+
+def attach_schedule(scaler: Any, schedule: Any) -> None:
+    """Record ``schedule`` (a dscale.precision.PrecisionSchedule) as ``scaler``'s."""
+    _record("precision_schedule", scaler, schedule)
+
+
+def schedule_of(scaler: Any) -> Any:
+    """``scaler``'s ``PrecisionSchedule``, or None."""
+    return _schedule.get(scaler)
 
 
 def detach(scaler: Any, obj: Any) -> None:

@@ -1,0 +1,443 @@
+"""PrecisionSchedule: an agreed per-layer precision map with switches at given steps.
+
+The map (layer name -> format, :mod:`dscale.precision._formats`) is applied at construction
+and changed after the step that ends at a switch's step, on every rank alike: the step is the
+scaler's iteration count (every ``step()`` of the first optimizer, applied or skipped), which
+every rank counts alike because the scaler agrees on every skip. A switch swaps the layer's
+module keeping the same parameter objects (the optimizer's state survives): among torchao's
+``Float8Linear`` formats (bf16 included, for a layer converted to float8) in place, by the
+layer's config; to or from MXFP8 by a new module holding the same parameters.
+
+Ranks are compared twice: at construction (every rank's map and switches, one all-gather,
+naming what differs) and then on every ``check_every``-th iteration by a fingerprint of the
+current map and the switches to come riding the scaler's one agreement vector (MAX of the
+fingerprint and of its negation): a rank whose map was edited alone is refused on every rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import logging
+import types
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from dscale import _dist
+from dscale.fp8 import _attached, _mx, _torchao
+from dscale.fp8._layers import LayoutMismatchError, refuse_other_layers, state_int, unwrapped
+from dscale.precision import _formats
+from dscale.precision._formats import BF16, BF16_FORWARD, FLOAT8_LINEAR, FORMATS
+
+logger = logging.getLogger(__name__)
+
+#: The state-dict format.
+STATE_VERSION = 1
+#: The fingerprint: two 24-bit numbers, each exact in float32, sent with their negations.
+_HASH_BITS = 24
+
+
+class PrecisionSchedule:
+    """Which format each layer trains in, and from which step: agreed by every rank.
+
+    Example::
+
+        schedule = dscale.precision.PrecisionSchedule(
+            model,
+            scaler,
+            initial={"blocks.0.fc1": "tensorwise", "blocks.1.fc2": "mxfp8"},
+            switches={900: {"blocks.0.fc1": "bf16_forward", "blocks.1.fc2": "bf16"}},
+        )
+
+    Build it on every rank alike, before wrapping the model in DDP (it converts the layers of
+    ``initial``) and after the optimizer (parameters are kept, never copied). ``switches``
+    maps a step to changes: the layers run in the new formats from that step on (the forward of
+    the ``step``-th iteration, 0-based, is the first in them). The step is the scaler's
+    iteration count (applied and skipped steps alike), so a skip neither delays nor desyncs a
+    switch. Each switch is logged (one line naming layers and formats), served by
+    ``dscale.metrics`` (``dscale_precision_format{layer,format}``) and saved and loaded by
+    ``dscale.checkpoint`` with the scaler.
+
+    Args:
+        model: the model (wrappers such as DDP or torch.compile are looked through).
+        scaler: the dscale scaler or StepGuard whose steps count and whose collective agrees.
+        initial: the map at step 0: every layer the schedule switches must be named here.
+        switches: ``{step: {layer: format}}``, steps positive.
+        emulate: torchao's emulation (no FP8 GEMM hardware: CPUs, older GPUs).
+        check_every: compare the ranks' maps on every ``check_every``-th iteration (the first
+            included), riding the scaler's vector; 1 compares on every step.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        scaler: Any,
+        *,
+        initial: Mapping[str, str],
+        switches: Mapping[int, Mapping[str, str]] | None = None,
+        emulate: bool = False,
+        check_every: int = 16,
+        group: Any | None = None,
+    ) -> None:
+        if not isinstance(check_every, int) or isinstance(check_every, bool) or check_every < 1:
+            raise ValueError(f"check_every must be a positive int, got {check_every!r}")
+        self._root = unwrapped(model)
+        self._modules = _scheduled_modules(self._root, initial)
+        self.initial = {n: _formats.check_format(f, f"initial[{n!r}]") for n, f in initial.items()}
+        self.switches = _checked_switches(switches or {}, self._modules)
+        self.emulate = emulate
+        self.check_every = check_every
+        self.step = 0
+        self.formats: dict[str, str] = {}
+        self._group = group
+        self._check_ranks()
+        for name, fmt in self.initial.items():
+            self._put(name, fmt)
+        self._scaler = scaler
+        self._sent: torch.Tensor | None = None
+        self._fingerprint = self._make_fingerprint()
+        self._unfield: Callable[[], None] | None = None
+        self._arm()
+        self._unregister = scaler.register_step_callback(self._after_step)
+        _attached.attach_schedule(scaler, self)
+        logger.info("PrecisionSchedule: step 0: %s", _describe({}, self.formats))
+
+    def at(self, step: int) -> dict[str, str]:
+        """The map in effect at ``step`` by the schedule (runtime :meth:`switch` calls aside)."""
+        out = dict(self.initial)
+        for at, changes in sorted(self.switches.items()):
+            if at <= step:
+                out.update(changes)
+        return out
+
+    def switch(self, changes: Mapping[str, str], *, why: str = "") -> None:
+        """Switch layers now, from the next forward on: call it on every rank alike.
+
+        For decisions that every rank takes alike (``Float8Fallback`` reads the agreed
+        sample); the change is checked against the other ranks with the next fingerprint.
+        """
+        checked = {n: _formats.check_format(f, f"switch({n!r})") for n, f in changes.items()}
+        unknown = sorted(set(checked) - set(self._modules))
+        if unknown:
+            raise ValueError(
+                f"PrecisionSchedule.switch: {unknown} are not scheduled layers "
+                f"(they are: {sorted(self._modules)})"
+            )
+        self._apply(checked, why)
+
+    # -- the step ---------------------------------------------------------------------------
+
+    def _stepped(self) -> int:
+        count = getattr(self._scaler, "_stepped_this_iteration", None)
+        return 0 if count is None else int(count())
+
+    def _arm(self) -> None:
+        """Ride the vector on the iterations that compare (every rank counts them alike)."""
+        armed = self.step % self.check_every == 0
+        if armed and self._unfield is None:
+            self._unfield = self._scaler.add_agreement_field(self)
+        elif not armed and self._unfield is not None:
+            self._unfield()
+            self._unfield = None
+
+    def values(self, optimizer: Any) -> torch.Tensor | None:
+        """The fingerprint and its negation (the scaler's agreement field)."""
+        if self._stepped():
+            return None  # a further optimizer of this iteration: sent with the first
+        return self._fingerprint
+
+    def agreed(self, slots: torch.Tensor) -> None:
+        """This field's slots in the all-reduced vector."""
+        self._sent = slots
+
+    def _after_step(self, optimizer: Any, applied: bool) -> None:
+        if self._stepped() > 1:
+            return  # a further optimizer's step in this iteration: counted with the first
+        sent, self._sent = self._sent, None
+        if sent is not None:
+            self._refuse_disagreement(sent)
+        self.step += 1
+        due = self.switches.get(self.step)
+        if due:
+            self._apply(due, "scheduled")
+        self._arm()
+
+    def _refuse_disagreement(self, sent: torch.Tensor) -> None:
+        high, neg_low = sent.view(-1, 2).t().tolist()  # host read of 4 agreed floats
+        if any(h != -n for h, n in zip(high, neg_low)):
+            raise LayoutMismatchError(
+                f"PrecisionSchedule: at step {self.step} the ranks' precision maps differ (this "
+                f"rank's: {self.formats}; switches to come: {self._future()}); every rank "
+                "must build the same schedule and switch alike: call switch() on every rank, "
+                "never on one"
+            )
+
+    def _make_fingerprint(self) -> torch.Tensor:
+        text = repr((sorted(self.formats.items()), self._future()))
+        digest = hashlib.sha256(text.encode()).digest()
+        a = int.from_bytes(digest[:3], "big")
+        b = int.from_bytes(digest[3:6], "big")
+        return torch.tensor([a, -a, b, -b], dtype=torch.float32)
+
+    def _future(self) -> list[tuple[int, list[tuple[str, str]]]]:
+        return [(s, sorted(c.items())) for s, c in sorted(self.switches.items()) if s > self.step]
+
+    # -- switching --------------------------------------------------------------------------
+
+    def _apply(self, changes: Mapping[str, str], why: str) -> None:
+        before = dict(self.formats)
+        for name, fmt in changes.items():
+            if self.formats.get(name) != fmt:
+                self._put(name, fmt)
+        self._fingerprint = self._make_fingerprint()
+        if self.formats != before:
+            logger.warning(
+                "PrecisionSchedule: step %d%s: %s",
+                self.step,
+                f" ({why})" if why else "",
+                _describe(before, self.formats),
+            )
+
+    def _put(self, name: str, fmt: str) -> None:
+        old = self._modules[name]
+        new = _build(old, fmt, self.emulate, name)
+        if new is not old:
+            parent_name, _, child = name.rpartition(".")
+            parent = self._root.get_submodule(parent_name) if parent_name else self._root
+            setattr(parent, child, new)
+            self._modules[name] = new
+        self.formats[name] = fmt
+
+    def module(self, name: str) -> nn.Module:
+        """The module layer ``name`` runs as now."""
+        return self._modules[name]
+
+    # -- ranks, state -----------------------------------------------------------------------
+
+    def _check_ranks(self) -> None:
+        mine = (
+            sorted(self.initial.items()),
+            sorted((s, sorted(c.items())) for s, c in self.switches.items()),
+            self.check_every,
+        )
+        everyone = _dist.all_gather_objects(mine, self._group)
+        if any(r != everyone[0] for r in everyone):
+            detail = "; ".join(
+                f"rank {r}: initial {dict(v[0])}, switches {v[1]}, check_every {v[2]}"
+                for r, v in enumerate(everyone)
+            )
+            raise LayoutMismatchError(
+                f"PrecisionSchedule: ranks built different schedules ({detail}); build the "
+                "same schedule on every rank"
+            )
+
+    def state_dict(self) -> dict[str, Any]:
+        """The step and each layer's current format (tensors only).
+
+        * ``version``: the format (1).
+        * ``step``: the iterations counted.
+        * ``num_layers``: how many layers the schedule holds.
+        * ``layers``: per layer name, an int64 ``[1]`` tensor: the index of its current format
+          in ``dscale.precision.FORMATS``.
+
+        The switches to come are the constructor's (a resume may plan others: every rank's
+        plan is compared when it is built).
+        """
+        return {
+            "version": torch.tensor(STATE_VERSION),
+            "step": torch.tensor(self.step, dtype=torch.int64),
+            "num_layers": torch.tensor(len(self._modules)),
+            "layers": {
+                n: torch.tensor([FORMATS.index(self.formats[n])], dtype=torch.int64)
+                for n in sorted(self._modules)
+            },
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Take the saved step and put each layer in its saved format; validated fully first."""
+        version = state_int(state.get("version", -1))
+        if version != STATE_VERSION:
+            raise ValueError(
+                f"PrecisionSchedule state has format version {version}, this dscale reads "
+                f"{STATE_VERSION}; save it again with this dscale"
+            )
+        layers = state.get("layers")
+        if not isinstance(layers, dict):
+            raise ValueError(f"PrecisionSchedule state needs a layers dict, got {layers!r}")
+        names = sorted(self._modules)
+        count = state_int(state.get("num_layers", len(layers)))
+        refuse_other_layers("PrecisionSchedule", list(layers), count, names)
+        step = state_int(state["step"])
+        if step < 0:
+            raise ValueError(f"PrecisionSchedule state's step must be >= 0, got {step}")
+        formats = {}
+        for name in names:
+            index = state_int(
+                layers[name].reshape(()) if isinstance(layers[name], torch.Tensor) else layers[name]
+            )
+            if not 0 <= index < len(FORMATS):
+                raise ValueError(
+                    f"PrecisionSchedule state gives layer {name!r} format index {index}; this "
+                    f"dscale knows {len(FORMATS)} formats {list(FORMATS)}"
+                )
+            formats[name] = FORMATS[index]
+        self.step = step
+        self._apply(formats, f"resumed at step {step}")
+        self._arm()
+
+    def close(self) -> None:
+        """Stop switching and comparing (the layers stay in their formats)."""
+        self._unregister()
+        if self._unfield is not None:
+            self._unfield()
+            self._unfield = None
+        _attached.detach(self._scaler, self)
+
+
+def _describe(before: Mapping[str, str], after: Mapping[str, str]) -> str:
+    return ", ".join(
+        f"{n} {before[n]} -> {f}" if n in before else f"{n} {f}"
+        for n, f in sorted(after.items())
+        if before.get(n) != f
+    )
+
+
+def _scheduled_modules(root: nn.Module, initial: Mapping[str, str]) -> dict[str, nn.Module]:
+    """The layers ``initial`` names, each a linear of ``root``; ValueError naming bad names."""
+    if not isinstance(initial, Mapping) or not initial:
+        raise ValueError(f"initial must be a non-empty map layer name -> format, got {initial!r}")
+    modules = dict(root.named_modules())
+    linears = sorted(n for n, m in modules.items() if isinstance(m, nn.Linear))
+    bad = []
+    for name in initial:
+        if name not in modules or not isinstance(modules[name], nn.Linear):
+            near = difflib.get_close_matches(str(name), linears, n=3, cutoff=0.6)
+            what = f"a {type(modules[name]).__name__}" if name in modules else "no module"
+            bad.append(f"{name!r} ({what}; nearest linears {near or linears[:6]})")
+    if bad:
+        raise ValueError(
+            "PrecisionSchedule: initial names layers that are not linears of the model: "
+            + "; ".join(bad)
+            + ". Name nn.Linear layers as model.named_modules() gives them"
+        )
+    found = {}
+    for name in initial:
+        module = modules[name]
+        config = getattr(module, "config", None)
+        if getattr(config, "enable_fsdp_float8_all_gather", False):
+            raise ValueError(
+                f"PrecisionSchedule: {name} is all-gathered in float8 (its weight arrives "
+                "already cast, so it cannot switch); convert with float8_all_gather=False"
+            )
+        found[name] = module
+    return found
+
+
+def _checked_switches(
+    switches: Mapping[int, Mapping[str, str]], modules: Mapping[str, nn.Module]
+) -> dict[int, dict[str, str]]:
+    out: dict[int, dict[str, str]] = {}
+    for step, changes in switches.items():
+        if not isinstance(step, int) or isinstance(step, bool) or step < 1:
+            raise ValueError(
+                f"switches: step {step!r} must be a positive int (step 0's map is initial)"
+            )
+        unknown = sorted(set(changes) - set(modules))
+        if unknown:
+            raise ValueError(
+                f"switches[{step}] names {unknown}, which initial does not; every switched "
+                f"layer needs its format at step 0 in initial (it names {sorted(modules)})"
+            )
+        out[step] = {
+            n: _formats.check_format(f, f"switches[{step}][{n!r}]") for n, f in changes.items()
+        }
+    return out
+
+
+def float8_config(fmt: str, emulate: bool) -> Any:
+    """torchao's ``Float8LinearConfig`` for a :data:`FLOAT8_LINEAR` format (or ``bf16``:
+    every cast disabled)."""
+    float8 = _torchao.float8()
+    if fmt == BF16:
+        from dscale.fp8._fallback import disabled_config
+
+        return disabled_config(float8.Float8LinearConfig(emulate=emulate))
+    recipe = "tensorwise" if fmt == BF16_FORWARD else fmt
+    config = dataclasses.replace(
+        float8.Float8LinearConfig.from_recipe_name(recipe), emulate=emulate
+    )
+    if fmt == BF16_FORWARD:
+        # The forward GEMM's two operands disabled (torchao requires both or neither of a
+        # GEMM's operands in float8); the backward's four casts stay tensorwise.
+        off = float8.CastConfig(scaling_type=float8.ScalingType.DISABLED)
+        config = dataclasses.replace(config, cast_config_input=off, cast_config_weight=off)
+    return config
+
+
+def _build(old: nn.Module, fmt: str, emulate: bool, name: str) -> nn.Module:
+    """The module computing ``old``'s layer in ``fmt``, holding ``old``'s parameters."""
+    float8_cls = _torchao.float8_linear_class() if fmt in FLOAT8_LINEAR or fmt == BF16 else None
+    is_float8 = type(old).__name__ == "Float8Linear" and type(old).__module__.startswith("torchao")
+    if fmt in FLOAT8_LINEAR or (fmt == BF16 and is_float8):
+        config = float8_config(fmt, emulate)
+        if is_float8:
+            module = old  # in place: the same module (hooks on it keep working)
+        else:
+            module = float8_cls.from_float(_plain(old), config=config)  # type: ignore[union-attr]
+            module.train(old.training)
+        template = float8_cls.from_float(  # type: ignore[union-attr]
+            nn.Linear(16, 16, bias=False, device="meta"), config=config
+        )
+        module.config = template.config
+        module.linear_mm_config = template.linear_mm_config
+        if fmt == BF16:
+            # torchao's disabled path alone mixes dtypes in backward under autocast: the
+            # forward is nn.Linear's (as Float8Fallback's switch).
+            module.forward = types.MethodType(nn.Linear.forward, module)
+        else:
+            module.__dict__.pop("forward", None)
+        return module
+    if fmt == BF16:
+        if type(old) is nn.Linear:
+            return old
+        return _plain(old)
+    # MXFP8
+    wgrad_with_hp = _mx.WGRAD_WITH_HP[fmt]
+    if type(old).__name__ == "MXFP8Linear":
+        old.wgrad_with_hp = wgrad_with_hp
+        return old
+    cls = _torchao.mxfp8_linear_class()
+    preference, mode = _torchao.mx_options(emulate)
+    new = cls(
+        old.in_features,  # type: ignore[arg-type]
+        old.out_features,  # type: ignore[arg-type]
+        bias=old.bias is not None,
+        device="meta",
+        kernel_preference=preference,
+        scale_calculation_mode=mode,
+        wgrad_with_hp=wgrad_with_hp,
+    )
+    new.weight = old.weight
+    new.bias = old.bias
+    new.train(old.training)
+    new._dscale_name = name
+    new.register_forward_pre_hook(_mx.check_tokens)
+    return new  # type: ignore[no-any-return]
+
+
+def _plain(old: nn.Module) -> nn.Linear:
+    """A plain ``nn.Linear`` holding ``old``'s parameters."""
+    new = nn.Linear(
+        old.in_features,  # type: ignore[arg-type]
+        old.out_features,  # type: ignore[arg-type]
+        bias=old.bias is not None,
+        device="meta",
+    )
+    new.weight = old.weight  # type: ignore[assignment]
+    new.bias = old.bias  # type: ignore[assignment]
+    new.train(old.training)
+    return new
