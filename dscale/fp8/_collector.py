@@ -145,9 +145,26 @@ class AttachedFloat8Collector:
         return []
 
     def collect(self) -> Iterator[Metric]:
-        """The attached numerics' metrics, or none."""
+        """The attached numerics' metrics (and the precision schedule's), or none."""
+        schedule = _attached.schedule_of(self._scaler)
+        if schedule is not None:
+            yield schedule_metric(schedule.formats, self._labels)
         numerics = _attached.numerics_of(self._scaler)
         if numerics is None:
             return
         fallback = _attached.fallback_of(self._scaler)
         yield from Float8NumericsCollector(numerics, fallback, labels=self._labels).collect()
+
+
+def schedule_metric(formats: dict[str, str], labels: dict[str, str]) -> Metric:
+    """``dscale_precision_format{layer,format} 1``: each layer's current format (one series per
+    layer; a switch replaces the layer's series)."""
+    names = [*labels, "layer", "format"]
+    gauge = GaugeMetricFamily(
+        "dscale_precision_format",
+        "The precision format each scheduled layer runs in now (dscale.precision)",
+        labels=names,
+    )
+    for layer, fmt in sorted(formats.items()):
+        gauge.add_metric([*labels.values(), layer, fmt], 1.0)
+    return gauge

@@ -7,7 +7,9 @@ the agreed (worst-rank) sample, so every rank switches the same layer at the sam
 another collective. The switch is ``nn.Linear``'s forward (and torchao's config with every
 cast disabled), so the layer computes exactly what ``nn.Linear`` does, under autocast too.
 Layers whose weights FSDP2 all-gathers in float8 are left (their weights arrive already cast):
-logged once.
+logged once. Where the scaler has a :class:`dscale.precision.PrecisionSchedule` holding the
+layer, the switch is that schedule's change (``schedule.switch({layer: "bf16"})``): the
+schedule's map, log line, metric, state and rank check then show it too.
 """
 
 from __future__ import annotations
@@ -136,7 +138,7 @@ class Float8Fallback:
                     name,
                 )
             return
-        to_high_precision(module)
+        self._to_high_precision(name, module)
         self.fallen.append(name)
         logger.warning(
             "Float8Fallback: %s runs in high precision from now on (share %.4f > %.4f on %d "
@@ -146,6 +148,15 @@ class Float8Fallback:
             self.threshold,
             self.samples,
         )
+
+    def _to_high_precision(self, name: str, module: Any) -> None:
+        """Switch one layer: through the scaler's precision schedule where it holds the layer
+        (the same in-place switch, recorded as a schedule change), else directly."""
+        schedule = _attached.schedule_of(self._scaler)
+        if schedule is not None and schedule.formats.get(name) is not None:
+            schedule.switch({name: "bf16"}, why="Float8Fallback")
+        else:
+            to_high_precision(module)
 
     def state_dict(self) -> dict[str, Any]:
         """The switched layers and every layer's run, keyed by layer name.
@@ -196,7 +207,7 @@ class Float8Fallback:
             )
         for name in fallen:
             if name not in self.fallen:
-                to_high_precision(self._modules[name])
+                self._to_high_precision(name, self._modules[name])
                 self.fallen.append(name)
         self.runs.update(runs)
 
