@@ -30,7 +30,7 @@ def test_every_rank_switches_at_the_same_step_with_a_skip_in_between(ranks):
     2) neither delays nor desyncs the switch at step 3: the step counts iterations."""
     whole = [ranks[r]["whole"] for r in (0, 1)]
     assert [w[2][1] for w in whole] == [False, False]  # step 2 skipped on both ranks
-    assert [[s[3] for s in w] for w in whole][0] == [s[3] for s in whole[1]]
+    assert [s[3] for s in whole[0]] == [s[3] for s in whole[1]]  # the same maps, step by step
     maps = [s[3] for s in whole[0]]
     assert maps[1] == _ranks.INITIAL  # after 2 steps: still the initial map
     assert maps[2]["blocks.0.fc1"] == "bf16_forward" and maps[2]["blocks.1.fc2"] == "tensorwise"
