@@ -54,13 +54,29 @@ def numerics_every(fp8: dict[str, Any]) -> int:
 def build_parts(
     model: nn.Module, optimizer: Any, scaler: Any, conversion: Any, fp8: dict[str, Any]
 ) -> dict[str, Any]:
-    """WeightScales, Float8Numerics and Float8Fallback as ``fp8.*`` asks, by checkpoint key.
+    """The precision schedule, WeightScales, Float8Numerics and Float8Fallback as ``fp8.*``
+    asks, by checkpoint key (the schedule first: the numerics measure the layers it leaves in
+    float8).
 
     Every rank calls it (WeightScales compares the ranks' layouts in one collective).
     """
     import dscale.fp8
 
     parts: dict[str, Any] = {}
+    schedule = fp8.get("schedule") or {}
+    if schedule.get("initial"):
+        import dscale.precision
+
+        emulate = str(fp8.get("emulate", "auto")).lower()
+        device = next(model.parameters()).device
+        parts["precision_schedule"] = dscale.precision.PrecisionSchedule(
+            model,
+            scaler,
+            initial=dict(schedule["initial"]),
+            switches={int(k): dict(v) for k, v in (schedule.get("switches") or {}).items()},
+            emulate=device.type != "cuda" if emulate == "auto" else emulate == "true",
+            check_every=int(schedule.get("check_every", 16)),
+        )
     if conversion.float8_all_gather:
         parts["fp8_weight_scales"] = dscale.fp8.WeightScales(
             model, optimizer, scaler, conversion, predict=str(fp8.get("predict", "bound"))

@@ -260,6 +260,20 @@ class TrainerConfig:
 
 
 @dataclass
+class PrecisionScheduleConfig:
+    """``fp8.schedule``: a ``dscale.precision.PrecisionSchedule`` (off while ``initial`` is empty).
+
+    ``initial``: layer name -> format at step 0 (``{blocks.0.mlp.fc1: mxfp8}``); ``switches``:
+    step -> changes (``{900: {blocks.0.mlp.fc1: bf16_forward}}``); formats are
+    ``dscale.precision.FORMATS``; ``check_every``: compare the ranks' maps every N steps.
+    """
+
+    initial: dict[str, str] = field(default_factory=dict)
+    switches: dict[int, dict[str, str]] = field(default_factory=dict)
+    check_every: int = 16
+
+
+@dataclass
 class FP8Config:
     """``trainer.precision=fp8``: ``dscale.fp8.convert_to_float8`` arguments of the same name.
 
@@ -274,6 +288,7 @@ class FP8Config:
     ``exact`` (from the post-step weights, computed before the step).
     ``fallback``: ``dscale.fp8.Float8Fallback`` with ``fallback_threshold`` and
     ``fallback_samples`` (needs the numerics). Their state goes into the job's checkpoints.
+    ``schedule``: a per-layer precision schedule (:class:`PrecisionScheduleConfig`).
     """
 
     recipe: str = field(
@@ -288,6 +303,7 @@ class FP8Config:
     fallback: bool = False
     fallback_threshold: float = 0.01
     fallback_samples: int = 3
+    schedule: PrecisionScheduleConfig = field(default_factory=PrecisionScheduleConfig)
 
 
 @dataclass

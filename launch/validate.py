@@ -477,6 +477,8 @@ def _fp8(job: JobConfig) -> None:
         f"fp8.predict={f.predict} is not bound or exact (how WeightScales sets the scale "
         "after a step)",
     )
+    if f.schedule.initial or f.schedule.switches:
+        _schedule(job)
     if f.fallback:
         _need(
             every != 0 and f.recipe == "tensorwise",
@@ -491,6 +493,25 @@ def _fp8(job: JobConfig) -> None:
             f.fallback_samples >= 1,
             f"fp8.fallback_samples={f.fallback_samples} must be >= 1 (samples in a row)",
         )
+
+
+def _schedule(job: JobConfig) -> None:
+    """``fp8.schedule``: the layer names against the job's model (built here, on the CPU)."""
+    import dscale.precision
+    from launch.models import build_model
+
+    s = job.fp8.schedule
+    _need(
+        job.parallel.strategy in ("single", "ddp"),
+        f"fp8.schedule swaps layers' modules, which parallel={job.parallel.strategy} has "
+        "wrapped: use parallel=ddp or single, or drop fp8.schedule",
+    )
+    _need(s.check_every >= 1, f"fp8.schedule.check_every={s.check_every} must be >= 1")
+    model = build_model(dataclasses.asdict(job.model), job.data.seq_len)
+    try:
+        dscale.precision.check_schedule(model, dict(s.initial), dict(s.switches))
+    except ValueError as exc:
+        raise ConfigError(f"fp8.schedule: {exc}") from exc
 
 
 def scaler_parameters() -> list[str]:

@@ -16,7 +16,7 @@ from dscale.precision._formats import (
     ROWWISE,
     TENSORWISE,
 )
-from dscale.precision._schedule import PrecisionSchedule
+from dscale.precision._schedule import PrecisionSchedule, check_schedule
 
 __all__ = [
     "BF16",
@@ -27,4 +27,5 @@ __all__ = [
     "ROWWISE",
     "TENSORWISE",
     "PrecisionSchedule",
+    "check_schedule",
 ]

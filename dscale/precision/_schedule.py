@@ -86,9 +86,8 @@ class PrecisionSchedule:
         if not isinstance(check_every, int) or isinstance(check_every, bool) or check_every < 1:
             raise ValueError(f"check_every must be a positive int, got {check_every!r}")
         self._root = unwrapped(model)
+        self.initial, self.switches = check_schedule(self._root, initial, switches)
         self._modules = _scheduled_modules(self._root, initial)
-        self.initial = {n: _formats.check_format(f, f"initial[{n!r}]") for n, f in initial.items()}
-        self.switches = _checked_switches(switches or {}, self._modules)
         self.emulate = emulate
         self.check_every = check_every
         self.step = 0
@@ -298,6 +297,37 @@ class PrecisionSchedule:
         _attached.detach(self._scaler, self)
 
 
+def check_schedule(
+    model: nn.Module,
+    initial: Mapping[str, str],
+    switches: Mapping[int, Mapping[str, str]] | None = None,
+) -> tuple[dict[str, str], dict[int, dict[str, str]]]:
+    """``(initial, switches)`` checked against ``model``, converting nothing.
+
+    What :class:`PrecisionSchedule` checks first (the launcher calls it before any worker
+    starts): layer names are linears of the model, formats are :data:`FORMATS`, steps are
+    positive ints and every switched layer has an initial format.
+
+    Raises:
+        ValueError: naming the bad layer (with the nearest names), format or step.
+    """
+    root = unwrapped(model)
+    modules = _scheduled_modules(root, initial)
+    if any(isinstance(m, _fsdp2_module()) for m in root.modules()):
+        raise ValueError(
+            "PrecisionSchedule swaps modules, which fully_shard (FSDP2) has wrapped: build it "
+            "on a plain or DDP model (FSDP2 is not supported)"
+        )
+    checked = {n: _formats.check_format(f, f"initial[{n!r}]") for n, f in initial.items()}
+    return checked, _checked_switches(switches or {}, modules)
+
+
+def _fsdp2_module() -> type:
+    from torch.distributed.fsdp import FSDPModule
+
+    return FSDPModule
+
+
 def _describe(before: Mapping[str, str], after: Mapping[str, str]) -> str:
     return ", ".join(
         f"{n} {before[n]} -> {f}" if n in before else f"{n} {f}"
@@ -408,7 +438,7 @@ def _build(old: nn.Module, fmt: str, emulate: bool, name: str) -> nn.Module:
     # MXFP8
     wgrad_with_hp = _mx.WGRAD_WITH_HP[fmt]
     if type(old).__name__ == "MXFP8Linear":
-        old.wgrad_with_hp = wgrad_with_hp
+        setattr(old, "wgrad_with_hp", wgrad_with_hp)  # noqa: B010 (a torchao attribute)
         return old
     cls = _torchao.mxfp8_linear_class()
     preference, mode = _torchao.mx_options(emulate)

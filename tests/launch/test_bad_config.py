@@ -65,6 +65,19 @@ def _no_worker_started(run_dir: Path) -> bool:
         ("trainer.precision=fp8 fp8.fallback=true fp8.fallback_threshold=2", "fallback_threshold"),
         ("trainer.precision=fp8 fp8.numerics_every=-1", "fp8.numerics_every"),
         ("trainer.precision=fp8 fp8.predict=psychic", "fp8.predict"),
+        (
+            "trainer.precision=fp8 ++fp8.schedule.initial={layers.0.mlp.9:bf16}",
+            "fp8.schedule: PrecisionSchedule: initial names layers that are not linears",
+        ),
+        (
+            "trainer.precision=fp8 ++fp8.schedule.initial={layers.0.mlp.0:bf16} "
+            "++fp8.schedule.switches={5:{head:bf16}}",
+            "which initial does not; every switched layer needs its format at step 0",
+        ),
+        (
+            "trainer.precision=fp8 parallel=fsdp ++fp8.schedule.initial={layers.0.mlp.0:bf16}",
+            "fp8.schedule swaps layers' modules",
+        ),
         # The mesh's degrees against the world size (2 ranks unless said) and the demo model.
         ("parallel=tp parallel.tp=4", "parallel.tp=4 but the job has 2 ranks"),
         ("parallel=pp parallel.pp=3", "parallel.pp=3 but the job has 2 ranks"),
