@@ -165,3 +165,27 @@ def test_a_switch_is_logged_in_one_line_and_served(caplog):
     ]
     text = generate_latest(registry).decode()
     assert 'dscale_precision_format{format="bf16",layer="blocks.0.fc1",rank="0"} 1.0' in text
+
+
+def test_a_state_for_other_layers_or_formats_is_refused_and_changes_nothing():
+    """load_state_dict validates fully first: another layer set, an unknown format index or
+    another version is a ValueError naming it, and the step and map stay as they were."""
+    model = _models.net()
+    scaler = dscale.GradScaler("cpu")
+    sched = PrecisionSchedule(model, scaler, initial={"blocks.0.fc1": "bf16", "head": "bf16"})
+    good = sched.state_dict()
+    assert set(good["layers"]) == {"blocks.0.fc1", "head"}
+    other = {
+        **good,
+        "layers": {"blocks.0.fc2": good["layers"]["head"], "head": good["layers"]["head"]},
+    }
+    with pytest.raises(ValueError, match=r"not in this model: \['blocks.0.fc2'\]"):
+        sched.load_state_dict(other)
+    bad_format = {**good, "layers": {**good["layers"], "head": torch.tensor([99])}}
+    with pytest.raises(ValueError, match="format index 99"):
+        sched.load_state_dict(bad_format)
+    with pytest.raises(ValueError, match="format version 7"):
+        sched.load_state_dict({**good, "version": torch.tensor(7)})
+    assert sched.step == 0 and sched.formats == {"blocks.0.fc1": "bf16", "head": "bf16"}
+    sched.load_state_dict({**good, "step": torch.tensor(5)})
+    assert sched.step == 5
