@@ -265,3 +265,19 @@ def test_a_pipeline_job_that_would_resume_is_validated_like_any_other(tmp_path: 
 
     CheckpointManager(str(tmp_path), every=0).save(4, model=torch.nn.Linear(2, 2))
     validate(_job("metrics.enabled=false", "parallel=pp", f"checkpoint.dir={tmp_path}"))
+
+
+def test_a_precision_schedule_with_int_step_keys_passes_the_known_keys_check() -> None:
+    """``fp8.schedule.switches`` is keyed by step (int): the known-keys walk took every key as a
+    str and failed on it (a KeyValidationError out of the launcher, not a ConfigError)."""
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+        cfg = compose(
+            "job",
+            overrides=[
+                "trainer.precision=fp8",
+                "++fp8.schedule.initial={layers.0.0:tensorwise}",
+                "++fp8.schedule.switches={4:{layers.0.0:bf16}}",
+            ],
+        )
+    check_known_keys(cfg)
+    assert OmegaConf.to_container(cfg.fp8.schedule.switches) == {4: {"layers.0.0": "bf16"}}
