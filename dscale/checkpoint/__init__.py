@@ -24,8 +24,9 @@ name, or any object with state_dict()/load_state_dict() such as dscale.FP16Optim
 state must already have its saved structure when loading), ``scaler`` (dscale.GradScaler or
 torch.amp.GradScaler), ``extra`` (a dict of more Statefuls), the step, and per-rank RNG states
 (torch CPU, CUDA when in use, Python's ``random``; restored only at the same world size). The
-scaler's dscale.fp8 companions (WeightScales, Float8Numerics, Float8Fallback) come with it, under
-``fp8_weight_scales``, ``fp8_numerics`` and ``fp8_fallback``, without being named in ``extra``;
+scaler's dscale.fp8 companions (WeightScales, Float8Numerics, Float8Fallback) and its
+dscale.precision.PrecisionSchedule come with it, under ``fp8_weight_scales``, ``fp8_numerics``,
+``fp8_fallback`` and ``precision_schedule``, without being named in ``extra``;
 a checkpoint that lacks one's state is refused on load.
 
 Preemption: ``with PreemptionGuard(["SIGTERM"]) as p: ... if p.should_stop(): save; exit(75)``;

@@ -1,6 +1,7 @@
 """What dscale.fp8 records against a scaler: its FP8 companions, for the exporter and checkpoints.
 
-``WeightScales``, ``Float8Numerics`` and ``Float8Fallback`` record themselves here against their
+``WeightScales``, ``Float8Numerics``, ``Float8Fallback`` and ``dscale.precision``'s
+``PrecisionSchedule`` record themselves here against their
 scaler (weakly: nothing is kept alive), so ``dscale.metrics.start_exporter`` serves and
 ``MetricsLog`` logs the FP8 numerics of a job with no extra code, and ``dscale.checkpoint``
 saves and loads their state with the scaler's (:func:`companions`) without the user naming
@@ -79,8 +80,9 @@ def fallback_of(scaler: Any) -> Any:
 
 
 def companions(scaler: Any) -> dict[str, Any]:
-    """``scaler``'s FP8 companions by checkpoint key (weight scales, numerics, fallback order:
-    a fallback's load switches layers after the numerics it reads are restored)."""
+    """``scaler``'s FP8 companions by checkpoint key (weight scales, numerics, precision
+    schedule, fallback order: a fallback's load switches layers, through the schedule where there
+    is one, after the numerics it reads are restored)."""
     found = {}
     for key, table in KEYS.items():
         obj = table.get(scaler)
