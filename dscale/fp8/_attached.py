@@ -1,6 +1,6 @@
 """What dscale.fp8 records against a scaler: its FP8 companions, for the exporter and checkpoints.
 
-``WeightScales``, ``Float8Numerics`` and ``Float8Fallback`` record themselves here against their
+``WeightScales``, ``Float8Numerics``, ``Float8Fallback`` and ``NVFP4Seeds`` record themselves here against their
 scaler (weakly: nothing is kept alive), so ``dscale.metrics.start_exporter`` serves and
 ``MetricsLog`` logs the FP8 numerics of a job with no extra code, and ``dscale.checkpoint``
 saves and loads their state with the scaler's (:func:`companions`) without the user naming
@@ -15,9 +15,15 @@ from typing import Any
 _weight_scales: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 _numerics: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 _fallback: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+_nvfp4: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
 #: The checkpoint key of each companion (the launcher's, and what docs/fp8.md passed as extra=).
-KEYS = {"fp8_weight_scales": _weight_scales, "fp8_numerics": _numerics, "fp8_fallback": _fallback}
+KEYS = {
+    "fp8_weight_scales": _weight_scales,
+    "fp8_numerics": _numerics,
+    "fp8_fallback": _fallback,
+    "fp8_nvfp4": _nvfp4,
+}
 #: Every live (not closed) companion per scaler and key: a second one (two models on one scaler,
 #: torch's multi-model recipe) would not travel under the one key (:func:`shadowed`).
 _live: weakref.WeakKeyDictionary[Any, dict[str, weakref.WeakSet[Any]]] = weakref.WeakKeyDictionary()
@@ -41,6 +47,11 @@ def attach_numerics(scaler: Any, numerics: Any) -> None:
 def attach_fallback(scaler: Any, fallback: Any) -> None:
     """Record ``fallback`` as ``scaler``'s (the latest one wins)."""
     _record("fp8_fallback", scaler, fallback)
+
+
+def attach_nvfp4(scaler: Any, seeds: Any) -> None:
+    """Record ``seeds`` (an NVFP4Seeds: per-rank SR seeds and signs) as ``scaler``'s."""
+    _record("fp8_nvfp4", scaler, seeds)
 
 
 def detach(scaler: Any, obj: Any) -> None:
