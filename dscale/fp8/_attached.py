@@ -1,10 +1,11 @@
 """What dscale.fp8 records against a scaler: its FP8 companions, for the exporter and checkpoints.
 
-``WeightScales``, ``Float8Numerics``, ``Float8Fallback`` and ``NVFP4Seeds`` record themselves here against their
-scaler (weakly: nothing is kept alive), so ``dscale.metrics.start_exporter`` serves and
-``MetricsLog`` logs the FP8 numerics of a job with no extra code, and ``dscale.checkpoint``
-saves and loads their state with the scaler's (:func:`companions`) without the user naming
-them. (Their agreement fields register with the scaler itself: ``GradScaler.add_agreement_field``.)
+``WeightScales``, ``Float8Numerics``, ``Float8Fallback`` and ``NVFP4Seeds`` record themselves
+here against their scaler (weakly: nothing is kept alive), so ``dscale.metrics.start_exporter``
+serves and ``MetricsLog`` logs the FP8 numerics of a job with no extra code, and
+``dscale.checkpoint`` saves and loads their state with the scaler's (:func:`companions`) without
+the user naming them. (Their agreement fields register with the scaler itself:
+``GradScaler.add_agreement_field``.)
 """
 
 from __future__ import annotations

@@ -135,16 +135,16 @@ def _resume(rank: int, directory: str) -> dict[str, Any]:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     _step(model, opt, guard, rank)
     saved = _buffers(model)
-    CheckpointManager(f"{directory}/seeds", every=0).save(1, model=model, optimizer=opt, scaler=guard)
+    CheckpointManager(f"{directory}/seeds", every=0).save(
+        1, model=model, optimizer=opt, scaler=guard
+    )
     # Another run's values (seed=7) until the load brings the saved ones back.
     fresh = _converted(rank)
     guard2 = dscale.StepGuard("cpu")
     seeds2 = fp8.NVFP4Seeds(fresh, guard2, seed=7)
     opt2 = torch.optim.SGD(fresh.parameters(), lr=0.1)
     other = _buffers(fresh)
-    load_checkpoint(
-        f"{directory}/seeds/step-1", model=fresh, optimizer=opt2, scaler=guard2
-    )
+    load_checkpoint(f"{directory}/seeds/step-1", model=fresh, optimizer=opt2, scaler=guard2)
     loaded = _buffers(fresh)
     applied = _step(fresh, opt2, guard2, rank)
     out = {"saved": saved, "other": other, "loaded": loaded, "used": _used(fresh)}
