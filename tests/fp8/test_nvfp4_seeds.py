@@ -8,6 +8,8 @@ them; a checkpoint of the model alone gives every rank one rank's SR seeds.
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import pytest
 import torch
 from torch import nn
@@ -108,3 +110,40 @@ def test_resume_gives_each_rank_its_own_sr_seeds_and_the_saved_signs(runs):
     # The model's state dict alone: DCP keeps one copy of the replicated buffer.
     assert a["bare_saved"] != b["bare_saved"]
     assert a["bare_loaded"] == b["bare_loaded"]
+
+
+def test_launcher_refuses_nvfp4_without_a_gpu_before_any_worker_and_converts_with_it():
+    """fp8.recipe=nvfp4 is a choice (the library's Literal); on this CPU it is refused before
+    spawning, naming the key; the conversion itself (a GPU job's) builds NVFP4Linear with the
+    signs and seeds set, and build_parts adds NVFP4Seeds (the first-step check, the state)."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    import launch.fp8
+    from launch.schema import register
+    from launch.validate import ConfigError, validate
+    from tests.fp8.test_mxfp8_launch import CONFIGS
+
+    register()
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+        cfg = compose(
+            "job",
+            overrides=[
+                "checkpoint.dir=/tmp/dscale-nvfp4",
+                "metrics.enabled=false",
+                "trainer.precision=fp8",
+                "fp8.recipe=nvfp4",
+            ],
+        )
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match=r"fp8\.recipe=nvfp4"):
+            validate(OmegaConf.to_object(cfg))
+    model = nn.Sequential(
+        OrderedDict(fc=nn.Linear(128, 128), act=nn.ReLU(), head=nn.Linear(128, 128))
+    )
+    conversion = launch.fp8.convert(model, {"recipe": "nvfp4"}, torch.device("cpu"))
+    assert conversion.converted == ("fc",)  # the head kept, as fp8.keep_high_precision says
+    guard = dscale.StepGuard("cpu")
+    parts = launch.fp8.build_parts(model, None, guard, conversion, {"recipe": "nvfp4"})
+    assert isinstance(parts["fp8_nvfp4"], fp8.NVFP4Seeds)
+    assert model.fc.rht_sign_vector == tuple(_nvfp4.sign_vector("fc", 0))
