@@ -4,7 +4,8 @@
 ``fp8.*``, the agreed FSDP2 float8 all-gather weight scales (``WeightScales``), the sampled
 numerics (``Float8Numerics``, which the exporter serves and the metrics log records by itself),
 the opt-in fallback (``Float8Fallback``) and, for NVFP4, ``NVFP4Seeds``, and returns them as
-Statefuls for the job's checkpoints. Through dscale.fp8's public names only; the scaler is the job's StepGuard.
+Statefuls for the job's checkpoints. Through dscale.fp8's public names only; the scaler is the
+job's StepGuard.
 """
 
 from __future__ import annotations
