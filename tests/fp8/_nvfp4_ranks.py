@@ -18,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import dscale
 import dscale.fp8 as fp8
 from dscale.checkpoint import CheckpointManager, load_checkpoint
-from dscale.fp8 import _nvfp4
+from dscale.fp8 import _nvfp4, _torchao
 from dscale.scaler._program import agreement as _agreement
 
 
@@ -74,10 +74,9 @@ def _error(fn: Any) -> str:
 
 def _torchao_alone_under_ddp(rank: int) -> dict[str, Any]:
     """The oracle of what goes wrong: torchao's own layers, each rank's draw, then DDP."""
-    from torchao.prototype.moe_training.nvfp4_training.nvfp4_training import NVFP4Linear
-
+    nvfp4_linear = _torchao.nvfp4_linear_class()
     torch.manual_seed(rank)
-    model = nn.Sequential(NVFP4Linear(128, 128, bias=True), nn.ReLU(), NVFP4Linear(128, 128))
+    model = nn.Sequential(nvfp4_linear(128, 128, bias=True), nn.ReLU(), nvfp4_linear(128, 128))
     _kernel_double(model)
     drawn = _buffers(model)
     ddp = DDP(model)
