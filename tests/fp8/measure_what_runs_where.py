@@ -1,8 +1,8 @@
 """What of the block-scaled formats runs on this machine, and what only on a GPU (not a test).
 
 The figures in docs/block-scaled.md, "What runs where", from the repository root:
-``python -m tests.fp8.measure_what_runs_where``. Errors and relative errors are deterministic; times are the best of 5
-and vary several-fold with the machine's load.
+``python -m tests.fp8.measure_what_runs_where``. Errors and relative errors are deterministic;
+times are the best of 5 and vary several-fold with the machine's load.
 """
 
 from __future__ import annotations
