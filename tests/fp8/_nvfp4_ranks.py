@@ -99,6 +99,13 @@ def _prepared_under_ddp(rank: int) -> dict[str, Any]:
         _agreement.all_reduce_flag = original
     out = {"applied": applied, "calls": calls, "used": _used(model), "buffers": _buffers(model)}
     seeds.close()
+    # Converted, then wrapped, then NVFP4Seeds on the DDP (the launcher's order): accepted.
+    inner = _converted(rank)
+    wrapped = DDP(inner)
+    guard = dscale.StepGuard("cpu")
+    fp8.NVFP4Seeds(wrapped, guard)
+    opt = torch.optim.SGD(wrapped.parameters(), lr=0.1)
+    out["after_ddp"] = {"applied": _step(wrapped, opt, guard, rank), "used": _used(inner)}
     # Wrapped first, by a DDP that broadcasts buffers: refused on every rank.
     late = DDP(_bare(rank))
     fp8.convert_to_float8(late.module, recipe="nvfp4")

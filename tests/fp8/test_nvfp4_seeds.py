@@ -91,6 +91,16 @@ def test_nvfp4seeds_on_a_ddp_that_broadcasts_buffers_is_refused_on_every_rank(ru
         assert "broadcast_buffers=False" in runs[rank]["prepared"]["late"]
 
 
+def test_nvfp4seeds_on_a_ddp_built_after_the_conversion_is_accepted_ddp(runs):
+    """The launcher's order: convert (the SR seeds excluded from the broadcast), DDP, then
+    NVFP4Seeds on the wrapper; the first step passes the check, each rank on its own seed."""
+    a, b = runs[0]["prepared"]["after_ddp"], runs[1]["prepared"]["after_ddp"]
+    assert a["applied"] and b["applied"]
+    for name in a["used"]:
+        assert a["used"][name][0] == b["used"][name][0]
+        assert a["used"][name][1] != b["used"][name][1]
+
+
 def test_signs_changed_on_rank_1_are_refused_on_every_rank_before_the_step(runs):
     for rank in (0, 1):
         out = runs[rank]["tampered"]
