@@ -52,9 +52,13 @@ def test_nvfp4_conversion_keeps_the_parameters_and_sets_the_signs_from_the_layer
 
 
 def test_sr_seeds_differ_per_rank_and_repeat_for_the_same_rank():
-    ranks = [_nvfp4.prepare(_model(0), rank=r) for r in (0, 1, 0)]
+    model = _model(0)
+    fp8.convert_to_float8(model, recipe="nvfp4")
+    ranks = [_nvfp4.prepare(model, rank=r) for r in (0, 1, 0)]
+    assert sorted(ranks[0]) == ["0", "2"]
     assert ranks[0] == ranks[2]
     assert all(ranks[0][n] != ranks[1][n] for n in ranks[0])
+    assert int(model[0]._sr_seed) == ranks[0]["0"]  # the buffer holds the last one written
 
 
 def test_nvfp4_refuses_emulate_and_nvfp4seeds_refuses_a_model_without_nvfp4_layers():
