@@ -22,8 +22,13 @@ from tests.multirank import run_ranks
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    return run_ranks(scenarios, str(tmp_path_factory.mktemp("nvfp4")))
+def directory(tmp_path_factory):
+    return tmp_path_factory.mktemp("nvfp4")
+
+
+@pytest.fixture(scope="module")
+def runs(directory):
+    return run_ranks(scenarios, str(directory))
 
 
 def _model(seed: int) -> nn.Module:
@@ -161,3 +166,22 @@ def test_launcher_refuses_nvfp4_without_a_gpu_before_any_worker_and_converts_wit
     parts = launch.fp8.build_parts(model, None, guard, conversion, {"recipe": "nvfp4"})
     assert isinstance(parts["fp8_nvfp4"], fp8.NVFP4Seeds)
     assert model.fc.rht_sign_vector == tuple(_nvfp4.sign_vector("fc", 0))
+
+
+def test_a_two_rank_checkpoint_resumed_by_one_process_derives_its_seeds_and_keeps_the_signs(
+    runs, directory
+):
+    """Another world size: no row is this rank's by right, so its SR seeds are derived anew
+    from the saved seed (rank 0's as saved, here) and the saved signs are kept."""
+    from dscale.checkpoint import load_checkpoint
+
+    model = nn.Sequential(nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 128, bias=False))
+    fp8.convert_to_float8(model, recipe="nvfp4")
+    guard = dscale.StepGuard("cpu")
+    seeds = fp8.NVFP4Seeds(model, guard, seed=7)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    load_checkpoint(directory / "seeds" / "step-1", model=model, optimizer=opt, scaler=guard)
+    saved = runs[0]["resume"]["saved"]
+    for name, module in _nvfp4.nvfp4_layers(model):
+        assert (module.rht_sign_vector, int(module._sr_seed)) == saved[name]
+    assert seeds.seed == 0  # the saved run's
