@@ -2,9 +2,10 @@
 
 ``convert`` swaps the model's linears before DDP/FSDP2 wrap it; ``build_parts`` then makes, from
 ``fp8.*``, the agreed FSDP2 float8 all-gather weight scales (``WeightScales``), the sampled
-numerics (``Float8Numerics``, which the exporter serves and the metrics log records by itself)
-and the opt-in fallback (``Float8Fallback``), and returns them as Statefuls for the job's
-checkpoints. Through dscale.fp8's public names only; the scaler is the job's StepGuard.
+numerics (``Float8Numerics``, which the exporter serves and the metrics log records by itself),
+the opt-in fallback (``Float8Fallback``) and, for NVFP4, ``NVFP4Seeds``, and returns them as
+Statefuls for the job's checkpoints. Through dscale.fp8's public names only; the scaler is the
+job's StepGuard.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def convert(model: nn.Module, fp8: dict[str, Any], device: torch.device) -> Any:
         recipe=fp8.get("recipe", "tensorwise"),
         keep_high_precision=list(fp8.get("keep_high_precision", ["head"])),
         float8_all_gather=bool(fp8.get("float8_all_gather", False)),
-        emulate=device.type != "cuda" if emulate == "auto" else emulate == "true",
+        emulate=_emulate(emulate, fp8.get("recipe", "tensorwise"), device),
     )
     logger.info(
         "fp8: %d float8 linears (%s recipe%s), left in high precision: %s",
@@ -41,6 +42,13 @@ def convert(model: nn.Module, fp8: dict[str, Any], device: torch.device) -> Any:
         dict(conversion.left) or "none",
     )
     return conversion
+
+
+def _emulate(emulate: str, recipe: str, device: torch.device) -> bool:
+    """``fp8.emulate`` resolved: auto emulates off CUDA, except NVFP4, which has no emulation."""
+    if emulate != "auto":
+        return emulate == "true"
+    return device.type != "cuda" and recipe != "nvfp4"
 
 
 def numerics_every(fp8: dict[str, Any]) -> int:
@@ -81,6 +89,8 @@ def build_parts(
         parts["fp8_weight_scales"] = dscale.fp8.WeightScales(
             model, optimizer, scaler, conversion, predict=str(fp8.get("predict", "bound"))
         )
+    if conversion.recipe == "nvfp4":  # Hadamard signs checked at the first step; SR seeds saved
+        parts["fp8_nvfp4"] = dscale.fp8.NVFP4Seeds(model, scaler)
     every = numerics_every(fp8)
     if every:
         numerics = dscale.fp8.Float8Numerics(model, scaler, every=every)

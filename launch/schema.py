@@ -277,7 +277,8 @@ class PrecisionScheduleConfig:
 class FP8Config:
     """``trainer.precision=fp8``: ``dscale.fp8.convert_to_float8`` arguments of the same name.
 
-    ``recipe``: tensorwise, rowwise, mxfp8 or mxfp8_wgrad_with_hp (torchao's MXFP8Linear).
+    ``recipe``: tensorwise, rowwise, mxfp8 or mxfp8_wgrad_with_hp (torchao's MXFP8Linear), or
+    nvfp4 (torchao's NVFP4Linear; a GPU only, with ``dscale.fp8.NVFP4Seeds``).
     ``emulate``: auto (torchao's emulation on the CPU, FP8 GEMMs on a GPU), true or false.
     ``numerics_every``: sample ``dscale.fp8.Float8Numerics`` every N steps (served, logged to
     ``metrics/fp8-rank<R>.jsonl``); None: 100 with the tensorwise recipe, off with the others

@@ -1,11 +1,11 @@
 """What dscale.fp8 records against a scaler: its FP8 companions, for the exporter and checkpoints.
 
-``WeightScales``, ``Float8Numerics``, ``Float8Fallback`` and ``dscale.precision``'s
-``PrecisionSchedule`` record themselves here against their
-scaler (weakly: nothing is kept alive), so ``dscale.metrics.start_exporter`` serves and
-``MetricsLog`` logs the FP8 numerics of a job with no extra code, and ``dscale.checkpoint``
-saves and loads their state with the scaler's (:func:`companions`) without the user naming
-them. (Their agreement fields register with the scaler itself: ``GradScaler.add_agreement_field``.)
+``WeightScales``, ``Float8Numerics``, ``Float8Fallback``, ``NVFP4Seeds`` and ``dscale.precision``'s
+``PrecisionSchedule`` record themselves here against their scaler (weakly: nothing is kept alive),
+so ``dscale.metrics.start_exporter`` serves and ``MetricsLog`` logs the FP8 numerics of a job with
+no extra code, and ``dscale.checkpoint`` saves and loads their state with the scaler's
+(:func:`companions`) without the user naming them. (Their agreement fields register with the
+scaler itself: ``GradScaler.add_agreement_field``.)
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ _weight_scales: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary(
 _numerics: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 _fallback: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 _schedule: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+_nvfp4: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
 #: The checkpoint key of each companion (the launcher's, and what docs/fp8.md passed as extra=).
 #: (``dscale.precision``'s schedule loads before the fallback, whose switches go through it.)
@@ -25,6 +26,7 @@ KEYS = {
     "fp8_numerics": _numerics,
     "precision_schedule": _schedule,
     "fp8_fallback": _fallback,
+    "fp8_nvfp4": _nvfp4,
 }
 #: Every live (not closed) companion per scaler and key: a second one (two models on one scaler,
 #: torch's multi-model recipe) would not travel under the one key (:func:`shadowed`).
@@ -59,6 +61,11 @@ def attach_schedule(scaler: Any, schedule: Any) -> None:
 def schedule_of(scaler: Any) -> Any:
     """``scaler``'s ``PrecisionSchedule``, or None."""
     return _schedule.get(scaler)
+
+
+def attach_nvfp4(scaler: Any, seeds: Any) -> None:
+    """Record ``seeds`` (an NVFP4Seeds: per-rank SR seeds and signs) as ``scaler``'s."""
+    _record("fp8_nvfp4", scaler, seeds)
 
 
 def detach(scaler: Any, obj: Any) -> None:

@@ -18,12 +18,12 @@ from typing import Literal
 
 from torch import nn
 
-from dscale.fp8 import _mx, _torchao
+from dscale.fp8 import _mx, _nvfp4, _torchao
 
 logger = logging.getLogger(__name__)
 
-Recipe = Literal["tensorwise", "rowwise", "mxfp8", "mxfp8_wgrad_with_hp"]
-RECIPES: tuple[str, ...] = ("tensorwise", "rowwise", "mxfp8", "mxfp8_wgrad_with_hp")
+Recipe = Literal["tensorwise", "rowwise", "mxfp8", "mxfp8_wgrad_with_hp", "nvfp4"]
+RECIPES: tuple[str, ...] = ("tensorwise", "rowwise", "mxfp8", "mxfp8_wgrad_with_hp", "nvfp4")
 
 #: torch._scaled_mm needs both GEMM dims of a weight divisible by 16 (cuBLASLt's rule for FP8).
 DIM_MULTIPLE = 16
@@ -31,6 +31,8 @@ DIM_MULTIPLE = 16
 
 def dim_multiple(recipe: str) -> int:
     """What both dims of a weight must be divisible by under ``recipe`` (MXFP8: its block)."""
+    if recipe == "nvfp4":
+        return _nvfp4.DIM_MULTIPLE
     return _mx.BLOCK if recipe in _mx.WGRAD_WITH_HP else DIM_MULTIPLE
 
 
@@ -74,7 +76,13 @@ def convert_to_float8(
             ``"rowwise"`` (one scale per row; all-gathers in high precision), ``"mxfp8"`` or
             ``"mxfp8_wgrad_with_hp"`` (a scale per 32 elements; both dims of a weight must be
             divisible by 32, and in training the tokens per batch (all dims of the input but the
-            last) too, unless grad_weight is in high precision: torchao's blocks).
+            last) too, unless grad_weight is in high precision: torchao's blocks), or
+            ``"nvfp4"`` (torchao's ``NVFP4Linear``: E2M1 elements, an E4M3 scale per 16 and a
+            per-tensor scale, random Hadamard transform, stochastic rounding in backward; dims
+            divisible by 128; its training runs on torchao's Triton kernels only, so on a GPU;
+            each layer's Hadamard signs are set from its name, alike on every rank, and its
+            stochastic-rounding seed per rank, kept out of DDP's buffer broadcast: see
+            :class:`dscale.fp8.NVFP4Seeds`).
         keep_high_precision: layers to leave as they are: a function ``(name, module) -> bool``
             or names as ``model.named_modules()`` gives them (a layer whose name equals or
             starts with ``name + "."`` is kept; each name must hold at least one
@@ -95,7 +103,7 @@ def convert_to_float8(
         ValueError: an unknown recipe, float8 all-gather with the rowwise recipe, or a name
             in ``keep_high_precision`` that matches no ``nn.Linear`` (the nearest are named).
     """
-    _check_arguments(model, recipe, float8_all_gather)
+    _check_arguments(model, recipe, float8_all_gather, emulate)
     float8 = _torchao.float8()
     keep = _keep_function(keep_high_precision, model)
     aliases = _aliases(model)
@@ -104,6 +112,12 @@ def convert_to_float8(
         names = [n for n, m in model.named_modules() if type(m) is nn.Linear and n not in left]
         _mx.swap_linears(model, names, recipe=recipe, emulate=emulate)
         _share_swaps(model, aliases)
+        return Float8Conversion(recipe, False, tuple(sorted(names)), left)
+    if recipe == "nvfp4":
+        names = [n for n, m in model.named_modules() if type(m) is nn.Linear and n not in left]
+        _nvfp4.swap_linears(model, names)
+        _share_swaps(model, aliases)
+        _nvfp4.prepare(model)
         return Float8Conversion(recipe, False, tuple(sorted(names)), left)
     config = float8.Float8LinearConfig.from_recipe_name(recipe)
     config = _with(config, enable_fsdp_float8_all_gather=float8_all_gather, emulate=emulate)
@@ -120,18 +134,27 @@ def convert_to_float8(
     return Float8Conversion(recipe, float8_all_gather, tuple(sorted(converted)), left)
 
 
-def _check_arguments(model: nn.Module, recipe: str, float8_all_gather: bool) -> None:
+def _check_arguments(
+    model: nn.Module, recipe: str, float8_all_gather: bool, emulate: bool = False
+) -> None:
     """convert_to_float8()'s refusals before anything is swapped."""
     if recipe not in RECIPES:
         raise ValueError(
             f"recipe={recipe!r} is not one of {list(RECIPES)}; tensorwise keeps one scale per "
-            "tensor (the default), rowwise one per row, mxfp8 one per 32 elements"
+            "tensor (the default), rowwise one per row, mxfp8 one per 32 elements, nvfp4 one "
+            "per 16 (and one per tensor)"
         )
     if float8_all_gather and recipe != "tensorwise":
         raise ValueError(
             f"float8_all_gather=True needs recipe='tensorwise', got recipe={recipe!r}: torchao's "
             "rowwise and MXFP8 recipes all-gather weights in high precision; pass "
             "float8_all_gather=False"
+        )
+    if recipe == "nvfp4" and emulate:
+        raise ValueError(
+            "recipe='nvfp4' has no emulation: torchao's NVFP4Linear trains on its Triton "
+            "kernels only (a GPU with FP4 GEMMs); convert with emulate=False (the model is "
+            "built on any device; its forward needs the GPU)"
         )
     if isinstance(model, nn.Linear):
         raise ValueError(

@@ -128,3 +128,10 @@ def to_mx() -> tuple[Any, Any]:
     mx_tensor = _import_quietly("torchao.prototype.mx_formats.mx_tensor")
     mx_config = importlib.import_module("torchao.prototype.mx_formats.config")
     return mx_tensor.to_mx, mx_config.ScaleCalculationMode.RCEIL
+
+
+def nvfp4_linear_class() -> type:
+    """torchao's ``NVFP4Linear`` (``moe_training.nvfp4_training``; its training needs Triton)."""
+    float8()
+    module = _import_quietly("torchao.prototype.moe_training.nvfp4_training.nvfp4_training")
+    return module.NVFP4Linear  # type: ignore[no-any-return]

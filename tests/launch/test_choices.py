@@ -177,7 +177,7 @@ def test_a_mistyped_fp8_recipe_exits_2_before_any_worker(tmp_path: Path) -> None
     assert proc.returncode == 2, output(proc)
     assert proc.stderr.startswith(
         "dscale-launch: bad config: fp8.recipe=tensorwis is not one of tensorwise, rowwise, "
-        "mxfp8, mxfp8_wgrad_with_hp; "
+        "mxfp8, mxfp8_wgrad_with_hp, nvfp4; "
         "did you mean fp8.recipe=tensorwise?"
     ), output(proc)
     assert not (tmp_path / "logs").exists() and not (tmp_path / "torchelastic").exists()

@@ -62,7 +62,9 @@ class AgreementField(Protocol):
     alike. ``agreed`` is then handed this field's slots in the vector that is all-reduced in
     place: they hold the agreed values once the step has read its flag (a step callback).
     A field may also have ``refresh()`` (see :meth:`Layout.refresh`): its values again, when
-    ``unscale_()`` deferred the collective and the grads may have changed since.
+    ``unscale_()`` deferred the collective and the grads may have changed since; and
+    ``verify()`` (see :func:`verify_fields`): called once the collective completed, before the
+    step obeys it, in a step where it sent values; it may raise (on every rank alike).
     """
 
     def values(self, optimizer: Any) -> torch.Tensor | None: ...
@@ -181,11 +183,30 @@ class Layout:
             if values is not None:
                 vector[where] = _nan_as_inf(values.to(vector.device, torch.float32).reshape(-1))
 
+    def verify(self) -> None:
+        """Let registered fields that have ``verify()`` check their agreed slots (see
+        :func:`verify_fields`)."""
+        for key in self.slots:
+            verify = None if isinstance(key, str) else getattr(key, "verify", None)
+            if verify is not None:
+                verify()
+
     def hand_over(self, vector: torch.Tensor) -> None:
         """Hand each registered field its slots in ``vector`` (the one that is all-reduced)."""
         for key in self.slots:
             if not isinstance(key, str):
                 key.agreed(self.view(vector, key))
+
+
+def verify_fields(layout: Layout) -> None:
+    """Once the collective completed, before the step obeys it: each field that sent values
+    and has ``verify()`` checks its agreed slots and may raise (dscale.fp8's NVFP4 check).
+
+    Every rank holds the same agreed vector, so a refusal raised here is raised on every rank
+    and no rank is left waiting in a collective. Only fields that sent values this step are in
+    the layout (a check at the first step costs nothing later).
+    """
+    layout.verify()
 
 
 def _nan_as_inf(values: torch.Tensor) -> torch.Tensor:
