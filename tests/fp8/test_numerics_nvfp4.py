@@ -1,0 +1,188 @@
+"""NVFP4 numerics (``nvfp4_stats``): exact against a brute-force reference and torchao's quantize.
+
+Two oracles on the same tensors:
+
+* a brute-force walk block of 16 by block in Python, taking the tensor scale as torchao does
+  (``amax / 2688`` in float32), rounding each block scale to the nearest E4M3 value from a table
+  of its 256 bit patterns and each scaled element to the nearest of E2M1's 8 magnitudes (ties to
+  the even bit pattern), independently of torch's float8 cast and of torchao;
+* torchao's own ``NVFP4Tensor.to_nvfp4``: its E4M3 block scales and E2M1 elements decoded from
+  the result, the fields computed from them by their definitions.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+
+import pytest
+import torch
+
+from dscale.fp8._nvfp4 import NVFP4_FIELDS, nvfp4_stats
+
+E4M3 = torch.float8_e4m3fn
+# E2M1's magnitudes by bit pattern 0..7; an even pattern is the tie winner.
+E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+
+
+def _f(v: float) -> float:
+    """``v`` as float32."""
+    return torch.tensor(v, dtype=torch.float32).item()
+
+
+def _nearest(v: float, table: list[float], even: dict[float, bool]) -> float:
+    """|v| to the nearest value of a sorted magnitude table (ties to the even pattern), signed."""
+    a = abs(v)
+    i = bisect.bisect_left(table, a)
+    near = [table[j] for j in (i - 1, i) if 0 <= j < len(table)]
+    best = [b for b in near if abs(b - a) == min(abs(c - a) for c in near)]
+    pick = next(b for b in best if even[b]) if len(best) > 1 else best[0]
+    return math.copysign(pick, v)
+
+
+def _e4m3_table() -> tuple[list[float], dict[float, bool]]:
+    values = torch.arange(128, dtype=torch.uint8).view(E4M3).float().tolist()
+    even: dict[float, bool] = {}
+    for pattern, v in enumerate(values):
+        if math.isfinite(v):
+            even.setdefault(v, pattern % 2 == 0)
+    return sorted(even), even
+
+
+def _reference(x: torch.Tensor, pts: float | None = None) -> dict[str, float]:
+    """The fields by a walk over the blocks, one element at a time."""
+    e4m3, e4m3_even = _e4m3_table()
+    e2m1_even = {v: p % 2 == 0 for p, v in enumerate(E2M1)}
+    values = x.float().reshape(-1, 16).tolist()
+    amax = max(abs(v) for row in values for v in row)
+    if pts is None:
+        pts = _f(_f(amax) / _f(448.0 * 6.0))
+    n, nblocks = x.numel(), len(values)
+    sat = flush = sub = clamped = nonfinite = 0
+    logs = []
+    for block in values:
+        bamax = max(abs(v) for v in block)
+        wanted = _f(_f(bamax / 6.0) / pts)  # inf / inf is NaN: the inf's own block
+        live = math.isfinite(bamax) and bamax > 0
+        if live and not 2.0**-6 <= wanted <= 448.0:
+            clamped += 1
+        s = (
+            wanted
+            if math.isnan(wanted)
+            else _nearest(min(max(wanted, 2.0**-6), 448.0), e4m3, e4m3_even)
+        )
+        if live:
+            logs.append(math.log2(s))
+        recip = _f(_f(1.0 / pts) / s)
+        bad = False
+        for v in block:
+            scaled = _f(v * recip)
+            if math.isfinite(v) and abs(scaled) > 6.0:
+                sat += 1
+            if scaled != scaled:
+                q = math.nan
+            else:
+                q = _nearest(min(max(scaled, -6.0), 6.0), E2M1, e2m1_even)
+            if v != 0 and q == 0:
+                flush += 1
+            if q != 0 and abs(q) < 1.0:
+                sub += 1
+            if not math.isfinite(q * (pts * s)):
+                bad = True
+        nonfinite += bad
+    return {
+        "amax": _f(amax),
+        "saturated": _f(sat / n),
+        "flushed": _f(flush / n),
+        "subnormal": _f(sub / n),
+        "blocks_clamped": _f(clamped / nblocks),
+        "blocks_nonfinite": _f(nonfinite / nblocks),
+        "scale_spread": _f(max(logs) - min(logs)) if logs else 0.0,
+        "tensor_scale": _f(pts),
+    }
+
+
+def _torchao(x: torch.Tensor, pts: torch.Tensor | None = None) -> dict[str, float]:
+    """The fields from torchao's own quantization (its scales and elements, decoded)."""
+    from torchao.prototype.mx_formats.kernels import f4_unpacked_to_f32, unpack_uint4
+    from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor, per_tensor_amax_to_scale
+
+    x2 = x.float().reshape(-1, x.shape[-1])
+    if pts is None:
+        pts = per_tensor_amax_to_scale(x2.abs().amax())
+    t = NVFP4Tensor.to_nvfp4(x2, 16, per_tensor_scale=pts)
+    s = t.scale.float().reshape(-1, 1)
+    q = f4_unpacked_to_f32(unpack_uint4(t.qdata.contiguous().view(torch.uint8))).reshape(-1, 16)
+    blocks = x2.reshape(-1, 16)
+    scaled = blocks * ((1.0 / pts) / s)
+    n, nb = blocks.numel(), blocks.shape[0]
+    bamax = blocks.abs().amax(dim=-1)
+    live = torch.isfinite(bamax) & (bamax > 0)
+    wanted = (bamax / 6.0) / pts
+    decoded = t.dequantize(torch.float32).reshape(-1, 16)
+    logs = torch.log2(s.squeeze(-1))[live]
+    return {
+        "amax": x2.abs().amax().item(),
+        "saturated": ((torch.isfinite(blocks) & (scaled.abs() > 6)).sum() / n).item(),
+        "flushed": (((blocks != 0) & (q == 0)).sum() / n).item(),
+        "subnormal": (((q != 0) & (q.abs() < 1)).sum() / n).item(),
+        "blocks_clamped": ((live & ((wanted < 2.0**-6) | (wanted > 448))).sum() / nb).item(),
+        "blocks_nonfinite": ((~torch.isfinite(decoded)).any(dim=-1).sum() / nb).item(),
+        "scale_spread": (logs.max() - logs.min()).item() if logs.numel() else 0.0,
+        "tensor_scale": float(pts),
+    }
+
+
+def _cases() -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
+    g = torch.Generator().manual_seed(43)
+    base = torch.randn(8, 64, generator=g)
+    outlier = base.clone()
+    outlier[3, 5] = 3e4  # the other blocks' scales fall: some underflow E4M3 (clamped, flushed)
+    tiny = base.clone()
+    tiny[1, 16:32] *= 1e-7  # one block far below the tensor scale: its E4M3 scale underflows
+    tiny[2, 32:48] = 0.0  # an all-zero block: not live, not clamped
+    inf = base.clone()
+    inf[0, 0] = math.inf  # torchao: the tensor scale is inf, every block decodes non-finite
+    bf16 = (base * 1e-3).bfloat16()
+    low = torch.tensor(0.25 / 2688)  # an agreed scale below this tensor's: scales exceed 448
+    return {
+        "gaussian": (base, None),
+        "outlier": (outlier, None),
+        "tiny_and_zero_blocks": (tiny, None),
+        "inf": (inf, None),
+        "bf16_small": (bf16, None),
+        "given_scale_too_small": (base, low),
+    }
+
+
+CASES = _cases()
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_nvfp4_stats_equal_brute_force_and_torchao_quantize(case: str) -> None:
+    """Every NVFP4 field equals the brute-force walk's and the value derived from torchao's own
+    ``to_nvfp4`` scales and elements, bit for bit, on healthy, outlier, underflowing, zero,
+    non-finite, bf16 and given-scale tensors."""
+    x, pts = CASES[case]
+    got = dict(zip(NVFP4_FIELDS, nvfp4_stats(x, pts).tolist()))
+    ref = _reference(x, None if pts is None else float(pts))
+    ao = _torchao(x, pts)
+    assert got == pytest.approx(ref, abs=0, rel=0, nan_ok=True), (case, got, ref)
+    assert got == pytest.approx(ao, abs=0, rel=0, nan_ok=True), (case, got, ao)
+
+
+def test_nvfp4_cases_exercise_every_field() -> None:
+    """The cases above are not vacuous: each field is non-zero in at least one of them."""
+    seen = dict.fromkeys(NVFP4_FIELDS, 0.0)
+    for x, pts in CASES.values():
+        for f, v in zip(NVFP4_FIELDS, nvfp4_stats(x, pts).tolist()):
+            seen[f] = max(seen[f], v)
+    assert all(v > 0 for v in seen.values()), seen
+    assert nvfp4_stats(*CASES["inf"])[NVFP4_FIELDS.index("blocks_nonfinite")] == 1.0
+
+
+def test_nvfp4_stats_refuses_a_last_dim_not_a_multiple_of_16() -> None:
+    """A tensor NVFP4 cannot block is a ValueError naming the shape, not a wrong number."""
+    with pytest.raises(ValueError, match=r"multiple of 16.*|\(4, 24\)"):
+        nvfp4_stats(torch.ones(4, 24))
+    assert nvfp4_stats(torch.ones(0, 16)).tolist() == [0.0] * len(NVFP4_FIELDS)
