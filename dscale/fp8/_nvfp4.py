@@ -62,22 +62,38 @@ def _e2m1(x: torch.Tensor) -> torch.Tensor:
     return torch.sign(x) * torch.round(a / step) * step
 
 
-def nvfp4_stats(x: torch.Tensor, per_tensor_scale: torch.Tensor | None = None) -> torch.Tensor:
+def nvfp4_stats(
+    x: torch.Tensor, per_tensor_scale: torch.Tensor | None = None, *, rows: int = 1
+) -> torch.Tensor:
     """``NVFP4_FIELDS`` of ``x`` quantized as torchao's NVFP4 (blocks of 16 on the last dim).
 
     ``per_tensor_scale`` defaults to torchao's dynamic one, ``amax(|x|) / (448 * 6)``; pass an
     agreed one (from a MAX-agreed amax) to measure a shard as the gathered tensor is cast.
+    ``rows=16`` measures 16 x 16 tiles (one E4M3 scale per tile of a 2-d tensor: the weight
+    cast of torchao's ``NVFP4Linear``); ``rows=1`` the 1 x 16 blocks of ``to_nvfp4``.
     """
-    if x.dim() == 0 or x.shape[-1] % NVFP4_BLOCK:
+    if rows not in (1, NVFP4_BLOCK):
+        raise ValueError(f"rows must be 1 (1 x 16 blocks) or 16 (16 x 16 tiles), got {rows!r}")
+    if (
+        x.dim() < (1 if rows == 1 else 2)
+        or x.shape[-1] % NVFP4_BLOCK
+        or (rows > 1 and x.numel() and x.reshape(-1, x.shape[-1]).shape[0] % rows)
+    ):
         raise ValueError(
-            f"NVFP4 blocks 16 elements along the last dim; got a tensor of shape "
-            f"{tuple(x.shape)}: measure a tensor whose last dim is a multiple of 16"
+            f"NVFP4 blocks 16 elements along the last dim (and {rows} rows); got a tensor of "
+            f"shape {tuple(x.shape)}: measure a tensor whose last dim (and rows, for tiles) "
+            "are multiples of 16"
         )
     fields = len(NVFP4_FIELDS)
     if x.numel() == 0:  # an empty shard (uneven FSDP2 sharding): nothing to measure
         return torch.zeros(fields, device=x.device)
     x = x.detach().float()
-    blocks = x.reshape(-1, NVFP4_BLOCK)
+    if rows == 1:
+        blocks = x.reshape(-1, NVFP4_BLOCK)
+    else:  # [R, K] -> [R/16, 16, K/16, 16] -> one row of 256 per tile
+        k = x.shape[-1]
+        tiles = x.reshape(-1, rows, k // NVFP4_BLOCK, NVFP4_BLOCK).permute(0, 2, 1, 3)
+        blocks = tiles.reshape(-1, rows * NVFP4_BLOCK)
     amax = blocks.abs().amax()
     pts = tensor_scale(amax) if per_tensor_scale is None else per_tensor_scale.float().reshape(())
     block_amax = blocks.abs().amax(dim=-1, keepdim=True)

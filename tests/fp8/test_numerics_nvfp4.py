@@ -49,11 +49,16 @@ def _e4m3_table() -> tuple[list[float], dict[float, bool]]:
     return sorted(even), even
 
 
-def _reference(x: torch.Tensor, pts: float | None = None) -> dict[str, float]:
-    """The fields by a walk over the blocks, one element at a time."""
+def _reference(x: torch.Tensor, pts: float | None = None, rows: int = 1) -> dict[str, float]:
+    """The fields by a walk over the blocks (or 16 x 16 tiles), one element at a time."""
     e4m3, e4m3_even = _e4m3_table()
     e2m1_even = {v: p % 2 == 0 for p, v in enumerate(E2M1)}
-    values = x.float().reshape(-1, 16).tolist()
+    m = x.float().reshape(-1, x.shape[-1]).tolist()
+    values = [
+        [m[r + i][c + j] for i in range(rows) for j in range(16)]
+        for r in range(0, len(m), rows)
+        for c in range(0, len(m[0]), 16)
+    ]
     amax = max(abs(v) for row in values for v in row)
     if pts is None:
         pts = _f(_f(amax) / _f(448.0 * 6.0))
@@ -169,6 +174,18 @@ def test_nvfp4_stats_equal_brute_force_and_torchao_quantize(case: str) -> None:
     ao = _torchao(x, pts)
     assert got == pytest.approx(ref, abs=0, rel=0, nan_ok=True), (case, got, ref)
     assert got == pytest.approx(ao, abs=0, rel=0, nan_ok=True), (case, got, ao)
+
+
+def test_nvfp4_tiles_equal_brute_force() -> None:
+    """``rows=16`` (the 16 x 16 weight tiles of torchao's NVFP4Linear, whose Triton cast has no
+    CPU reference) equals the brute-force walk over tiles, and differs from 1 x 16 blocks."""
+    x, _ = CASES["tiny_and_zero_blocks"]
+    x = torch.cat([x, CASES["outlier"][0]])  # 16 rows: one tile row
+    got = dict(zip(NVFP4_FIELDS, nvfp4_stats(x, rows=16).tolist()))
+    assert got == pytest.approx(_reference(x, rows=16), abs=0, rel=0)
+    assert got != dict(zip(NVFP4_FIELDS, nvfp4_stats(x).tolist()))
+    with pytest.raises(ValueError, match="multiples of 16"):
+        nvfp4_stats(torch.ones(8, 16), rows=16)
 
 
 def test_nvfp4_cases_exercise_every_field() -> None:
