@@ -121,3 +121,30 @@ def nvfp4_stats(
     return torch.stack(
         [amax, saturated, flushed, subnormal, clamped, nonfinite, spread, pts]
     ).float()
+
+
+def linear_class() -> type:
+    """torchao's ``NVFP4Linear`` (``torchao.prototype.moe_training.nvfp4_training``, 0.18)."""
+    from dscale.fp8 import _torchao
+
+    _torchao.float8()  # the install line when torchao is missing
+    module = _torchao._import_quietly(
+        "torchao.prototype.moe_training.nvfp4_training.nvfp4_training"
+    )
+    return module.NVFP4Linear  # type: ignore[no-any-return]
+
+
+def layer_stats(x: torch.Tensor, tensor: str) -> torch.Tensor:
+    """``NVFP4_FIELDS`` of what an ``NVFP4Linear`` casts: the tensor in bfloat16 (the layer
+    casts input and weight to it; grad_output is its output's dtype), the weight in 16 x 16 tiles
+    (its forward GEMM's 2-d weight cast), input and grad_output in 1 x 16 blocks along the last
+    dim (the forward and grad_input GEMMs' row casts). Round to nearest: torchao's backward
+    rounds grad_output stochastically, so its flushed share there is this one's in expectation
+    only, not per element. The transposed, Hadamard-rotated casts of grad_weight's GEMM are not
+    measured."""
+    x = x.detach()
+    if x.dtype != torch.bfloat16:
+        x = x.to(torch.bfloat16)
+    if tensor == "weight":
+        return nvfp4_stats(x, rows=NVFP4_BLOCK)
+    return nvfp4_stats(x.reshape(-1, x.shape[-1]) if x.dim() else x)

@@ -13,10 +13,12 @@ Two oracles on the same tensors:
 from __future__ import annotations
 
 import bisect
+import contextlib
 import math
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from dscale.fp8._nvfp4 import NVFP4_FIELDS, nvfp4_stats
 
@@ -77,7 +79,7 @@ def _reference(x: torch.Tensor, pts: float | None = None, rows: int = 1) -> dict
             else _nearest(min(max(wanted, 2.0**-6), 448.0), e4m3, e4m3_even)
         )
         if live:
-            logs.append(math.log2(s))
+            logs.append(s)
         recip = _f(_f(1.0 / pts) / s)
         bad = False
         for v in block:
@@ -102,7 +104,10 @@ def _reference(x: torch.Tensor, pts: float | None = None, rows: int = 1) -> dict
         "subnormal": _f(sub / n),
         "blocks_clamped": _f(clamped / nblocks),
         "blocks_nonfinite": _f(nonfinite / nblocks),
-        "scale_spread": _f(max(logs) - min(logs)) if logs else 0.0,
+        # log2 in float32, as the library and torchao's scales are (sampled values only)
+        "scale_spread": (torch.tensor(max(logs)).log2() - torch.tensor(min(logs)).log2()).item()
+        if logs
+        else 0.0,
         "tensor_scale": _f(pts),
     }
 
@@ -203,3 +208,140 @@ def test_nvfp4_stats_refuses_a_last_dim_not_a_multiple_of_16() -> None:
     with pytest.raises(ValueError, match=r"multiple of 16.*|\(4, 24\)"):
         nvfp4_stats(torch.ones(4, 24))
     assert nvfp4_stats(torch.ones(0, 16)).tolist() == [0.0] * len(NVFP4_FIELDS)
+
+
+# ------------------------------------------------ Float8Numerics on torchao NVFP4Linear layers
+LAYER = "blocks.1.fc2"
+
+
+def _qdq(t: torch.Tensor) -> torch.Tensor:
+    """``t`` through torchao's NVFP4 quantize and dequantize (1 x 16 blocks, tensor scale)."""
+    from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor, per_tensor_amax_to_scale
+
+    t2 = t.reshape(-1, t.shape[-1]).contiguous()
+    pts = per_tensor_amax_to_scale(t2.abs().amax().float())
+    q = NVFP4Tensor.to_nvfp4(t2, 16, per_tensor_scale=pts).dequantize(t.dtype)
+    return q.reshape(t.shape)
+
+
+def _emulated_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The CPU stand-in for NVFP4Linear's Triton forward: input and weight in bf16 through
+    torchao's NVFP4 quantize-dequantize (the weight in 1 x 16 blocks, not the GPU's 16 x 16
+    tiles), straight-through gradients, an fp32-accumulated bf16 GEMM."""
+    xb, wb = x.to(torch.bfloat16), self.weight.to(torch.bfloat16)
+    xq = xb + (_qdq(xb.detach()) - xb).detach()
+    wq = wb + (_qdq(wb.detach()) - wb).detach()
+    bias = None if self.bias is None else self.bias.to(torch.bfloat16)
+    return torch.nn.functional.linear(xq, wq, bias)
+
+
+def _nvfp4_net() -> torch.nn.Module:
+    """tests/fp8/_models.Net with its four block linears swapped for torchao's NVFP4Linear
+    (same parameters), each given the emulated forward (torchao's needs Triton)."""
+    import types
+
+    from dscale.fp8._nvfp4 import linear_class
+    from tests.fp8 import _models
+
+    model = _models.net()
+    cls = linear_class()
+    for block in model.blocks:
+        for name in ("fc1", "fc2"):
+            old = getattr(block, name)
+            new = cls(old.in_features, old.out_features, bias=True, device="meta")
+            new.weight, new.bias = old.weight, old.bias
+            new.forward = types.MethodType(_emulated_forward, new)
+            setattr(block, name, new)
+    return model
+
+
+class _OpCount(TorchDispatchMode):
+    """Counts the aten ops dispatched inside it (forward, backward, step)."""
+
+    ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _train(every: int | None, steps: int, count: bool = False) -> dict:
+    """``steps`` steps under StepGuard; snapshots after sampled steps, the tensors LAYER saw at
+    the last one, and per step the aten ops dispatched (when ``count``)."""
+    import dscale
+    import dscale.fp8 as fp8
+    from tests.fp8 import _models
+
+    model = _nvfp4_net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    guard = dscale.StepGuard("cpu")
+    numerics = fp8.Float8Numerics(model, guard, every=every) if every else None
+    seen: dict[str, torch.Tensor] = {}
+
+    def capture(module: torch.nn.Module, args: tuple, output: torch.Tensor) -> None:
+        seen["input"] = args[0].detach().clone()
+        seen["weight"] = module.weight.detach().clone()
+        output.register_hook(lambda g: seen.__setitem__("grad_output", g.detach().clone()))
+
+    if not count:
+        model.get_submodule(LAYER).register_forward_hook(capture)
+    out: dict = {"snapshots": {}, "ops": [], "numerics": numerics}
+    for step in range(steps):
+        tokens, target = _models.batch(step, size=2)
+        counter = _OpCount() if count else None
+        with counter if counter is not None else contextlib.nullcontext():
+            guard.scale(_models.loss_of(model, tokens, target)).backward()
+            guard.step(opt)
+            guard.update()
+            opt.zero_grad()
+        if counter is not None:
+            out["ops"].append(counter.ops)
+        if numerics is not None and numerics.sampled_last_step:
+            out["snapshots"][step] = numerics.snapshot()
+            out["seen"] = {k: v.clone() for k, v in seen.items()}
+    return out
+
+
+def test_numerics_of_nvfp4_layers_equal_the_brute_force_on_the_tensors_they_saw() -> None:
+    """Float8Numerics on a model of torchao NVFP4Linear layers (emulated forward, see
+    _emulated_forward): after sampled step 2 (every=2), each NVFP4 field of LAYER's input and
+    grad_output (1 x 16 blocks) and weight (16 x 16 tiles), in bf16, is the brute-force walk's
+    on the very tensor the layer saw, and ``scale`` is the tensor scale; the state says nvfp4
+    and round-trips; the collector serves the NVFP4 fields under their names."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    import dscale.fp8 as fp8
+
+    out = _train(every=2, steps=3)
+    numerics = out["numerics"]
+    assert numerics.granularity == "nvfp4" and numerics.fields == NVFP4_FIELDS
+    assert list(out["snapshots"]) == [0, 2]
+    snap = out["snapshots"][2]
+    assert len(snap) == 4 * 3
+    for tensor, rows in (("input", 1), ("weight", 16), ("grad_output", 1)):
+        x = out["seen"][tensor].to(torch.bfloat16)
+        row = snap[f"{LAYER}/{tensor}"]
+        want = _reference(x.reshape(-1, x.shape[-1]), rows=rows)
+        assert {f: row[f] for f in NVFP4_FIELDS} == pytest.approx(want, abs=0, rel=0), tensor
+        assert row["scale"] == row["tensor_scale"]
+    assert snap[f"{LAYER}/input"]["flushed"] > 0  # not vacuous: NVFP4 flushes a Gaussian's tail
+    state = numerics.state_dict()
+    assert int(state["granularity"]) == 3 and state["layers"][LAYER].shape == (3, 9)
+    numerics.load_state_dict(state)
+    assert numerics.snapshot() == snap
+    registry = CollectorRegistry()
+    registry.register(fp8.Float8NumericsCollector(numerics))
+    served = generate_latest(registry).decode()
+    for name in ("blocks_clamped_ratio", "blocks_nonfinite_ratio", "tensor_scale", "flushed_ratio"):
+        assert f"dscale_fp8_{name}{{" in served, name
+    numerics.close()
+
+
+def test_unsampled_nvfp4_steps_add_no_op() -> None:
+    """Oracle: the same NVFP4 run without numerics. Step 1 (unsampled, every=2) dispatches as
+    many aten ops; step 0 (sampled) more."""
+    plain = _train(every=None, steps=2, count=True)
+    ours = _train(every=2, steps=2, count=True)
+    assert ours["ops"][1] == plain["ops"][1]
+    assert ours["ops"][0] > plain["ops"][0]
+    ours["numerics"].close()
