@@ -193,15 +193,23 @@ class Float8Numerics:
         return tensor_stats(x, dtype, scale)
 
     def _weight_stats(self, module: nn.Module, sharded: Any) -> torch.Tensor:
+        """The weight as the GEMM casts it: under FSDP2's high-precision all-gather, the
+        gathered weight (``module.weight`` in forward: every rank measures the whole, as one
+        process would); under float8 all-gather it arrives already cast, so this rank's shard
+        of the parameter under the cast's scale (amax and scale the whole's, the shares this
+        shard's: the worst rank's are at least the whole's for even shards)."""
         weight: Any = module.weight
-        if not hasattr(weight, "_local_tensor") and hasattr(sharded, "_local_tensor"):
-            weight = sharded  # FSDP2 gathered it (in float8): measure this rank's shard
+        cast = getattr(weight, "_scale", None) if hasattr(weight, "_data") else None
+        if cast is not None and hasattr(sharded, "_local_tensor"):
+            weight = sharded  # FSDP2 gathered it in float8: measure this rank's shard
         local = getattr(weight, "_local_tensor", None)
         precomputed = getattr(local, "_precomputed_scale", None)
         if local is not None and hasattr(local, "_tensor"):
             weight = local._tensor  # a float8 all-gather shard: this rank's part
         elif local is not None:
             weight = local
+        if precomputed is None and cast is not None:
+            precomputed = cast  # the scale the gathered weight was cast with (agreed amax)
         return self._measure(weight, torch.float8_e4m3fn, precomputed)
 
     # --------------------------------------------------------- the agreement field protocol
