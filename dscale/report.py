@@ -10,7 +10,7 @@ sigma x std of the last ``window`` applied values). An FP8 run that sampled
 ``dscale.fp8.Float8Numerics`` (``fp8-rank*.jsonl``) gets per-layer heatmaps over the sampled
 steps: the shares flushed to zero, subnormal and saturated, and the amax headroom, and the
 recipe's own fields it logged (rowwise rows, MXFP8/NVFP4 blocks, scale spread, NVFP4 tensor
-scale: dscale/_report_fp8.py) (``--fp8`` picks which).
+scale: dscale/fp8/_report.py) (``--fp8`` picks which).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
-from dscale import _report_fp8
+from dscale.fp8 import _report as _report_fp8
 
 logger = logging.getLogger(__name__)
 
