@@ -128,10 +128,16 @@ def linear_class() -> type:
     from dscale.fp8 import _torchao
 
     _torchao.float8()  # the install line when torchao is missing
-    module = _torchao._import_quietly(
-        "torchao.prototype.moe_training.nvfp4_training.nvfp4_training"
-    )
+    name = "torchao.prototype.moe_training.nvfp4_training.nvfp4_training"
+    try:
+        module = _torchao._import_quietly(name)
+    except ImportError:  # a torchao without it (a prototype module): no layer is NVFP4
+        return _NoNVFP4Linear
     return module.NVFP4Linear  # type: ignore[no-any-return]
+
+
+class _NoNVFP4Linear:
+    """Stands for NVFP4Linear where torchao has none: no module is an instance."""
 
 
 def layer_stats(x: torch.Tensor, tensor: str) -> torch.Tensor:
