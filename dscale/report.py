@@ -8,8 +8,9 @@ line style per rank, skipped steps marked x and resumes marked by a dashed line,
 skipped steps marked on both, and, with a spike gate, the band its rule allows (mean to mean +
 sigma x std of the last ``window`` applied values). An FP8 run that sampled
 ``dscale.fp8.Float8Numerics`` (``fp8-rank*.jsonl``) gets per-layer heatmaps over the sampled
-steps: the shares flushed to zero, subnormal and saturated, and the amax headroom
-(``--fp8`` picks which).
+steps: the shares flushed to zero, subnormal and saturated, and the amax headroom, and the
+recipe's own fields it logged (rowwise rows, MXFP8/NVFP4 blocks, scale spread, NVFP4 tensor
+scale: dscale/fp8/_report.py) (``--fp8`` picks which).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import os
 from collections import deque
 from collections.abc import Sequence
 from typing import Any
+
+from dscale.fp8 import _report as _report_fp8
 
 logger = logging.getLogger(__name__)
 
@@ -80,19 +83,23 @@ _FP8_MAX = {"e4m3fn": 448.0, "e5m2": 57344.0}
 STEP_AXIS = "optimizer step (from 0: the launcher's step N is at N-1)"
 
 #: The FP8 views ``python -m dscale.report --fp8`` can draw, each a heatmap of layer x step.
-FP8_VIEWS = ("flushed", "subnormal", "saturated", "headroom")
+#: A run draws the recipe views only where it logged their field.
+FP8_VIEWS = ("flushed", "subnormal", "saturated", "headroom", *_report_fp8.VIEWS)
 _FP8_LABELS = {
     "flushed": "FP8 flushed\nto zero (share)",
     "subnormal": "FP8 subnormal\n(share)",
     "saturated": "FP8 saturated\n(share)",
     "headroom": "FP8 amax headroom\n(binades)",
+    **{view: f"FP8 {label}" for view, label in _report_fp8.LABELS.items()},
 }
 
 
 def _fp8_value(key: str, stats: dict[str, float], view: str) -> float:
     """A share as logged, or the headroom: log2(format max / (amax x scale)), < 0 saturates."""
     if view != "headroom":
-        return float(stats[view])
+        return float(stats.get(view, math.nan))  # a recipe field this layer did not log: NaN
+    if "tensor_scale" in stats:
+        return math.nan  # NVFP4: no single scale puts amax at a format's max
     scaled = float(stats["amax"]) * float(stats["scale"])
     top = _FP8_MAX["e5m2" if key.endswith("/grad_output") else "e4m3fn"]
     if not (scaled > 0 and math.isfinite(scaled)):
@@ -124,8 +131,8 @@ def read_fp8_log(
                     for key, stats in row["layers"].items():
                         value = _fp8_value(key, stats, share)
                         seen[key] = worst(seen[key], value) if key in seen else value
-    if not by_step:
-        return None
+    if not by_step or all(math.isnan(v) for rows in by_step.values() for v in rows.values()):
+        return None  # no sample, or a recipe field this run did not log
     steps = sorted(by_step)
     keys = sorted({k for rows in by_step.values() for k in rows})
     return steps, keys, [[by_step[s].get(k, math.nan) for s in steps] for k in keys]

@@ -16,6 +16,7 @@ from dscale.fp8._fallback import Float8Fallback
 from dscale.fp8._layers import LayoutMismatchError
 from dscale.fp8._numerics import Float8Numerics, tensor_stats
 from dscale.fp8._nvfp4 import NVFP4Seeds
+from dscale.fp8._nvfp4_stats import NVFP4_FIELDS, nvfp4_stats
 from dscale.fp8._weight_scales import WeightScales
 
 __all__ = [
@@ -24,9 +25,11 @@ __all__ = [
     "Float8Numerics",
     "Float8NumericsCollector",
     "LayoutMismatchError",
+    "NVFP4_FIELDS",
     "NVFP4Seeds",
     "WeightScales",
     "adam_update_bound",
     "convert_to_float8",
+    "nvfp4_stats",
     "tensor_stats",
 ]

@@ -42,6 +42,7 @@ def _drill_rules(rules: dict[str, Any], factor: float) -> dict[str, Any]:
 
 
 RULES = PROMETHEUS_DIR / "rules" / "dscale.rules.yml"
+FP8_RULES = PROMETHEUS_DIR / "rules" / "dscale-fp8.rules.yml"
 # 10m -> 5 s, 5m -> 2.5 s, 2m -> 1 s, 1m -> 0.5 s; with 1 s scrape and evaluation intervals.
 FACTOR = 1 / 120
 DEADLINE_S = 60.0  # for each phase
@@ -54,6 +55,9 @@ FAULT_OF = {
     "DScaleRanksDisagree": "disagree",
     "DScaleExporterDown": "kill",
 }
+# The FP8 rules' alert driven live here (the job's one layer is float8, sampled every step); all
+# FP8 alerts pass promtool's unit tests (tests/fp8/test_fp8_alerts.py).
+FP8_FAULT_OF = {"DScaleFP8GradientsFlushed": "flush"}
 
 
 class Webhook:
@@ -107,11 +111,14 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 def _configs(tmp: Path, webhook_port: int, am_port: int) -> tuple[Path, Path]:
-    rules = tmp / "dscale.drill.rules.yml"
-    rules.write_text(yaml.safe_dump(_drill_rules(yaml.safe_load(RULES.read_text()), FACTOR)))
+    files = []
+    for source in (RULES, FP8_RULES):
+        rules = tmp / source.name.replace(".rules.yml", ".drill.rules.yml")
+        rules.write_text(yaml.safe_dump(_drill_rules(yaml.safe_load(source.read_text()), FACTOR)))
+        files.append(str(rules))
     config = yaml.safe_load((PROMETHEUS_DIR / "prometheus-file-sd.yml").read_text())
     config["global"].update(scrape_interval="1s", evaluation_interval="1s")
-    config["rule_files"] = [str(rules)]
+    config["rule_files"] = files
     config["alerting"] = {
         "alertmanagers": [{"static_configs": [{"targets": [f"127.0.0.1:{am_port}"]}]}]
     }
@@ -245,10 +252,12 @@ def test_every_alert_fires_for_its_fault_and_resolves_with_job_and_rank_labels(t
 
         _wait("Prometheus scraping both ranks", scraped_up, procs, tmp_path)
 
-        for phase in ("overflow", "spike", "disagree", "kill"):
+        for phase in ("overflow", "spike", "disagree", "flush", "kill"):
             webhook.phase = phase
             control.write_text(phase)
-            expected = {name for name, fault in FAULT_OF.items() if fault == phase}
+            expected = {
+                name for name, fault in {**FAULT_OF, **FP8_FAULT_OF}.items() if fault == phase
+            }
             _wait(
                 f"firing {sorted(expected)} during {phase}",
                 lambda expected=expected: expected <= set(webhook.seen("firing")),
@@ -275,7 +284,7 @@ def test_every_alert_fires_for_its_fault_and_resolves_with_job_and_rank_labels(t
         webhook.server.shutdown()
 
     firing = webhook.seen("firing")
-    for name, fault in FAULT_OF.items():
+    for name, fault in {**FAULT_OF, **FP8_FAULT_OF}.items():
         # Raised by its own fault, not by an earlier one (a second rank may follow later).
         assert firing[name][0]["phase"] == fault, (name, firing[name][0])
         for alert in firing[name]:
@@ -284,6 +293,10 @@ def test_every_alert_fires_for_its_fault_and_resolves_with_job_and_rank_labels(t
             assert labels["job_name"] == job_name and labels["job"] == "dscale", (name, labels)
             assert labels["rank"] in {"0", "1"}, (name, labels)
     assert "1" in {a["labels"]["rank"] for a in firing["DScaleExporterDown"]}
+    flushed = firing["DScaleFP8GradientsFlushed"]  # the job's one float8 layer, its gradient
+    assert {(a["labels"]["layer"], a["labels"]["tensor"]) for a in flushed} == {
+        ("0", "grad_output")
+    }
     assert _keys(firing) <= _keys(webhook.seen("resolved"))
     assert not list((tmp_path / "targets").glob("*.json"))
 
