@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry
 
 import dscale
 from dscale.fp8._collector import AttachedFloat8Collector
+from dscale.precision._collector import AttachedShadowCollector
 from dscale.metrics import _server
 from dscale.metrics._collector import ScalerCollector
 from dscale.metrics._rank_check import RankScaleCheck
@@ -184,6 +185,8 @@ def _register(
     registry.register(collector)
     # FP8 numerics (dscale_fp8_*) of a Float8Numerics made on this scaler, whenever it is made.
     registry.register(AttachedFloat8Collector(scaler, labels))
+    # Shadow numerics (dscale_shadow_*) of a dscale.precision.ShadowNumerics on this scaler.
+    registry.register(AttachedShadowCollector(scaler, labels))
     return registry, collector, rank_check
 
 
