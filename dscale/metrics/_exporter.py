@@ -15,11 +15,11 @@ from prometheus_client import CollectorRegistry
 
 import dscale
 from dscale.fp8._collector import AttachedFloat8Collector
-from dscale.precision._collector import AttachedShadowCollector
 from dscale.metrics import _server
 from dscale.metrics._collector import ScalerCollector
 from dscale.metrics._rank_check import RankScaleCheck
 from dscale.metrics._training import TrainingFigures
+from dscale.precision._collector import AttachedShadowCollector
 from dscale.stats import NumericsStats
 
 logger = logging.getLogger(__name__)

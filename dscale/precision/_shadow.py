@@ -96,7 +96,7 @@ class ShadowNumerics:
         _by_scaler[scaler] = self
 
     def _arm(self, armed: bool) -> None:
-        """Sample the next step or not; the field rides the scaler's vector on sampled steps only."""
+        """Sample the next step or not (the field rides the scaler's vector on sampled steps)."""
         self._armed = armed and not self._closed
         if self._armed and self._unfield is None:
             self._unfield = self._scaler.add_agreement_field(self)
