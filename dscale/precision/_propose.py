@@ -9,7 +9,8 @@ format of ``formats`` (cheapest first) that
 2. on every operand (input, weight, grad_output), over the whole sampled window, saturates at
    most ``max_saturated`` and flushes at most ``max_flushed`` of the elements;
 
-and ``bf16`` when none does, with the reason. Every layer gets a reason naming what decided it.
+and ``bf16`` when none does, with the reason; a layer never measured (its module's forward did
+not run in a sample) stays ``bf16`` too. Every layer gets a reason naming what decided it.
 """
 
 from __future__ import annotations
@@ -50,10 +51,13 @@ def propose_precision_map(
     formats: Iterable[str] = DEFAULT_FORMATS,
     max_flushed: float = MAX_FLUSHED,
     max_saturated: float = MAX_SATURATED,
+    unmeasured: Iterable[str] = (),
 ) -> PrecisionProposal:
     """Propose a format per layer from ``table`` (``ShadowNumerics.window()``: keys
     ``"layer/operand/format"``, values ``{saturated, flushed}``) and ``dims`` (layer ->
-    ``(in_features, out_features)``, ``ShadowNumerics.dims``). See the module's rule."""
+    ``(in_features, out_features)``, ``ShadowNumerics.dims``). See the module's rule.
+    ``unmeasured``: layers whose forward never ran in a sample (their rows are zeros, not
+    measurements): they stay bf16, with that reason."""
     formats = tuple(formats)
     bad = [f for f in formats if f not in FORMATS]
     if bad or not formats:
@@ -69,7 +73,12 @@ def propose_precision_map(
     chosen: dict[str, str] = {}
     reasons: dict[str, str] = {}
     limits = {"saturated": max_saturated, "flushed": max_flushed}
+    skipped = set(unmeasured)
     for layer in sorted(dims):
+        if layer in skipped:
+            chosen[layer] = "bf16"
+            reasons[layer] = "bf16: not measured (its forward never ran in a sampled step)"
+            continue
         in_f, out_f = dims[layer]
         refused: list[str] = []
         for fmt in formats:

@@ -84,6 +84,9 @@ class ShadowNumerics:
         self.sample_step: int | None = None
         self._armed = False
         self._stats: dict[str, torch.Tensor] = {}
+        #: Layers whose forward ran in a sampled step (a module whose parent uses its weight
+        #: without calling it, as nn.MultiheadAttention's out_proj, never does).
+        self.measured: set[str] = set()
         self._sent: torch.Tensor | None = None
         self._last: list[float] | None = None
         self._worst: list[float] | None = None  # elementwise max over the window's samples
@@ -121,6 +124,7 @@ class ShadowNumerics:
         def forward_hook(module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> None:
             if not self._armed:
                 return  # unsampled: no op dispatched
+            self.measured.add(name)
             with torch.no_grad():
                 self._stats[f"{name}/input"] = all_stats(args[0], "input")
                 self._stats[f"{name}/weight"] = all_stats(_local(module.weight), "weight")
@@ -190,7 +194,8 @@ class ShadowNumerics:
         """:func:`dscale.precision.propose_precision_map` of this window (same keywords)."""
         from dscale.precision._propose import propose_precision_map
 
-        return propose_precision_map(self.window(), self.dims, **thresholds)
+        unmeasured = [n for n in self.dims if n not in self.measured]
+        return propose_precision_map(self.window(), self.dims, unmeasured=unmeasured, **thresholds)
 
     def close(self) -> None:
         """Remove the hooks and the collective field."""

@@ -7,6 +7,8 @@ rank's tensors for the worst-rank agreement.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -151,3 +153,41 @@ def test_the_proposal_takes_the_cheapest_format_within_the_thresholds_on_every_o
         propose_precision_map({}, dims)
     with pytest.raises(ValueError, match="has no 'other/input/mxfp8'"):
         propose_precision_map(table, {**dims, "other": (32, 32)})
+
+
+def test_the_run_log_and_the_report_show_the_window_and_its_proposal(tmp_path):
+    """MetricsLog appends each sample to metrics/shadow-rank0.jsonl; the report's table holds,
+    per (layer, operand, format), the worst over the samples (ShadowNumerics.window()), and the
+    map ShadowNumerics.propose() gives, with its reasons."""
+    import dscale
+    from dscale.metrics import MetricsLog
+    from dscale.precision import ShadowNumerics
+    from dscale.precision._report import read_shadow_log, shadow_report
+    from tests.fp8 import _models
+
+    model = _models.net()
+    guard = dscale.StepGuard("cpu")
+    opt = torch.optim.AdamW(model.parameters())
+    shadow = ShadowNumerics(model, guard, every=2)
+    log = MetricsLog(tmp_path, every=1)
+    guard.add_observer(log)
+    for step in range(3):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = _models.loss_of(model, *_models.batch(step, size=2))
+        guard.scale(loss).backward()
+        guard.step(opt)
+        guard.update()
+        opt.zero_grad()
+    lines = (tmp_path / "metrics" / "shadow-rank0.jsonl").read_text().splitlines()
+    assert [json.loads(ln)["step"] for ln in lines] == [0, 2]
+    table, dims, measured, samples = read_shadow_log(tmp_path)
+    assert table == shadow.window() and dims == shadow.dims and samples == 2
+    assert measured == shadow.measured == set(dims)
+    text = shadow_report(tmp_path)
+    proposal = shadow.propose()
+    row = shadow.window()["blocks.0.fc1/grad_output/nvfp4"]
+    cell = f"{row['saturated']:.3%} / {row['flushed']:.3%}"
+    assert any(ln.startswith("|  | grad_output |") and cell in ln for ln in text.splitlines())
+    for layer, reason in proposal.reasons.items():
+        assert f"- {layer}: {reason}" in text
+    assert proposal.map["head"] == "bf16"  # 10 outputs: no format takes it
