@@ -8,9 +8,10 @@ numerics and fallback made on its scaler, with the exporter's labels). By hand::
 Gauges per (layer, tensor), the last sample's worst rank: ``dscale_fp8_flushed_ratio``,
 ``dscale_fp8_subnormal_ratio``, ``dscale_fp8_saturated_ratio``, ``dscale_fp8_amax``,
 ``dscale_fp8_scale``; under the rowwise recipe also ``dscale_fp8_rows_saturated_ratio``,
-``dscale_fp8_rows_flushed_ratio``, under MXFP8 ``dscale_fp8_blocks_clamped_ratio``,
-``dscale_fp8_blocks_nonfinite_ratio``, and under both ``dscale_fp8_scale_spread_binades``
-(dscale/fp8/_granular.py); ``dscale_fp8_samples_total``; with a fallback,
+``dscale_fp8_rows_flushed_ratio``, under MXFP8 and NVFP4 ``dscale_fp8_blocks_clamped_ratio``,
+``dscale_fp8_blocks_nonfinite_ratio``, under all three ``dscale_fp8_scale_spread_binades``
+(dscale/fp8/_granular.py), under NVFP4 ``dscale_fp8_tensor_scale`` (dscale/fp8/_nvfp4.py);
+``dscale_fp8_samples_total``; with a fallback,
 ``dscale_fp8_fallback_layers`` (switched layers) and ``dscale_fp8_fallback{layer}`` (1 when
 switched). Nothing is read before the first sample; a scrape never touches a device tensor.
 """
@@ -36,16 +37,18 @@ OWN_FIELDS = {
     "rows_flushed": ("rows_flushed_ratio", "Share of rows holding a flushed element"),
     "blocks_clamped": (
         "blocks_clamped_ratio",
-        "Share of MXFP8 blocks with a non-zero value whose E8M0 scale sits at its floor",
+        "Share of blocks with a non-zero value whose scale the format clamped (MXFP8: E8M0 "
+        "at its floor; NVFP4: E4M3 below 2^-6 or above 448 given the tensor scale)",
     ),
     "blocks_nonfinite": (
         "blocks_nonfinite_ratio",
-        "Share of MXFP8 blocks holding an inf or NaN (the whole block is lost)",
+        "Share of blocks holding (MXFP8) or decoding to (NVFP4) an inf or NaN",
     ),
     "scale_spread": (
         "scale_spread_binades",
-        "log2 of the largest over the smallest row scale (rowwise) or block scale (MXFP8)",
+        "log2 of the largest over the smallest row scale (rowwise) or block scale (MXFP8, NVFP4)",
     ),
+    "tensor_scale": ("tensor_scale", "NVFP4 per-tensor float32 scale, amax / (448 x 6)"),
 }
 
 

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dscale.fp8 import _attached, _granular, _torchao
+from dscale.fp8 import _attached, _granular, _nvfp4, _torchao
 from dscale.fp8._layers import check_layouts, named_layers, refuse_other_layers, state_int
 
 TENSORS = (("input", torch.float8_e4m3fn), ("weight", torch.float8_e4m3fn))
@@ -40,7 +40,9 @@ COLUMNS = (*FIELDS, "scale")
 #: The state-dict format (1: ``num_steps``/``num_samples`` only, no layer names).
 STATE_VERSION = 2
 #: A state's ``granularity`` entry indexes this (rowwise and MXFP8 states only).
-GRANULARITIES = ("tensorwise", "rowwise", "mxfp8")
+GRANULARITIES = ("tensorwise", "rowwise", "mxfp8", "nvfp4")
+#: Each recipe's fields (NVFP4's: dscale/fp8/_nvfp4.py).
+RECIPE_FIELDS = {**_granular.FIELDS, "nvfp4": _nvfp4.NVFP4_FIELDS}
 EPS = 1e-12  # torchao's floor on an amax
 
 
@@ -82,16 +84,16 @@ class Float8Numerics:
     def __init__(self, model: nn.Module, scaler: Any, *, every: int = 100) -> None:
         if not isinstance(every, int) or every < 1:
             raise ValueError(f"every must be a positive int (sample every N steps), got {every!r}")
-        mx_cls = _torchao.mxfp8_linear_class()
-        classes = (_torchao.float8_linear_class(), mx_cls)
+        mx_cls, nv_cls = _torchao.mxfp8_linear_class(), _nvfp4.linear_class()
+        classes = (_torchao.float8_linear_class(), mx_cls, nv_cls)
         self.layers: list[tuple[str, Any]] = named_layers(model, classes)
-        kinds = {n: _granularity(m, mx_cls) for n, m in self.layers}
+        kinds = {n: _granularity(m, mx_cls, nv_cls) for n, m in self.layers}
         group = scaler._process_group() if hasattr(scaler, "_process_group") else None
         check_layouts(self.layers, every, kinds, group)
-        #: ``tensorwise``, ``rowwise`` or ``mxfp8``: how the layers scale (one for all).
+        #: ``tensorwise``, ``rowwise``, ``mxfp8`` or ``nvfp4``: how the layers scale (one for all).
         self.granularity = next(iter(kinds.values()), "tensorwise")
         #: The fields of a row of :meth:`snapshot` (and of the state), ``scale`` last.
-        self.fields: tuple[str, ...] = _granular.FIELDS[self.granularity]
+        self.fields: tuple[str, ...] = RECIPE_FIELDS[self.granularity]
         self.columns: tuple[str, ...] = (*self.fields, "scale")
         first = self.layers[0][1] if self.layers else None
         self._pow2 = bool(getattr(getattr(first, "config", None), "round_scales_to_power_of_2", 0))
@@ -161,8 +163,12 @@ class Float8Numerics:
             if not self._armed:
                 return  # unsampled: no op dispatched
             with torch.no_grad():
-                self._stats[f"{name}/input"] = self._measure(args[0], torch.float8_e4m3fn)
-                self._stats[f"{name}/weight"] = self._weight_stats(module, self._weights[name])
+                if self.granularity == "nvfp4":
+                    self._stats[f"{name}/input"] = _nvfp4.layer_stats(args[0], "input")
+                    self._stats[f"{name}/weight"] = _nvfp4.layer_stats(module.weight, "weight")  # type: ignore[arg-type]
+                else:
+                    self._stats[f"{name}/input"] = self._measure(args[0], torch.float8_e4m3fn)
+                    self._stats[f"{name}/weight"] = self._weight_stats(module, self._weights[name])
             if output.requires_grad:
 
                 def grad_hook(grad: torch.Tensor) -> None:
@@ -182,18 +188,28 @@ class Float8Numerics:
             return _granular.rowwise_stats(x, dtype, self._pow2)
         if self.granularity == "mxfp8":
             return _granular.mx_stats(x, dtype)
+        if self.granularity == "nvfp4":
+            return _nvfp4.layer_stats(x, "grad_output")
         return tensor_stats(x, dtype, scale)
 
     def _weight_stats(self, module: nn.Module, sharded: Any) -> torch.Tensor:
+        """The weight as the GEMM casts it: under FSDP2's high-precision all-gather, the
+        gathered weight (``module.weight`` in forward: every rank measures the whole, as one
+        process would); under float8 all-gather it arrives already cast, so this rank's shard
+        of the parameter under the cast's scale (amax and scale the whole's, the shares this
+        shard's: the worst rank's are at least the whole's for even shards)."""
         weight: Any = module.weight
-        if not hasattr(weight, "_local_tensor") and hasattr(sharded, "_local_tensor"):
-            weight = sharded  # FSDP2 gathered it (in float8): measure this rank's shard
+        cast = getattr(weight, "_scale", None) if hasattr(weight, "_data") else None
+        if cast is not None and hasattr(sharded, "_local_tensor"):
+            weight = sharded  # FSDP2 gathered it in float8: measure this rank's shard
         local = getattr(weight, "_local_tensor", None)
         precomputed = getattr(local, "_precomputed_scale", None)
         if local is not None and hasattr(local, "_tensor"):
             weight = local._tensor  # a float8 all-gather shard: this rank's part
         elif local is not None:
             weight = local
+        if precomputed is None and cast is not None:
+            precomputed = cast  # the scale the gathered weight was cast with (agreed amax)
         return self._measure(weight, torch.float8_e4m3fn, precomputed)
 
     # --------------------------------------------------------- the agreement field protocol
@@ -231,6 +247,8 @@ class Float8Numerics:
     def _scale_of(self, amax: float, dtype: torch.dtype) -> float:
         """The scale the cast gives the tensor's largest element (0 for a non-finite amax):
         ``fp8_max / amax``; rowwise, down to a power of two; MXFP8, its block's ``2^-e``."""
+        if self.granularity == "nvfp4":  # the per-tensor float32 scale, amax / (448 x 6)
+            return float(_nvfp4.tensor_scale(torch.tensor(amax, dtype=torch.float32)))
         if not math.isfinite(amax):
             return 0.0
         fp8_max = float(torch.finfo(dtype).max)
@@ -375,9 +393,11 @@ def _saved_granularity(value: Any) -> str:
     return GRANULARITIES[index]
 
 
-def _granularity(module: Any, mx_cls: type) -> str:
-    """How ``module`` (a float8 or MXFP8 linear) scales its casts."""
+def _granularity(module: Any, mx_cls: type, nv_cls: type) -> str:
+    """How ``module`` (a float8, MXFP8 or NVFP4 linear) scales its casts."""
     if isinstance(module, mx_cls):
         return "mxfp8"
+    if isinstance(module, nv_cls):
+        return "nvfp4"
     value = module.config.cast_config_input.scaling_granularity.value
     return "tensorwise" if value == "tensorwise" else "rowwise"

@@ -162,3 +162,21 @@ def test_the_dashboard_shows_the_fp8_numerics_per_layer() -> None:
     assert 'max by (layer) (dscale_fp8_fallback{job_name=~"$job_name"})' in by_expr
     grid = [(p["gridPos"]["x"], p["gridPos"]["y"]) for p in dash["panels"]]
     assert len(grid) == len(set(grid))  # no panel drawn over another
+
+
+def test_the_dashboard_shows_every_recipe_field_per_layer() -> None:
+    """Every recipe's own field the FP8 collector serves (rowwise, MXFP8, NVFP4) has a panel
+    with one series per layer and tensor, the worst rank's; the gradient-flush heatmap (the
+    all-zero-gradients failure) selects grad_output."""
+    from dscale.fp8._collector import OWN_FIELDS
+
+    dash = json.loads((DEPLOY / "grafana" / "dscale.json").read_text())
+    by_expr = {t["expr"]: (p, t) for p in dash["panels"] for t in p["targets"]}
+    for metric, _ in OWN_FIELDS.values():
+        expr = f'max by (layer, tensor) (dscale_fp8_{metric}{{job_name=~"$job_name"}})'
+        panel, target = by_expr[expr]
+        assert "{{layer}}" in target["legendFormat"] and "{{tensor}}" in target["legendFormat"]
+        want = "percentunit" if metric.endswith("_ratio") else "none"
+        assert panel["fieldConfig"]["defaults"]["unit"] == want, metric
+    grads = 'dscale_fp8_flushed_ratio{job_name=~"$job_name",tensor="grad_output"}'
+    assert by_expr[f"max by (layer, tensor) ({grads})"][0]["type"] == "status-history"
