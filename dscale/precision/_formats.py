@@ -9,9 +9,10 @@ each in the orientation its forward and grad_input GEMMs cast (scales along the 
   (:func:`dscale.fp8._granular.rowwise_stats`).
 * ``mxfp8``: torchao's ``to_mx`` (E4M3 elements, an E8M0 exponent per 32, RCEIL)
   (:func:`dscale.fp8._granular.mx_stats`).
-* ``nvfp4``: torchao's ``nvfp4_quantize`` with the per-tensor scale
-  ``amax / (448 * 6)`` (``per_tensor_amax_to_scale``): E2M1 elements, an E4M3 scale per 16
-  (:func:`nvfp4_stats`).
+* ``nvfp4``: as torchao's ``NVFP4Linear`` casts (in bfloat16, the per-tensor scale
+  ``amax / (448 * 6)``, E2M1 elements, an E4M3 scale per 16 along the last dim, per 16 x 16
+  tile for the weight) (:func:`nvfp4_stats`, through n43a's ``dscale.fp8._nvfp4``). Round to
+  nearest: torchao rounds grad_output stochastically, so there the share is an expectation.
 
 ``saturated``: finite elements beyond the format's maximum under their own scale (clamped);
 ``flushed``: non-zero elements cast to zero (including those a non-finite neighbour wipes out:
@@ -37,10 +38,7 @@ FIELDS = ("saturated", "flushed")
 #: Each block format's block along the last dim.
 BLOCKS = {"mxfp8": _granular.MX_BLOCK, "nvfp4": 16}
 E4M3 = torch.float8_e4m3fn
-F4_MAX = 6.0  # E2M1's largest value
-F8_MAX = float(torch.finfo(E4M3).max)
 EPS = 1e-12  # torchao's floor on an amax
-E4M3_TINY = float(torch.finfo(E4M3).tiny)  # torchao's floor on an NVFP4 block scale
 
 
 def _padded(x: torch.Tensor, block: int) -> torch.Tensor:
@@ -50,30 +48,20 @@ def _padded(x: torch.Tensor, block: int) -> torch.Tensor:
     return torch.nn.functional.pad(rows, (0, pad)) if pad else rows
 
 
-def e2m1_flushes(scaled: torch.Tensor) -> torch.Tensor:
-    """Where E2M1 rounds a value to zero: |v| <= 0.25 (0.25 ties to the even 0; 0.5 is its
-    smallest non-zero value), as torchao's ``f32_to_f4_unpacked`` rounds."""
-    return scaled.abs() <= 0.25
+def nvfp4_stats(x: torch.Tensor, operand: str) -> torch.Tensor:
+    """``[saturated, flushed]`` of ``x`` as torchao's ``NVFP4Linear`` would cast it
+    (:func:`dscale.fp8._nvfp4.nvfp4_stats`, n43a's): in bfloat16, the per-tensor scale
+    ``amax / (448 * 6)``, an E4M3 scale per 1 x 16 block along the last dim (input,
+    grad_output) or per 16 x 16 tile (the weight), E2M1 elements."""
+    from dscale.fp8 import _nvfp4
 
-
-def nvfp4_stats(x: torch.Tensor) -> torch.Tensor:
-    """``[saturated, flushed]`` of ``x`` under torchao's NVFP4 quantization (two-level scales).
-
-    As ``nvfp4_quantize(x, 16, per_tensor_amax_to_scale(amax(x)))``: block scale
-    ``block_amax / 6 / tensor_scale`` rounded to E4M3 (clamped to [tiny, 448]), elements
-    ``x / tensor_scale / block_scale`` rounded to E2M1 (clamped to 6).
-    """
     n = x.numel()
-    if n == 0:
-        return torch.zeros(len(FIELDS), device=x.device)
-    blocks = _padded(x.detach().float(), BLOCKS["nvfp4"]).reshape(-1, BLOCKS["nvfp4"])
-    tensor_scale = blocks.abs().amax() / (F8_MAX * F4_MAX)
-    block_scale = (blocks.abs().amax(dim=-1) / F4_MAX) / tensor_scale
-    block_fp8 = block_scale.clamp(min=E4M3_TINY, max=F8_MAX).to(E4M3).float()
-    scaled = blocks * ((1.0 / tensor_scale) / block_fp8).unsqueeze(-1)
-    saturated = (torch.isfinite(blocks) & (scaled.abs() > F4_MAX)).sum() / n
-    flushed = ((blocks != 0) & e2m1_flushes(scaled)).sum() / n
-    return torch.stack([saturated, flushed]).float()
+    rows = BLOCKS["nvfp4"] if operand == "weight" else 1
+    padded = _padded(x.detach().to(torch.bfloat16), BLOCKS["nvfp4"])
+    if rows > 1 and padded.shape[0] % rows:
+        padded = torch.nn.functional.pad(padded, (0, 0, 0, -padded.shape[0] % rows))
+    stats = _nvfp4.nvfp4_stats(padded, rows=rows)
+    return stats[1:3] * (padded.numel() / n)
 
 
 def tensorwise_stats(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -94,12 +82,12 @@ def tensorwise_stats(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def format_stats(x: torch.Tensor, fmt: str, operand: str) -> torch.Tensor:
     """``[saturated, flushed]`` of ``x`` (the layer's ``operand``) under ``fmt`` (float32)."""
-    if fmt == "nvfp4":
-        return nvfp4_stats(x)
     x = x.detach()
     n = x.numel()
     if n == 0:
         return torch.zeros(len(FIELDS), device=x.device)
+    if fmt == "nvfp4":
+        return nvfp4_stats(x, operand)
     if fmt == "tensorwise":
         return tensorwise_stats(x, torch.float8_e5m2 if operand == "grad_output" else E4M3)
     if fmt == "rowwise":

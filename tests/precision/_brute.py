@@ -53,10 +53,19 @@ def tensorwise(x: torch.Tensor, dtype: torch.dtype) -> list[float]:
     return [_f32(sat, len(flat)), _f32(flush, len(flat))]
 
 
-def nvfp4(x: torch.Tensor) -> list[float]:
-    """torchao's nvfp4_quantize with the per-tensor scale amax / (448 * 6)."""
+def nvfp4(x: torch.Tensor, tiles: bool = False) -> list[float]:
+    """torchao's NVFP4Linear cast: bfloat16, the per-tensor scale amax / (448 * 6), blocks of
+    1 x 16 along the last dim (``tiles``: 16 x 16, the weight's; rows zero-padded to 16)."""
     e4m3 = torch.float8_e4m3fn
     tiny, top = torch.finfo(e4m3).tiny, torch.finfo(e4m3).max
+    n = x.numel()
+    x = x.to(torch.bfloat16).float().reshape(-1, x.shape[-1])
+    size = 16
+    if tiles:
+        x = torch.nn.functional.pad(x, (0, 0, 0, -x.shape[0] % 16))
+        k = x.shape[-1]
+        x = x.reshape(-1, 16, k // 16, 16).permute(0, 2, 1, 3).reshape(-1, 256)
+        size = 256
     flat = x.flatten().tolist()
     amax = _amax(flat)
     sat = flush = 0
@@ -64,14 +73,14 @@ def nvfp4(x: torch.Tensor) -> list[float]:
         return [0.0, 0.0]
     if amax == math.inf:  # the tensor scale is inf: finite blocks scale to 0, a block holding
         # the inf to NaN (its scale is inf / inf)
-        for i in range(0, len(flat), 16):
-            block = flat[i : i + 16]
+        for i in range(0, len(flat), size):
+            block = flat[i : i + size]
             if all(math.isfinite(v) for v in block):
                 flush += sum(1 for v in block if v != 0)
-        return [0.0, _f32(flush, len(flat))]
+        return [0.0, _f32(flush, n)]
     ts = f32(amax / (448.0 * 6.0))
-    for i in range(0, len(flat), 16):
-        block = flat[i : i + 16]
+    for i in range(0, len(flat), size):
+        block = flat[i : i + size]
         bs = f32(f32(max(abs(v) for v in block) / 6.0) / ts) if ts else math.nan
         bs = tiny if math.isnan(bs) else bs  # 0 / 0 (an all-zero tensor): clamped to tiny
         bs8 = _round(min(max(bs, tiny), top), e4m3)
@@ -80,7 +89,7 @@ def nvfp4(x: torch.Tensor) -> list[float]:
             s = f32(v * rcp) if v else 0.0
             sat += abs(s) > 6.0
             flush += v != 0 and _round_e2m1(min(max(s, -6.0), 6.0)) == 0
-    return [_f32(sat, len(flat)), _f32(flush, len(flat))]
+    return [_f32(sat, n), _f32(flush, n)]
 
 
 def reference(x: torch.Tensor, fmt: str, operand: str) -> list[float]:
@@ -89,7 +98,7 @@ def reference(x: torch.Tensor, fmt: str, operand: str) -> list[float]:
         dtype = torch.float8_e5m2 if operand == "grad_output" else torch.float8_e4m3fn
         return tensorwise(x, dtype)
     if fmt == "nvfp4":
-        return nvfp4(x)
+        return nvfp4(x, tiles=operand == "weight")
     ref = (
         _rowwise_reference(x, torch.float8_e4m3fn)
         if fmt == "rowwise"
