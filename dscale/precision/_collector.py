@@ -14,8 +14,8 @@ from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from dscale.precision._formats import FIELDS
 from dscale.precision._shadow import shadow_of
+from dscale.precision._shadow_stats import FIELDS
 
 
 class ShadowCollector:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Mapping
 
-from dscale.precision._formats import FIELDS, FORMATS
+from dscale.precision._shadow_stats import FIELDS, SHADOW_FORMATS
 
 #: What both dims of a weight must be divisible by, per format.
 DIM_MULTIPLE = {"tensorwise": 16, "rowwise": 16, "mxfp8": 32, "nvfp4": 16}
@@ -59,9 +59,11 @@ def propose_precision_map(
     ``unmeasured``: layers whose forward never ran in a sample (their rows are zeros, not
     measurements): they stay bf16, with that reason."""
     formats = tuple(formats)
-    bad = [f for f in formats if f not in FORMATS]
+    bad = [f for f in formats if f not in SHADOW_FORMATS]
     if bad or not formats:
-        raise ValueError(f"formats must name some of {FORMATS} (cheapest first), got {formats}")
+        raise ValueError(
+            f"formats must name some of {SHADOW_FORMATS} (cheapest first), got {formats}"
+        )
     for name, value in (("max_flushed", max_flushed), ("max_saturated", max_saturated)):
         if not 0 <= value <= 1:
             raise ValueError(f"{name} is a share of elements in [0, 1], got {value!r}")

@@ -16,9 +16,9 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from dscale.precision._formats import FORMATS
 from dscale.precision._propose import PrecisionProposal, propose_precision_map
 from dscale.precision._shadow import OPERANDS, shadow_of
+from dscale.precision._shadow_stats import SHADOW_FORMATS
 
 
 def log_shadow(log_dir: str, rank: int, scaler: Any, last: int | None) -> int | None:
@@ -70,12 +70,16 @@ def shadow_table(
     """A markdown table: a row per (layer, operand), per format ``saturated / flushed`` in %,
     and the proposed format on the layer's first row."""
     layers = sorted({key.split("/")[0] for key in table})
-    head = "| layer | operand | " + " | ".join(FORMATS) + (" | proposed |" if proposal else " |")
-    lines = [head, "|" + "---|" * (2 + len(FORMATS) + (1 if proposal else 0))]
+    head = (
+        "| layer | operand | "
+        + " | ".join(SHADOW_FORMATS)
+        + (" | proposed |" if proposal else " |")
+    )
+    lines = [head, "|" + "---|" * (2 + len(SHADOW_FORMATS) + (1 if proposal else 0))]
     for layer in layers:
         for i, op in enumerate(OPERANDS):
             cells = []
-            for fmt in FORMATS:
+            for fmt in SHADOW_FORMATS:
                 row = table.get(f"{layer}/{op}/{fmt}", {})
                 sat, flush = row.get("saturated", float("nan")), row.get("flushed", float("nan"))
                 cells.append(f"{sat:.3%} / {flush:.3%}")

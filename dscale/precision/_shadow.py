@@ -3,10 +3,10 @@
 For each linear layer, whether it still runs in high precision (``nn.Linear`` in fp32 or under
 bf16/fp16 autocast) or already in FP8 (torchao's ``Float8Linear``, ``MXFP8Linear``), every
 ``every`` steps: the shares of its input, weight and grad_output that each format of
-:data:`dscale.precision._formats.FORMATS` (tensorwise, rowwise, MXFP8, NVFP4) would saturate and
-flush, measured on the high-precision tensors the layer sees (a shadow: nothing is cast for the
-layer's own GEMMs). The table tells, before switching, which format a layer can take;
-:func:`dscale.precision.propose_precision_map` turns it into a precision map.
+:data:`dscale.precision._shadow_stats.SHADOW_FORMATS` (tensorwise, rowwise, MXFP8, NVFP4)
+would saturate and flush, measured on the high-precision tensors the layer sees (a shadow:
+nothing is cast for the layer's own GEMMs). The table tells, before switching, which format a
+layer can take; :func:`dscale.precision.propose_precision_map` turns it into a precision map.
 
 Cost, as :class:`dscale.fp8.Float8Numerics`: the hooks stay registered but return at once on
 unsampled steps (no op, no host read), and the agreement field is registered with the scaler
@@ -26,11 +26,11 @@ from torch import nn
 
 from dscale import _dist
 from dscale.fp8._layers import LayoutMismatchError, named_layers
-from dscale.precision._formats import FIELDS, FORMATS, all_stats
+from dscale.precision._shadow_stats import FIELDS, SHADOW_FORMATS, all_stats
 
 #: The tensors measured per layer, in the vector's order.
 OPERANDS = ("input", "weight", "grad_output")
-_WIDTH = len(FORMATS) * len(FIELDS)  # one operand's values
+_WIDTH = len(SHADOW_FORMATS) * len(FIELDS)  # one operand's values
 
 _by_scaler: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
@@ -78,7 +78,9 @@ class ShadowNumerics:
         group = scaler._process_group() if hasattr(scaler, "_process_group") else None
         _check_layouts(self.dims, every, group)
         self.every = every
-        self.keys = [f"{n}/{op}/{fmt}" for n, _ in found for op in OPERANDS for fmt in FORMATS]
+        self.keys = [
+            f"{n}/{op}/{fmt}" for n, _ in found for op in OPERANDS for fmt in SHADOW_FORMATS
+        ]
         self.num_steps = 0
         self.num_samples = 0
         self.sample_step: int | None = None

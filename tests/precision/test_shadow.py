@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from dscale.precision import propose_precision_map
-from dscale.precision._formats import FORMATS
+from dscale.precision._shadow_stats import SHADOW_FORMATS
 from tests.precision import _brute, _shadow_ranks
 
 OPERANDS = ("input", "weight", "grad_output")
@@ -43,10 +43,10 @@ def test_a_sampled_step_equals_the_reference_on_the_tensors_each_layer_saw():
     out = _shadow_ranks.run(0, every=2, steps=3, serve=True)
     assert list(out["snapshots"]) == [0, 2]
     snap = out["snapshots"][2]
-    assert len(snap) == 5 * 3 * len(FORMATS)  # 5 linears x 3 operands x 4 formats
+    assert len(snap) == 5 * 3 * len(SHADOW_FORMATS)  # 5 linears x 3 operands x 4 formats
     for layer in (_shadow_ranks.LAYER, _shadow_ranks.FP8_LAYER):
         for op in OPERANDS:
-            for fmt in FORMATS:
+            for fmt in SHADOW_FORMATS:
                 got = snap[f"{layer}/{op}/{fmt}"]
                 want = _padded_reference(out["seen"][layer][op], fmt, op)
                 assert [got["saturated"], got["flushed"]] == pytest.approx(want, rel=1e-6, abs=0)
@@ -84,7 +84,7 @@ def test_an_outlier_on_rank_1_flags_only_its_layer_on_both_ranks_ddp():
         assert clean == out[1 - rank]["clean"]["snapshots"][2]
     assert out[0]["hit"]["snapshots"] == out[1]["hit"]["snapshots"]
     hit = out[0]["hit"]["snapshots"][2]
-    for fmt in FORMATS:
+    for fmt in SHADOW_FORMATS:
         refs = [
             _padded_reference(out[r]["hit"]["seen"][_shadow_ranks.LAYER]["input"], fmt, "input")
             for r in (0, 1)
@@ -103,7 +103,7 @@ def _table(layers: dict[str, dict[tuple[str, str], tuple[float, float]]]) -> dic
         f"{layer}/{op}/{fmt}": dict(zip(("saturated", "flushed"), given.get((op, fmt), (0.0, 0.0))))
         for layer, given in layers.items()
         for op in OPERANDS
-        for fmt in FORMATS
+        for fmt in SHADOW_FORMATS
     }
 
 
@@ -116,7 +116,7 @@ def test_the_proposal_takes_the_cheapest_format_within_the_thresholds_on_every_o
             "clean": {},
             "grads_flush_in_mx": {("grad_output", "mxfp8"): (0.0, 0.02)},
             "at_threshold": {("weight", "mxfp8"): (0.001, 0.01)},
-            "saturates_everywhere": {("input", f): (0.5, 0.0) for f in FORMATS},
+            "saturates_everywhere": {("input", f): (0.5, 0.0) for f in SHADOW_FORMATS},
             "dims_48": {},
             "head_10": {},
         }

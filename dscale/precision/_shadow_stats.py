@@ -32,7 +32,7 @@ from dscale.fp8 import _granular
 
 #: The formats measured, in the order of the vector (their names are convert_to_float8's
 #: recipes, ``nvfp4`` as v43d adds it).
-FORMATS = ("tensorwise", "rowwise", "mxfp8", "nvfp4")
+SHADOW_FORMATS = ("tensorwise", "rowwise", "mxfp8", "nvfp4")
 #: The fields per (operand, format).
 FIELDS = ("saturated", "flushed")
 #: Each block format's block along the last dim.
@@ -96,9 +96,9 @@ def format_stats(x: torch.Tensor, fmt: str, operand: str) -> torch.Tensor:
         rows = x if x.dtype in (torch.float32, torch.bfloat16) else x.float()
         padded = _padded(rows, BLOCKS["mxfp8"])
         return _granular.mx_stats(padded, E4M3)[1:3] * (padded.numel() / n)
-    raise ValueError(f"format must be one of {FORMATS}, got {fmt!r}")
+    raise ValueError(f"format must be one of {SHADOW_FORMATS}, got {fmt!r}")
 
 
 def all_stats(x: torch.Tensor, operand: str) -> torch.Tensor:
-    """Every format's ``[saturated, flushed]`` of ``x``, in :data:`FORMATS` order (one vector)."""
-    return torch.cat([format_stats(x, fmt, operand) for fmt in FORMATS])
+    """Every format's ``[saturated, flushed]`` of ``x``, in :data:`SHADOW_FORMATS` order."""
+    return torch.cat([format_stats(x, fmt, operand) for fmt in SHADOW_FORMATS])
