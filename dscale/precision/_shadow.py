@@ -63,20 +63,22 @@ class ShadowNumerics:
         if not isinstance(every, int) or isinstance(every, bool) or every < 1:
             raise ValueError(f"every must be a positive int (sample every N steps), got {every!r}")
         found = named_layers(model, nn.Linear)
+        unknown: list[str] = []
         if layers is not None:
             wanted = set(layers)
             unknown = sorted(wanted - {n for n, _ in found})
-            if unknown:
-                raise ValueError(
-                    f"layers names {unknown}, which are not linear layers of the model (its "
-                    f"linear layers: {[n for n, _ in found]}); pass names from that list"
-                )
+            all_names = [n for n, _ in found]
             found = [(n, m) for n, m in found if n in wanted]
         self.layers: list[tuple[str, nn.Module]] = found
         #: ``(in_features, out_features)`` per layer: the dims a format's blocks must divide.
         self.dims = {n: (int(m.in_features), int(m.out_features)) for n, m in found}
         group = scaler._process_group() if hasattr(scaler, "_process_group") else None
-        _check_layouts(self.dims, every, group)
+        _check_layouts(self.dims, every, unknown, group)  # a bad name: raised on every rank
+        if unknown:
+            raise ValueError(
+                f"layers names {unknown}, which are not linear layers of the model (its "
+                f"linear layers: {all_names}); pass names from that list"
+            )
         self.every = every
         self.keys = [
             f"{n}/{op}/{fmt}" for n, _ in found for op in OPERANDS for fmt in SHADOW_FORMATS
@@ -217,10 +219,21 @@ def _local(weight: Any) -> torch.Tensor:
     return inner if isinstance(inner, torch.Tensor) else local
 
 
-def _check_layouts(dims: dict[str, tuple[int, int]], every: int, group: Any) -> None:
+def _check_layouts(
+    dims: dict[str, tuple[int, int]], every: int, unknown: list[str], group: Any
+) -> None:
     """Every rank measures the same layers at the same interval (one collective), or every
-    rank raises the same error."""
-    everyone = _dist.all_gather_objects({"layers": sorted(dims.items()), "every": every}, group)
+    rank raises the same error (a rank that named unknown layers raises its own after)."""
+    mine = {"layers": sorted(dims.items()), "every": every, "unknown": unknown}
+    everyone = _dist.all_gather_objects(mine, group)
+    bad = [r for r, v in enumerate(everyone) if v["unknown"]]
+    if unknown:
+        return  # the caller raises, naming them
+    if bad:
+        raise ValueError(
+            f"ShadowNumerics: rank(s) {bad} passed layers= names that are not linear layers of "
+            "the model (their error names them); pass the same, existing names on every rank"
+        )
     if any(r["layers"] != everyone[0]["layers"] for r in everyone):
         common = set.intersection(*(set(r["layers"]) for r in everyone))
         detail = "; ".join(

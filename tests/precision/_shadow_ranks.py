@@ -110,7 +110,8 @@ def _models_module(model: nn.Module) -> nn.Module:
 
 def ranks(rank: int, world_size: int) -> dict[str, Any]:
     """Under DDP: a clean run, one with an outlier on rank 1 at step 2, and a layout mismatch
-    (rank 1 measures one layer fewer) that must raise on both ranks."""
+    (rank 1 measures one layer fewer) and an unknown layer name on rank 1, each of which must
+    raise on both ranks."""
     out: dict[str, Any] = {"clean": run(rank, ddp=True), "hit": run(rank, ddp=True, outlier_step=2)}
     model = _models.net()
     names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
@@ -119,4 +120,9 @@ def ranks(rank: int, world_size: int) -> dict[str, Any]:
         out["mismatch"] = None
     except LayoutMismatchError as e:
         out["mismatch"] = str(e)
+    try:  # rank 1 names a layer the model lacks: both ranks refuse, neither waits
+        ShadowNumerics(model, dscale.StepGuard("cpu"), layers=["nope"] if rank else None)
+        out["unknown"] = None
+    except ValueError as e:
+        out["unknown"] = str(e)
     return out

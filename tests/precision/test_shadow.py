@@ -73,7 +73,8 @@ def test_an_outlier_on_rank_1_flags_only_its_layer_on_both_ranks_ddp():
     """2 ranks (DDP): an element x1e6 in the head's input on rank 1 at step 2. On both ranks,
     of the forward operands (every layer's input and weight) only the head's input changes;
     both ranks hold the same values, each the worst of the two ranks' references; rank 1's
-    tensor is the worst. A rank measuring other layers raises on both ranks."""
+    tensor is the worst. A rank measuring other layers, or naming a layer the model lacks,
+    raises on both ranks."""
     out = _spawned()
     key = f"{_shadow_ranks.LAYER}/input"
     for rank in (0, 1):
@@ -95,6 +96,8 @@ def test_an_outlier_on_rank_1_flags_only_its_layer_on_both_ranks_ddp():
     assert hit[f"{key}/tensorwise"]["flushed"] > 0.5  # the outlier flushes the tensor
     for rank in (0, 1):
         assert "ranks measure different linear layers" in out[rank]["mismatch"], rank
+    assert "['nope'], which are not linear layers" in out[1]["unknown"]
+    assert "rank(s) [1] passed layers= names" in out[0]["unknown"]
 
 
 def _table(layers: dict[str, dict[tuple[str, str], tuple[float, float]]]) -> dict:
