@@ -420,6 +420,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     logger.info("wrote %s", path)
+    from dscale.precision._report import shadow_report
+
+    shadow = shadow_report(args.run_dir)  # a run that logged shadow numerics: their table
+    if shadow is not None:
+        table_path = os.path.join(args.run_dir, "shadow.md")
+        with open(table_path, "w", encoding="utf-8") as f:
+            f.write(shadow)
+        logger.info("wrote %s", table_path)
     return 0
 
 

@@ -237,8 +237,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     ``python -m dscale.bench scaling ...`` runs the scaling policies' benchmark instead, and
     ``python -m dscale.bench ops ...`` the op counts (``_ops_cli``), ``python -m dscale.bench
     fp8 ...`` the FP8 weight scales' (``_fp8_cli``), ``python -m dscale.bench compile ...`` the
-    compiled region's compile and step times (``_compile_cli``), ``python -m dscale.bench graph
-    ...`` the compiled step replayed against eager (``_graph_cli``, ``.ci/gpu-check``'s graph part).
+    compiled region's compile and step times (``_compile_cli``), ``python -m dscale.bench
+    precision-map`` a proposed precision map and its loss (``_precision_map``), ``python -m
+    dscale.bench graph ...`` the compiled step replayed against eager (``_graph_cli``,
+    ``.ci/gpu-check``'s graph part).
     """
     args_in = list(sys.argv[1:] if argv is None else argv)
     if args_in[:1] == ["scaling"]:
@@ -260,6 +262,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         from dscale.bench._graph_cli import main as graph_main
 
         sys.exit(graph_main(args_in[1:]))
+    if args_in[:1] == ["precision-map"]:
+        from dscale.bench._precision_map import main as precision_map_main
+
+        precision_map_main(args_in[1:])
+        return
     if args_in[:1] == ["ops"]:
         from dscale.bench._ops_cli import main as ops_main
 

@@ -165,7 +165,8 @@ class Float8Numerics:
             with torch.no_grad():
                 if self.granularity == "nvfp4":
                     self._stats[f"{name}/input"] = _nvfp4_stats.layer_stats(args[0], "input")
-                    self._stats[f"{name}/weight"] = _nvfp4_stats.layer_stats(module.weight, "weight")  # type: ignore[arg-type]
+                    weight: torch.Tensor = module.weight  # type: ignore[assignment]
+                    self._stats[f"{name}/weight"] = _nvfp4_stats.layer_stats(weight, "weight")
                 else:
                     self._stats[f"{name}/input"] = self._measure(args[0], torch.float8_e4m3fn)
                     self._stats[f"{name}/weight"] = self._weight_stats(module, self._weights[name])

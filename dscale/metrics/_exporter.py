@@ -19,6 +19,7 @@ from dscale.metrics import _server
 from dscale.metrics._collector import ScalerCollector
 from dscale.metrics._rank_check import RankScaleCheck
 from dscale.metrics._training import TrainingFigures
+from dscale.precision._collector import AttachedShadowCollector
 from dscale.stats import NumericsStats
 
 logger = logging.getLogger(__name__)
@@ -184,6 +185,8 @@ def _register(
     registry.register(collector)
     # FP8 numerics (dscale_fp8_*) of a Float8Numerics made on this scaler, whenever it is made.
     registry.register(AttachedFloat8Collector(scaler, labels))
+    # Shadow numerics (dscale_shadow_*) of a dscale.precision.ShadowNumerics on this scaler.
+    registry.register(AttachedShadowCollector(scaler, labels))
     return registry, collector, rank_check
 
 

@@ -13,7 +13,8 @@ is copied to the host once and appended to ``RUN_DIR/metrics/rank<R>.jsonl``. So
 full per-step sawtooth while the GPU waits only once per ``every`` steps. ``log_loss`` appends the
 loss (host numbers the loop already read) to ``RUN_DIR/metrics/loss-rank<R>.jsonl``. When a
 ``dscale.fp8.Float8Numerics`` watches the scaler, each of its samples (already on the host) is
-appended to ``RUN_DIR/metrics/fp8-rank<R>.jsonl``: ``{"rank", "step", "layers": snapshot()}``.
+appended to ``RUN_DIR/metrics/fp8-rank<R>.jsonl``: ``{"rank", "step", "layers": snapshot()}``;
+a ``dscale.precision.ShadowNumerics``'s to ``shadow-rank<R>.jsonl`` (dscale/precision/_report.py).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import torch
 from torch import Tensor
 
 from dscale.fp8 import _attached
+from dscale.precision._report import log_shadow
 from dscale.stats import NumericsStats
 
 logger = logging.getLogger(__name__)
@@ -76,6 +78,7 @@ class MetricsLog:
         self.loss_path = os.path.join(os.path.dirname(self.path), f"loss-rank{rank}.jsonl")
         self.fp8_path = os.path.join(os.path.dirname(self.path), f"fp8-rank{rank}.jsonl")
         self._fp8_step: int | None = None  # the FP8 sample last written
+        self._shadow_step: int | None = None  # the shadow numerics sample last written
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         self.rank = rank
         self.every = every
@@ -137,6 +140,9 @@ class MetricsLog:
         if self._filled == self.every:
             self.flush()
         self._log_fp8(scaler)
+        self._shadow_step = log_shadow(
+            os.path.dirname(self.path), self.rank, scaler, self._shadow_step
+        )
 
     def _log_fp8(self, scaler: Any) -> None:
         """Append a new FP8 numerics sample (host numbers already read after the step)."""

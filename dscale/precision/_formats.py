@@ -19,6 +19,9 @@ ROWWISE: Final = "rowwise"
 MXFP8: Final = "mxfp8"
 MXFP8_WGRAD_WITH_HP: Final = "mxfp8_wgrad_with_hp"
 BF16_FORWARD: Final = "bf16_forward"
+#: torchao's NVFP4 (``convert_to_float8(recipe="nvfp4")``): measured by shadow numerics and
+#: proposable, not yet a schedule format (its training runs only on a GPU).
+NVFP4: Final = "nvfp4"
 
 #: Every format a :class:`dscale.precision.PrecisionSchedule` can put a layer in. The order is
 #: the state dict's encoding (a format's index): append new names, never reorder.

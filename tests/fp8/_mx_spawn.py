@@ -1,7 +1,8 @@
 """One 2-rank spawn for every multi-rank MXFP8 / rowwise scenario (spawns cost 5-15 s here).
 
 ``results()`` runs it once per test process; tests/fp8/test_mxfp8.py,
-test_numerics_granular.py and test_bench_mxfp8.py each check their part of it.
+test_numerics_granular.py, test_bench_mxfp8.py and tests/precision/test_shadow.py each check
+their part of it.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from tests.multirank import run_ranks
 def _every_scenario(rank: int, world_size: int) -> dict[str, Any]:
     from dscale.bench import _fp8_cli
     from tests.fp8 import _fsdp_numerics, _granular_ranks, _mx_ranks
+    from tests.precision import _shadow_ranks
 
     bench = {"steps": 2, "models": ["mlp"], "sweep": False, "only_mxfp8": True}
     return {
@@ -23,6 +25,7 @@ def _every_scenario(rank: int, world_size: int) -> dict[str, Any]:
         "bench": _fp8_cli.run_here(bench),
         "mismatch": _mx_ranks.mismatched(rank, world_size),
         "fsdp_numerics": _fsdp_numerics.ranks(rank, world_size),
+        "shadow": _shadow_ranks.ranks(rank, world_size),
     }
 
 
