@@ -6,7 +6,7 @@ returns it unchanged). Its emulation dequantizes each operand back to that dtype
 activation (a high-precision linear's output under autocast) and an fp32 weight (AMP's
 parameters) meet in one ``torch.mm`` and raise "expected m1 and m2 to have the same dtype"; its
 kernels (``torch._scaled_mm``) return bf16 whatever the operands. ``nn.Linear`` under autocast
-casts both operands to the autocast dtype, and torchao's ``Float8Linear`` casts its input to it.
+casts both operands to the autocast dtype; torchao's ``Float8Linear`` casts its input to CUDA's.
 
 So where the input's dtype differs from the weight's under autocast, this layer casts both to
 the autocast dtype before torchao's cast (the weight's cast is differentiable: its grad reaches
