@@ -29,6 +29,11 @@ RECIPES: tuple[str, ...] = ("tensorwise", "rowwise", "mxfp8", "mxfp8_wgrad_with_
 DIM_MULTIPLE = 16
 
 
+#: Where the converted layers' classes live: torchao's float8/MXFP8/NVFP4 linears and dscale's
+#: MXFP8 one (:mod:`dscale.fp8._mx_linear`).
+_CONVERTED = ("torchao.", "dscale.fp8.")
+
+
 def dim_multiple(recipe: str) -> int:
     """What both dims of a weight must be divisible by under ``recipe`` (MXFP8: its block)."""
     if recipe == "nvfp4":
@@ -174,8 +179,8 @@ def _left_in_high_precision(
     multiple = dim_multiple(recipe)
     left: dict[str, str] = {}
     for name, module in model.named_modules():
-        if not isinstance(module, nn.Linear) or type(module).__module__.startswith("torchao."):
-            continue  # not a linear, or converted already (torchao's float8/MXFP8 linear)
+        if not isinstance(module, nn.Linear) or type(module).__module__.startswith(_CONVERTED):
+            continue  # not a linear, or converted already
         if any(keep(n, module) for n in aliases.get(id(module), [name])):
             left[name] = "filter"
         elif type(module) is not nn.Linear:

@@ -6,7 +6,9 @@ chosen modules in a tensor subclass. The config route trains the weights but lea
 gradient None (measured with torchao 0.18.0 on nn.Linear layers with a bias): the biases would
 silently stop training. So the swap here is to ``MXFP8Linear``, which adds its bias in
 plain autograd and trains it; the parameters are the original ones (moved, not copied), so an
-optimizer or a state dict keyed by name sees the same model.
+optimizer or a state dict keyed by name sees the same model. The class put in is dscale's
+subclass (:mod:`dscale.fp8._mx_linear`): torchao's forward, with nn.Linear's GEMM dtypes under
+autocast where the input's dtype is not the weight's (torchao's emulation raises there).
 """
 
 from __future__ import annotations
@@ -26,27 +28,39 @@ WGRAD_WITH_HP = {"mxfp8": False, "mxfp8_wgrad_with_hp": True}
 BLOCK = 32
 
 
+def layer_class() -> type:
+    """dscale's ``MXFP8Linear`` (torchao's, with autocast's GEMM dtypes; needs torchao)."""
+    _torchao.float8()  # ImportError with the install line when torchao is missing
+    from dscale.fp8 import _mx_linear
+
+    return _mx_linear.MXFP8Linear
+
+
+def build(old: nn.Module, name: str, *, recipe: str, emulate: bool) -> nn.Module:
+    """An MXFP8 layer computing ``old``'s linear in ``recipe``, holding ``old``'s parameters."""
+    preference, mode = _torchao.mx_options(emulate)
+    new = layer_class()(
+        old.in_features,
+        old.out_features,
+        bias=old.bias is not None,
+        device="meta",
+        kernel_preference=preference,
+        scale_calculation_mode=mode,
+        wgrad_with_hp=WGRAD_WITH_HP[recipe],
+    )
+    new.weight = old.weight
+    new.bias = old.bias
+    new.train(old.training)
+    new._dscale_name = name
+    new.register_forward_pre_hook(check_tokens)
+    return new  # type: ignore[no-any-return]
+
+
 def swap_linears(model: nn.Module, names: Iterable[str], *, recipe: str, emulate: bool) -> None:
     """Replace each ``nn.Linear`` named in ``names`` by an ``MXFP8Linear`` with its parameters."""
-    cls = _torchao.mxfp8_linear_class()
-    preference, mode = _torchao.mx_options(emulate)
     modules = dict(model.named_modules())
     for name in names:
-        old = modules[name]
-        new = cls(
-            old.in_features,
-            old.out_features,
-            bias=old.bias is not None,
-            device="meta",
-            kernel_preference=preference,
-            scale_calculation_mode=mode,
-            wgrad_with_hp=WGRAD_WITH_HP[recipe],
-        )
-        new.weight = old.weight
-        new.bias = old.bias
-        new.train(old.training)
-        new._dscale_name = name
-        new.register_forward_pre_hook(check_tokens)
+        new = build(modules[name], name, recipe=recipe, emulate=emulate)
         parent_name, _, child = name.rpartition(".")
         setattr(modules[parent_name] if parent_name else model, child, new)
 

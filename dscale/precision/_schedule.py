@@ -436,27 +436,10 @@ def _build(old: nn.Module, fmt: str, emulate: bool, name: str) -> nn.Module:
             return old
         return _plain(old)
     # MXFP8
-    wgrad_with_hp = _mx.WGRAD_WITH_HP[fmt]
-    if type(old).__name__ == "MXFP8Linear":
-        setattr(old, "wgrad_with_hp", wgrad_with_hp)  # noqa: B010 (a torchao attribute)
+    if type(old) is _mx.layer_class():
+        setattr(old, "wgrad_with_hp", _mx.WGRAD_WITH_HP[fmt])  # noqa: B010 (a torchao attribute)
         return old
-    cls = _torchao.mxfp8_linear_class()
-    preference, mode = _torchao.mx_options(emulate)
-    new = cls(
-        old.in_features,  # type: ignore[arg-type]
-        old.out_features,  # type: ignore[arg-type]
-        bias=old.bias is not None,
-        device="meta",
-        kernel_preference=preference,
-        scale_calculation_mode=mode,
-        wgrad_with_hp=wgrad_with_hp,
-    )
-    new.weight = old.weight
-    new.bias = old.bias
-    new.train(old.training)
-    new._dscale_name = name
-    new.register_forward_pre_hook(_mx.check_tokens)
-    return new  # type: ignore[no-any-return]
+    return _mx.build(old, name, recipe=fmt, emulate=emulate)
 
 
 def _plain(old: nn.Module) -> nn.Linear:
