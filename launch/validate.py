@@ -332,8 +332,8 @@ def check_known_keys(cfg: DictConfig, prefix: str = "") -> None:
                 )
     for raw in cfg:  # as they are: a dict keyed by int (fp8.schedule.switches) takes no str
         node = cfg._get_node(raw)
-        if isinstance(node, DictConfig) and f"{prefix}{raw}" != "args":  # args: the user's
-            check_known_keys(node, f"{prefix}{raw}.")
+        if isinstance(node, DictConfig) and f"{prefix}{raw!s}" != "args":  # args: the user's
+            check_known_keys(node, f"{prefix}{raw!s}.")
 
 
 def validate(job: JobConfig, typed: Iterable[str] = (), read_elsewhere: Iterable[str] = ()) -> int:
