@@ -307,3 +307,24 @@ def test_nvfp4seeds_refuses_meta_buffers_and_a_second_live_one_on_the_same_layer
     first.close()
     fp8.NVFP4Seeds(model, guard, seed=1).close()
     assert model[0].rht_sign_vector == tuple(_nvfp4.sign_vector("0", 1))
+
+
+def test_one_process_refuses_signs_other_than_plus_minus_one_before_the_step():
+    """Without a collective, verify() was never called: a one-process job that loaded a state
+    with signs of 0 trained on (a zeroed Hadamard transform). Refused now, nothing stepped."""
+    model = nn.Sequential(nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 128))
+    fp8.convert_to_float8(model, recipe="nvfp4")
+    for _, layer in _nvfp4.nvfp4_layers(model):
+        layer.forward = lambda x, m=layer: torch.nn.functional.linear(x, m.weight, m.bias)
+    guard = dscale.StepGuard("cpu")
+    seeds = fp8.NVFP4Seeds(model, guard)
+    state = model.state_dict()
+    state["2._rht_sign_vector"] = torch.zeros(16, dtype=torch.int8)
+    model.load_state_dict(state)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in model.parameters()]
+    guard.scale(model(torch.randn(4, 128)).sum()).backward()
+    with pytest.raises(fp8.LayoutMismatchError, match=r"sign vectors of \['2'\]"):
+        guard.step(opt)
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    seeds.close()
