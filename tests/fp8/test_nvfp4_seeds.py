@@ -328,3 +328,26 @@ def test_one_process_refuses_signs_other_than_plus_minus_one_before_the_step():
         guard.step(opt)
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
     seeds.close()
+
+
+def test_nvfp4_leaves_what_torchao_cannot_take_in_conversion_left_and_swaps_a_shared_linear_once():
+    """Review r43d (no finding): a Linear subclass and dims not divisible by 128 are named in
+    ``conversion.left``; a bias-less linear is converted; a linear held under two names becomes
+    one NVFP4Linear held under both (one sign vector, one SR seed, one ignore entry)."""
+
+    class Sub(nn.Linear):
+        pass
+
+    model = nn.Module()
+    model.a = nn.Linear(128, 128)
+    model.b = model.a
+    model.s = Sub(128, 128)
+    model.odd = nn.Linear(128, 96)
+    model.nb = nn.Linear(256, 128, bias=False)
+    conversion = fp8.convert_to_float8(model, recipe="nvfp4")
+    assert conversion.converted == ("a", "nb")
+    assert sorted(conversion.left) == ["odd", "s"]
+    assert "subclass" in conversion.left["s"] and "divisible by 128" in conversion.left["odd"]
+    assert model.a is model.b and type(model.a).__name__ == "NVFP4Linear"
+    assert model._ddp_params_and_buffers_to_ignore == ["a._sr_seed", "nb._sr_seed"]
+    assert [n for n, _ in _nvfp4.nvfp4_layers(model)] == ["a", "nb"]
