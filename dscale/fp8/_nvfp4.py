@@ -163,6 +163,23 @@ def swap_linears(model: nn.Module, names: Sequence[str]) -> None:
         setattr(modules[parent_name] if parent_name else model, child, new)
 
 
+class _LoadHook:
+    """The model's load_state_dict post hook, calling its NVFP4Seeds; pickled or deep-copied
+    with the model (``torch.save(model)``, a copy for an EMA) it becomes a no-op: a bound method
+    would drag the NVFP4Seeds and its scaler along (unpicklable), and the copy's layers are not
+    the ones it set (build another NVFP4Seeds on the copy)."""
+
+    def __init__(self, seeds: NVFP4Seeds) -> None:
+        self.seeds: NVFP4Seeds | None = seeds
+
+    def __call__(self, module: nn.Module, incompatible: Any) -> None:
+        if self.seeds is not None:
+            self.seeds._after_model_load(module, incompatible)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"seeds": None}
+
+
 class NVFP4Seeds:
     """The NVFP4 layers' Hadamard signs and SR seeds: set, checked at the first step, saved.
 
@@ -212,7 +229,7 @@ class NVFP4Seeds:
         self._slots: torch.Tensor | None = None
         self._unfield = scaler.add_agreement_field(self)
         _attached.attach_nvfp4(scaler, self)
-        self._unhook = model.register_load_state_dict_post_hook(self._after_model_load).remove
+        self._unhook = model.register_load_state_dict_post_hook(_LoadHook(self)).remove
 
     # ------------------------------------------------------------ the agreement field protocol
     def values(self, optimizer: torch.optim.Optimizer) -> torch.Tensor | None:

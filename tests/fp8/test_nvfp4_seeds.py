@@ -351,3 +351,29 @@ def test_nvfp4_leaves_what_torchao_cannot_take_in_conversion_left_and_swaps_a_sh
     assert model.a is model.b and type(model.a).__name__ == "NVFP4Linear"
     assert model._ddp_params_and_buffers_to_ignore == ["a._sr_seed", "nb._sr_seed"]
     assert [n for n, _ in _nvfp4.nvfp4_layers(model)] == ["a", "nb"]
+
+
+def test_a_model_with_nvfp4seeds_can_be_saved_whole_and_copied_and_the_copy_is_its_own():
+    """torch.save(model) raised "Can't pickle local object 'GradScaler.add_agreement_field.
+    <locals>.unregister'": the load hook was a bound method dragging NVFP4Seeds and its scaler
+    along. The loaded copy keeps the buffers; loading a state into it leaves the original's
+    NVFP4Seeds alone (its layers are not the copy's)."""
+    import copy
+    import io
+
+    model = nn.Sequential(nn.Linear(128, 128))
+    fp8.convert_to_float8(model, recipe="nvfp4")
+    seeds = fp8.NVFP4Seeds(model, dscale.StepGuard("cpu"))
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    for twin in (loaded, copy.deepcopy(model)):
+        assert twin[0].rht_sign_vector == model[0].rht_sign_vector
+        assert int(twin[0]._sr_seed) == int(model[0]._sr_seed)
+        seeds._pending = False
+        twin.load_state_dict(model.state_dict())
+        assert not seeds._pending  # the original's check is not re-armed by the copy's load
+    model.load_state_dict(model.state_dict())
+    assert seeds._pending  # its own model's load still is
+    seeds.close()
