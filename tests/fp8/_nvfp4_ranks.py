@@ -234,6 +234,19 @@ def _attacks(rank: int, directory: str) -> dict[str, Any]:
     model.load_state_dict(state)
     out["zero_signs"] = _errors(lambda: _step(model, opt, guard, rank))
     seeds.close()
+    # Rank 1 alone loads another run's model state (made with seed=7's signs).
+    model = _converted(rank)
+    guard = dscale.StepGuard("cpu")
+    seeds = fp8.NVFP4Seeds(model, guard)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    other = _converted(rank)
+    fp8.NVFP4Seeds(other, dscale.StepGuard("cpu"), seed=7).close()
+    if rank == 1:
+        model.load_state_dict(other.state_dict())
+    before = [p.detach().clone() for p in model.parameters()]
+    out["other_run_on_1"] = _errors(lambda: _step(model, opt, guard, rank))
+    out["other_run_unchanged"] = all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    seeds.close()
     # A DDP built before the conversion broadcasts the buffers it listed then: not the swapped
     # layers' SR seeds, so NVFP4Seeds on it is accepted and each rank keeps its own.
     ddp = DDP(_bare(rank))

@@ -220,6 +220,16 @@ def test_signs_other_than_plus_minus_one_after_a_load_are_refused_on_every_rank(
         assert "['0']" in out
 
 
+def test_another_runs_model_state_loaded_on_rank_1_alone_is_refused_on_every_rank(runs):
+    """model.load_state_dict of a state made with other signs, on rank 1 only: the load re-arms
+    the check, and every rank raises before the step (no finding: v43d did this too)."""
+    for rank in (0, 1):
+        out = runs[rank]["attacks"]
+        assert out["other_run_on_1"].startswith("LayoutMismatchError")
+        assert "sign vectors of ['0', '2'] differ" in out["other_run_on_1"]
+        assert out["other_run_unchanged"]
+
+
 def test_a_ddp_built_before_the_conversion_is_accepted_and_keeps_per_rank_seeds(runs):
     """DDP broadcasts the buffers it listed at construction: the swapped layers' SR seeds are
     not among them (each rank's own below), so NVFP4Seeds on that DDP is no longer refused."""
