@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -61,6 +62,14 @@ def sr_seed(name: str, seed: int, rank: int) -> int:
 #: Added to :func:`_bits` when a sign is neither -1 nor +1 (memory never written: a layer built
 #: on the meta device and materialized with ``to_empty()``); MAX keeps it above every valid value.
 _INVALID = 1 << SIGNS
+
+
+def process_rank() -> int:
+    """This process's rank in the world; before ``init_process_group``, the launcher's ``RANK``
+    (torchrun sets it), so seeds set then are still this rank's (0 without either)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return _dist.rank(None)
+    return int(os.environ.get("RANK", "0"))
 
 
 def _bits(signs: Sequence[int]) -> int:
@@ -110,7 +119,7 @@ def prepare(model: nn.Module, *, seed: int = 0, rank: int | None = None) -> dict
     written, by layer name. Local: no collective.
     """
     refuse_broadcasting_ddp(model)
-    rank = _dist.rank(None) if rank is None else rank
+    rank = process_rank() if rank is None else rank
     written = {}
     for name, module in nvfp4_layers(model):
         _write(module, sign_vector(name, seed), sr_seed(name, seed, rank))
@@ -207,7 +216,7 @@ class NVFP4Seeds:
         self._model = model
         self._scaler = scaler
         self.seed = seed
-        self.rank = _dist.rank(None)
+        self.rank = process_rank()
         layers = nvfp4_layers(model)
         problem = _nvfp4_checks.local_problem(layers, self)
         if problem is None:

@@ -387,3 +387,18 @@ def test_a_model_with_nvfp4seeds_can_be_saved_whole_and_copied_and_the_copy_is_i
     model.load_state_dict(model.state_dict())
     assert seeds._pending  # its own model's load still is
     seeds.close()
+
+
+def test_converted_before_init_process_group_under_torchrun_the_sr_seeds_are_this_ranks(
+    monkeypatch,
+):
+    """torchrun sets RANK before the script calls init_process_group; a conversion (or
+    NVFP4Seeds) made before init used rank 0's SR seeds on every rank, silently when no
+    NVFP4Seeds followed. Now RANK is read until the process group exists."""
+    monkeypatch.setenv("RANK", "1")
+    model = _model(0)
+    fp8.convert_to_float8(model, recipe="nvfp4")
+    assert int(model[0]._sr_seed) == _nvfp4.sr_seed("0", 0, 1) != _nvfp4.sr_seed("0", 0, 0)
+    seeds = fp8.NVFP4Seeds(model, dscale.StepGuard("cpu"))
+    assert seeds.rank == 1 and int(model[2]._sr_seed) == _nvfp4.sr_seed("2", 0, 1)
+    seeds.close()
