@@ -8,6 +8,7 @@ scaler's collective and dscale.checkpoint are the real ones.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -246,6 +247,32 @@ def _attacks(rank: int, directory: str) -> dict[str, Any]:
     before = [p.detach().clone() for p in model.parameters()]
     out["other_run_on_1"] = _errors(lambda: _step(model, opt, guard, rank))
     out["other_run_unchanged"] = all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    seeds.close()
+    # torch's AMP recipe on dscale.GradScaler (two micro-batches, unscale_ + clipping on one
+    # of two optimizers): the check rides the deferred collective; rank 1's signs changed.
+    model = _converted(rank)
+    scaler = dscale.GradScaler("cpu", init_scale=16.0)
+    seeds = fp8.NVFP4Seeds(model, scaler)
+    if rank == 1:
+        model[0]._rht_sign_vector.mul_(-1)
+        model[0]._refresh_rht_sign_vector_tuple()
+    opts = [torch.optim.SGD(model[0].parameters(), lr=0.1), torch.optim.Adam(model[2].parameters())]
+
+    def amp_recipe() -> None:
+        for micro in range(2):
+            x = torch.randn(8, 128, generator=torch.Generator().manual_seed(10 * rank + micro))
+            scaler.scale(model(x).square().mean()).backward()
+        scaler.unscale_(opts[0])
+        torch.nn.utils.clip_grad_norm_(model[0].parameters(), 1.0)
+        for opt in opts:
+            scaler.step(opt)
+        scaler.update()
+
+    before = [p.detach().clone() for p in model.parameters()]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # GradScaler on an fp32 graph says StepGuard fits
+        out["amp_recipe"] = _errors(amp_recipe)
+    out["amp_unchanged"] = all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
     seeds.close()
     # A DDP built before the conversion broadcasts the buffers it listed then: not the swapped
     # layers' SR seeds, so NVFP4Seeds on it is accepted and each rank keeps its own.

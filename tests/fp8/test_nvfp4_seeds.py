@@ -230,6 +230,17 @@ def test_another_runs_model_state_loaded_on_rank_1_alone_is_refused_on_every_ran
         assert out["other_run_unchanged"]
 
 
+def test_the_check_rides_the_deferred_collective_of_torchs_amp_recipe_on_gradscaler(runs):
+    """GradScaler, two micro-batches, unscale_ + clip_grad_norm_ on one of two optimizers: rank
+    1's changed signs refused on every rank at the first optimizer's step, nothing stepped (no
+    finding: v43d did this too)."""
+    for rank in (0, 1):
+        out = runs[rank]["attacks"]
+        assert out["amp_recipe"].startswith("LayoutMismatchError")
+        assert "sign vectors of ['0'] differ" in out["amp_recipe"]
+        assert out["amp_unchanged"]
+
+
 def test_a_ddp_built_before_the_conversion_is_accepted_and_keeps_per_rank_seeds(runs):
     """DDP broadcasts the buffers it listed at construction: the swapped layers' SR seeds are
     not among them (each rank's own below), so NVFP4Seeds on that DDP is no longer refused."""
