@@ -284,6 +284,27 @@ def _attacks(rank: int, directory: str) -> dict[str, Any]:
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     out["ddp_before_applied"] = _step(ddp, opt, guard, rank)
     out["ddp_before_used"] = _used(ddp.module)
+    # FSDP2: fully_shard neither shards nor broadcasts buffers; a resume gives each its own.
+    from torch.distributed.fsdp import fully_shard
+
+    model = _converted(rank)
+    guard = dscale.StepGuard("cpu")
+    seeds = fp8.NVFP4Seeds(model, guard)
+    for layer in (model[0], model[2]):
+        fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    out["fsdp_applied"] = _step(model, opt, guard, rank)
+    out["fsdp_used"] = _used(model)
+    CheckpointManager(f"{directory}/fsdp", every=0).save(
+        1, model=model, optimizer=opt, scaler=guard
+    )
+    with torch.no_grad():
+        for _, m in _nvfp4.nvfp4_layers(model):
+            m._sr_seed.fill_(5)
+    load_checkpoint(f"{directory}/fsdp/step-1", model=model, optimizer=opt, scaler=guard)
+    out["fsdp_loaded"] = _buffers(model)
+    seeds.close()
     # The slots ride the one collective on the first step and the first after a load only.
     model = _converted(rank)
     guard = dscale.StepGuard("cpu")

@@ -241,6 +241,19 @@ def test_the_check_rides_the_deferred_collective_of_torchs_amp_recipe_on_gradsca
         assert out["amp_unchanged"]
 
 
+def test_fsdp2_keeps_each_ranks_sr_seeds_and_a_resume_gives_each_its_own_back(runs):
+    """fully_shard leaves the buffers plain and unbroadcast; the first step passes the check;
+    dscale.checkpoint brings each rank's own seeds back over seeds overwritten with 5 (no
+    finding)."""
+    a, b = runs[0]["attacks"], runs[1]["attacks"]
+    assert a["fsdp_applied"] and b["fsdp_applied"]
+    for name in a["fsdp_used"]:
+        assert a["fsdp_used"][name][0] == b["fsdp_used"][name][0]
+        assert a["fsdp_used"][name][1] != b["fsdp_used"][name][1]
+        for out in (a, b):
+            assert out["fsdp_loaded"][name] == out["fsdp_used"][name]
+
+
 def test_a_ddp_built_before_the_conversion_is_accepted_and_keeps_per_rank_seeds(runs):
     """DDP broadcasts the buffers it listed at construction: the swapped layers' SR seeds are
     not among them (each rank's own below), so NVFP4Seeds on that DDP is no longer refused."""
