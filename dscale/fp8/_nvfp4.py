@@ -247,7 +247,7 @@ class NVFP4Seeds:
         if not self._pending:
             return None
         self._pending, self._sent = False, True
-        rank_changed = self.rank != _dist.rank(None)
+        rank_changed = self.rank != process_rank()
         rows = []
         for name, module in zip(self.names, self._modules):
             used = _bits(module.rht_sign_vector)
