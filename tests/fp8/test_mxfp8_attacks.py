@@ -318,3 +318,22 @@ def test_mxfp8_one_non_finite_element_skips_and_frozen_and_late_params_train_as_
         guard.step(opt)
         guard.update()
         assert guard.step_applied(opt) and not torch.equal(before, model[2].bias)
+
+
+def test_an_eval_mode_forward_with_grad_enabled_runs_any_batch_as_torchao_alone():
+    """Review r43d: a validation forward in eval mode without no_grad (35 tokens) was refused
+    with the training ValueError, where torchao's MXFP8Linear alone runs it; now it runs and
+    gives torchao's output bit for bit. In train mode it is still refused."""
+    from tests.fp8 import _mx_ranks
+
+    x = torch.randn(5, 7, 32)
+    ours, theirs = nn.Sequential(nn.Linear(32, 32)), nn.Sequential(nn.Linear(32, 32))
+    theirs.load_state_dict(ours.state_dict())
+    fp8.convert_to_float8(ours, recipe="mxfp8", emulate=True)
+    _mx_ranks.torchao_mxfp8(theirs, "mxfp8", names=("0",))
+    ours.eval()
+    theirs.eval()
+    assert torch.equal(ours(x), theirs(x))
+    ours.train()
+    with pytest.raises(ValueError, match="divisible by 32"):
+        ours(x)
