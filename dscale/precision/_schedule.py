@@ -10,8 +10,12 @@ layer's config; to or from MXFP8 by a new module holding the same parameters.
 
 Ranks are compared twice: at construction (every rank's map and switches, one all-gather,
 naming what differs) and then on every ``check_every``-th iteration by a fingerprint of the
-current map and the switches to come riding the scaler's one agreement vector (MAX of the
-fingerprint and of its negation): a rank whose map was edited alone is refused on every rank.
+step, the current map and the switches to come riding the scaler's one agreement vector (MAX of
+the fingerprint and of its negation): a rank whose map or step was changed alone is refused on
+every rank. Which iterations compare is counted by the scaler's ``update()`` calls, not by the
+schedule's own step: every rank counts those alike even where the schedules' steps differ, so
+the vectors keep one length on every rank (a step of the schedule's own would arm the
+comparison on one rank only, and gloo aborts on vectors of different lengths).
 """
 
 from __future__ import annotations
@@ -98,9 +102,7 @@ class PrecisionSchedule:
             self._put(name, fmt)
         self._scaler = scaler
         self._sent: torch.Tensor | None = None
-        self._fingerprint = self._make_fingerprint()
-        self._unfield: Callable[[], None] | None = None
-        self._arm()
+        self._unfield: Callable[[], None] | None = scaler.add_agreement_field(self)
         self._unregister = scaler.register_step_callback(self._after_step)
         _attached.attach_schedule(scaler, self)
         logger.info("PrecisionSchedule: step 0: %s", _describe({}, self.formats))
@@ -134,20 +136,17 @@ class PrecisionSchedule:
         count = getattr(self._scaler, "_stepped_this_iteration", None)
         return 0 if count is None else int(count())
 
-    def _arm(self) -> None:
-        """Ride the vector on the iterations that compare (every rank counts them alike)."""
-        armed = self.step % self.check_every == 0
-        if armed and self._unfield is None:
-            self._unfield = self._scaler.add_agreement_field(self)
-        elif not armed and self._unfield is not None:
-            self._unfield()
-            self._unfield = None
+    def _compares(self) -> bool:
+        """Whether this iteration compares: the scaler's count of ``update()`` calls, which
+        every rank makes alike (a compiled update is not counted: it compares every time)."""
+        return int(getattr(self._scaler, "_iteration", 0)) % self.check_every == 0
 
     def values(self, optimizer: Any) -> torch.Tensor | None:
-        """The fingerprint and its negation (the scaler's agreement field)."""
-        if self._stepped():
+        """The fingerprint and its negation (the scaler's agreement field), on the iterations
+        that compare."""
+        if self._stepped() or not self._compares():
             return None  # a further optimizer of this iteration: sent with the first
-        return self._fingerprint
+        return self._make_fingerprint()
 
     def agreed(self, slots: torch.Tensor) -> None:
         """This field's slots in the all-reduced vector."""
@@ -163,20 +162,19 @@ class PrecisionSchedule:
         due = self.switches.get(self.step)
         if due:
             self._apply(due, "scheduled")
-        self._arm()
 
     def _refuse_disagreement(self, sent: torch.Tensor) -> None:
         high, neg_low = sent.view(-1, 2).t().tolist()  # host read of 4 agreed floats
         if any(h != -n for h, n in zip(high, neg_low)):
             raise LayoutMismatchError(
                 f"PrecisionSchedule: at step {self.step} the ranks' precision maps differ (this "
-                f"rank's: {self.formats}; switches to come: {self._future()}); every rank "
-                "must build the same schedule and switch alike: call switch() on every rank, "
-                "never on one"
+                f"rank's: step {self.step}, {self.formats}; switches to come: "
+                f"{self._future()}); every rank must build the same schedule, load the same "
+                "state and switch alike: call switch() on every rank, never on one"
             )
 
     def _make_fingerprint(self) -> torch.Tensor:
-        text = repr((sorted(self.formats.items()), self._future()))
+        text = repr((self.step, sorted(self.formats.items()), self._future()))
         digest = hashlib.sha256(text.encode()).digest()
         a = int.from_bytes(digest[:3], "big")
         b = int.from_bytes(digest[3:6], "big")
@@ -192,7 +190,6 @@ class PrecisionSchedule:
         for name, fmt in changes.items():
             if self.formats.get(name) != fmt:
                 self._put(name, fmt)
-        self._fingerprint = self._make_fingerprint()
         if self.formats != before:
             logger.warning(
                 "PrecisionSchedule: step %d%s: %s",
@@ -286,7 +283,6 @@ class PrecisionSchedule:
             formats[name] = FORMATS[index]
         self.step = step
         self._apply(formats, f"resumed at step {step}")
-        self._arm()
 
     def close(self) -> None:
         """Stop switching and comparing (the layers stay in their formats)."""

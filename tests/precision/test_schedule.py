@@ -58,6 +58,27 @@ def test_a_rank_local_edit_and_a_different_schedule_are_refused_on_every_rank(ra
         assert "different schedules" in ranks[r]["other_schedule"], ranks[r]["other_schedule"]
 
 
+def test_a_rank_whose_schedule_is_at_another_step_is_refused_on_every_rank(ranks):
+    """Rank 1's schedule loaded at step 3, rank 0's at 0, the same map and nothing to switch:
+    the ranks' steps differ, which the fingerprint did not cover (not refused: the ranks would
+    take the next switch at different iterations). With check_every=4 the ranks compared at
+    different iterations (each by its own step), so their vectors had different lengths and
+    gloo aborted both processes; now both compare at the scaler's iterations and refuse."""
+    for r in (0, 1):
+        for every in (1, 4):
+            got = ranks[r][f"other_step_every_{every}"]
+            assert "precision maps differ" in got and "step" in got, (r, every, got)
+
+
+def test_a_rank_local_edit_runs_at_most_check_every_iterations_before_the_refusal(ranks):
+    """check_every=4 and switch() on rank 1 after iteration 0: iterations 1-3 complete with the
+    maps differing, iteration 4 (the next compared one) is refused on both ranks, as the docs
+    say ("up to check_every iterations")."""
+    for r in (0, 1):
+        ran, message = ranks[r]["edit_every_4"]
+        assert ran == 3 and "at step 4" in message, (r, ran, message)
+
+
 def _cast(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """torchao's tensorwise dynamic cast by hand: scale = max(dtype) / amax (in fp32)."""
     amax = t.abs().max().to(torch.float64).clamp(min=1e-12)
