@@ -161,7 +161,24 @@ class PrecisionSchedule:
         self.step += 1
         due = self.switches.get(self.step)
         if due:
-            self._apply(due, "scheduled")
+            self._apply(self._unless_fallen(due), "scheduled")
+
+    def _unless_fallen(self, changes: Mapping[str, str]) -> dict[str, str]:
+        """``changes`` without the switches out of bf16 of layers ``Float8Fallback`` switched:
+        the fallback measured them unfit for FP8, so they stay in bf16 (logged). Every rank
+        drops alike (the fallback's decisions are agreed), and a resume does too (the
+        fallback's state switches its layers to bf16 again after the schedule's)."""
+        fallen = set(getattr(_attached.fallback_of(self._scaler), "fallen", ()))
+        kept = sorted(n for n, f in changes.items() if n in fallen and f != BF16)
+        if kept:
+            logger.warning(
+                "PrecisionSchedule: step %d: %s stay in bf16: Float8Fallback switched them, "
+                "so the schedule's switch of them (%s) is not applied",
+                self.step,
+                kept,
+                ", ".join(f"{n} -> {changes[n]}" for n in kept),
+            )
+        return {n: f for n, f in changes.items() if n not in kept}
 
     def _refuse_disagreement(self, sent: torch.Tensor) -> None:
         high, neg_low = sent.view(-1, 2).t().tolist()  # host read of 4 agreed floats

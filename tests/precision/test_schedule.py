@@ -8,6 +8,7 @@ float8 casts computed by hand (the forward-only variant's gradients), ``nn.funct
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import pytest
 import torch
@@ -139,6 +140,59 @@ def test_float8_fallback_switches_through_the_schedule():
     x = torch.randn(4, 64)
     ref = torch.nn.functional.linear(x, layer.weight, layer.bias)
     assert torch.equal(layer.forward(x), ref)  # (forward: the outlier hook is still on it)
+
+
+def _fallback_run(steps: int) -> tuple[PrecisionSchedule, fp8.Float8Fallback, list[float], Any]:
+    """A schedule that switches blocks.1.fc2 to rowwise at step 4, and a Float8Fallback that
+    switches the same layer to bf16 at step 2 (an outlier on its input)."""
+    model = _models.net()
+    guard = dscale.StepGuard("cpu")
+    names = [f"blocks.{b}.fc{i}" for b in (0, 1) for i in (1, 2)]
+    sched = PrecisionSchedule(
+        model,
+        guard,
+        initial=dict.fromkeys(names, "tensorwise"),
+        switches={4: {"blocks.1.fc2": "rowwise"}},
+        emulate=True,
+    )
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model.blocks[1].fc2.register_forward_pre_hook(_blow_up)
+    numerics = fp8.Float8Numerics(model, guard, every=1)
+    fallback = fp8.Float8Fallback(numerics, guard, threshold=0.05, samples=2)
+    losses = []
+    for step in range(steps):
+        tokens, target = _models.batch(step)
+        loss = _models.loss_of(model, tokens, target)
+        guard.scale(loss).backward()
+        guard.step(opt)
+        guard.update()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return sched, fallback, losses, guard
+
+
+def test_a_layer_float8fallback_switched_stays_in_bf16_through_a_later_switch_and_a_resume(caplog):
+    """Float8Fallback switches blocks.1.fc2 to bf16 at step 2; the schedule would switch it to
+    rowwise at step 4. The fallback wins (the layer was measured unfit for FP8), on every rank
+    alike (both decisions are agreed), with a log line; and a resume at step 6 (the schedule's
+    state, then the fallback's, as dscale.checkpoint loads them) has the uninterrupted run's
+    map. Before: the schedule switched the layer back to rowwise, and the resume's fallback
+    load switched it to bf16 again: the resumed run trained another format than the
+    uninterrupted one."""
+    from dscale.fp8 import _attached
+
+    with caplog.at_level(logging.WARNING, logger="dscale.precision._schedule"):
+        whole, fallback, _, guard = _fallback_run(6)
+    assert fallback.fallen == ["blocks.1.fc2"]
+    assert whole.formats["blocks.1.fc2"] == "bf16"
+    assert any(
+        "Float8Fallback" in r.getMessage() and "step 4" in r.getMessage() for r in caplog.records
+    )
+    saved = {k: v.state_dict() for k, v in _attached.companions(guard).items()}
+    resumed, _, _, guard2 = _fallback_run(0)
+    for key, companion in _attached.companions(guard2).items():
+        companion.load_state_dict(saved[key])
+    assert resumed.formats == whole.formats and resumed.step == whole.step
 
 
 def _blow_up(module, args):
