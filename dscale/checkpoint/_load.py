@@ -178,7 +178,26 @@ def _stage(
                 staged[name] = empty_copy(state.state_dict())
                 _check_named(path, saved, name, staged[name])
                 _check_shapes(path, metadata, name, staged[name])
+    _refuse_a_schedule_without_a_place(path, states, saved)
     return staged
+
+
+def _refuse_a_schedule_without_a_place(
+    path: Path, states: Mapping[str, Any], saved: Mapping[str, Any]
+) -> None:
+    """A scaler loaded from a checkpoint whose run had a dscale.precision.PrecisionSchedule
+    needs one too: without it, every scheduled layer would train in the model's own format, not
+    the saved run's, without a word (the weights alone load without ``scaler=``)."""
+    key = "precision_schedule"
+    if "scaler" in states and key not in states and any(k.startswith(key + ".") for k in saved):
+        raise CheckpointError(
+            f"{path} holds a dscale.precision.PrecisionSchedule's state ({key}: the saved run "
+            "trained its scheduled layers in their formats), but the scaler being loaded has "
+            "no PrecisionSchedule: the resumed run would train those layers in the model's own "
+            "format. Build the same PrecisionSchedule on the scaler before load_checkpoint() "
+            "(the saved map and step are restored), or load without scaler= to take the weights "
+            "only"
+        )
 
 
 _NOT_EXTRAS = ("model", "optimizer", "scaler", "train")

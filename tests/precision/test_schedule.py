@@ -264,3 +264,43 @@ def test_a_state_for_other_layers_or_formats_is_refused_and_changes_nothing():
     assert sched.step == 0 and sched.formats == {"blocks.0.fc1": "bf16", "head": "bf16"}
     sched.load_state_dict({**good, "step": torch.tensor(5)})
     assert sched.step == 5
+
+
+def _one_step(model, opt, scaler):
+    tokens, target = _models.batch(0, size=4)
+    scaler.scale(_models.loss_of(model, tokens, target)).backward()
+    scaler.step(opt)
+    scaler.update()
+    opt.zero_grad()
+
+
+def test_a_checkpoint_with_a_schedule_into_a_run_without_one_is_refused_and_changes_nothing(
+    tmp_path,
+):
+    """A run with blocks.1.fc2 in mxfp8 is saved; a run without a schedule (every layer in
+    the model's own format) loads it with its scaler: refused, naming precision_schedule and the
+    fix, and the model and scaler stay as they were. Before: it loaded, and the resumed run
+    trained blocks.1.fc2 as nn.Linear, not the saved run's format, without a word. Loaded
+    without the scaler (the weights only), it still loads."""
+    from dscale.checkpoint import CheckpointError, CheckpointManager, load_checkpoint
+
+    model = _models.net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scaler = dscale.StepGuard("cpu")
+    sched = PrecisionSchedule(model, scaler, initial={"blocks.1.fc2": "mxfp8"}, emulate=True)
+    _one_step(model, opt, scaler)
+    manager = CheckpointManager(tmp_path, every=0, keep=1)
+    manager.save(1, model=model, optimizer=opt, scaler=scaler)
+    manager.wait()
+    sched.close()
+    plain = _models.net(seed=1)
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    plain_scaler = dscale.StepGuard("cpu")
+    _one_step(plain, plain_opt, plain_scaler)
+    before = [p.detach().clone() for p in plain.parameters()]
+    scaler_before = plain_scaler.state_dict()
+    with pytest.raises(CheckpointError, match=r"precision_schedule.*PrecisionSchedule"):
+        load_checkpoint(tmp_path / "step-1", model=plain, optimizer=plain_opt, scaler=plain_scaler)
+    assert all(torch.equal(a, b) for a, b in zip(before, plain.parameters()))
+    assert plain_scaler.state_dict() == scaler_before
+    assert load_checkpoint(tmp_path / "step-1", model=plain, optimizer=plain_opt) == 1
