@@ -17,8 +17,9 @@ raises the same error on all of them (no hang), and a refused load changes nothi
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -352,6 +353,30 @@ def load_checkpoint(
     states = build_states(
         step=0, model=model, optimizer=optimizer, scaler=scaler, extra=extra, group=group
     )
+    with _fresh_optimizer_kept_fresh(states):
+        return _load(path, states, scaler, group)
+
+
+@contextlib.contextmanager
+def _fresh_optimizer_kept_fresh(states: Mapping[str, Any]) -> Iterator[None]:
+    """Take out again, when the load is refused, the state DCP gives a fresh optimizer.
+
+    To learn a fresh optimizer's structure, torch's ``get_optimizer_state_dict`` steps it with
+    zero grads and lr 0 (AdamW: step 1, zero moments); a refused load would leave that behind,
+    and a run that went on would apply Adam's bias correction one step off.
+    """
+    state = states.get("optimizer")
+    optimizer = state.optimizer if isinstance(state, OptimizerState) else None
+    fresh = optimizer is not None and not optimizer.state
+    try:
+        yield
+    except BaseException:
+        if fresh:
+            optimizer.state.clear()  # type: ignore[union-attr]
+        raise
+
+
+def _load(path: Path, states: dict[str, Any], scaler: Any, group: Any) -> int:
     problem: BaseException | None = None
     sums: _Sums = ("crc32", [])
     staged: dict[str, Any] = {}

@@ -304,3 +304,33 @@ def test_a_checkpoint_with_a_schedule_into_a_run_without_one_is_refused_and_chan
     assert all(torch.equal(a, b) for a, b in zip(before, plain.parameters()))
     assert plain_scaler.state_dict() == scaler_before
     assert load_checkpoint(tmp_path / "step-1", model=plain, optimizer=plain_opt) == 1
+
+
+def test_a_checkpoint_without_a_schedule_into_a_run_with_one_is_refused_and_changes_nothing(
+    tmp_path,
+):
+    """A run without a schedule is saved; a fresh run with one (its optimizer not stepped yet)
+    loads it: refused, naming precision_schedule, and the model, the map and the optimizer stay
+    as they were. Before: the optimizer did not: to learn its structure, DCP stepped the fresh
+    AdamW with zero grads and lr 0, and the refusal left that state (step 1, zero moments), so
+    a run that went on would apply Adam's bias correction one step off."""
+    from dscale.checkpoint import CheckpointError, CheckpointManager, load_checkpoint
+
+    model = _models.net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scaler = dscale.StepGuard("cpu")
+    _one_step(model, opt, scaler)
+    manager = CheckpointManager(tmp_path, every=0, keep=1)
+    manager.save(1, model=model, optimizer=opt, scaler=scaler)
+    manager.wait()
+    fresh = _models.net(seed=1)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    fresh_scaler = dscale.StepGuard("cpu")
+    sched = PrecisionSchedule(fresh, fresh_scaler, initial={"blocks.1.fc2": "mxfp8"}, emulate=True)
+    before = [p.detach().clone() for p in fresh.parameters()]
+    with pytest.raises(CheckpointError, match="holds no precision_schedule state"):
+        load_checkpoint(tmp_path / "step-1", model=fresh, optimizer=fresh_opt, scaler=fresh_scaler)
+    assert all(torch.equal(a, b) for a, b in zip(before, fresh.parameters()))
+    assert sched.formats == {"blocks.1.fc2": "mxfp8"} and sched.step == 0
+    assert not fresh_opt.state, "a refused load left optimizer state behind"
+    assert all(p.grad is None for p in fresh.parameters())
