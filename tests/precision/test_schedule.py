@@ -334,3 +334,82 @@ def test_a_checkpoint_without_a_schedule_into_a_run_with_one_is_refused_and_chan
     assert sched.formats == {"blocks.1.fc2": "mxfp8"} and sched.step == 0
     assert not fresh_opt.state, "a refused load left optimizer state behind"
     assert all(p.grad is None for p in fresh.parameters())
+
+
+def test_adam_state_and_weights_through_switches_equal_torchao_modules_swapped_by_hand():
+    """blocks.0.fc1 tensorwise -> mxfp8 at step 2 -> bf16_forward at step 3 -> tensorwise at
+    step 4, under AdamW with weight decay and a frozen bias in the switched layer: the losses,
+    every weight and Adam's moments equal a run that swaps torchao's own modules by hand
+    (Float8Linear.from_float, MXFP8Linear emulated, holding the same parameters) at the same
+    steps, bit for bit."""
+    import dataclasses
+
+    from torchao.float8 import CastConfig, Float8LinearConfig, ScalingType
+    from torchao.float8.float8_linear import Float8Linear
+    from torchao.prototype.moe_training.mxfp8_linear import MXFP8Linear
+    from torchao.prototype.mx_formats.config import ScaleCalculationMode
+    from torchao.quantization.quantize_.common import KernelPreference
+
+    tensorwise = dataclasses.replace(
+        Float8LinearConfig.from_recipe_name("tensorwise"), emulate=True
+    )
+    off = CastConfig(scaling_type=ScalingType.DISABLED)
+    forward_off = dataclasses.replace(tensorwise, cast_config_input=off, cast_config_weight=off)
+
+    def by_hand(old, fmt):
+        if fmt == "mxfp8":
+            new = MXFP8Linear(
+                old.in_features,
+                old.out_features,
+                bias=True,
+                kernel_preference=KernelPreference.EMULATED,
+                scale_calculation_mode=ScaleCalculationMode.RCEIL,
+            )
+        else:
+            plain = torch.nn.Linear(old.in_features, old.out_features)
+            plain.weight, plain.bias = old.weight, old.bias
+            config = tensorwise if fmt == "tensorwise" else forward_off
+            return Float8Linear.from_float(plain, config=config)
+        new.weight, new.bias = old.weight, old.bias
+        return new
+
+    plan = {2: "mxfp8", 3: "bf16_forward", 4: "tensorwise"}
+    runs = []
+    for hand in (False, True):
+        model = _models.net()
+        model.blocks[0].fc1.bias.requires_grad_(False)
+        opt = torch.optim.AdamW(
+            [p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1
+        )
+        guard = dscale.StepGuard("cpu")
+        if hand:
+            model.blocks[0].fc1 = by_hand(model.blocks[0].fc1, "tensorwise")
+        else:
+            sched = PrecisionSchedule(
+                model,
+                guard,
+                initial={"blocks.0.fc1": "tensorwise"},
+                switches={s: {"blocks.0.fc1": f} for s, f in plan.items()},
+                emulate=True,
+            )
+        losses = []
+        for step in range(5):
+            if hand and step in plan:
+                model.blocks[0].fc1 = by_hand(model.blocks[0].fc1, plan[step])
+            tokens, target = _models.batch(step, size=4)
+            loss = _models.loss_of(model, tokens, target)
+            guard.scale(loss).backward()
+            guard.step(opt)
+            guard.update()
+            opt.zero_grad()
+            losses.append(loss.item())
+        runs.append((losses, [p.detach().clone() for p in model.parameters()], opt.state_dict()))
+        if not hand:
+            assert sched.formats == {"blocks.0.fc1": "tensorwise"}
+            sched.close()
+    (losses, params, state), (losses_h, params_h, state_h) = runs
+    assert losses == losses_h
+    assert all(torch.equal(a, b) for a, b in zip(params, params_h))
+    for index, moments in state["state"].items():
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(moments[key], state_h["state"][index][key]), (index, key)
