@@ -413,3 +413,33 @@ def test_adam_state_and_weights_through_switches_equal_torchao_modules_swapped_b
     for index, moments in state["state"].items():
         for key in ("step", "exp_avg", "exp_avg_sq"):
             assert torch.equal(moments[key], state_h["state"][index][key]), (index, key)
+
+
+def test_a_fullgraph_compiled_step_with_a_schedule_is_refused_naming_the_schedule():
+    """torch.compile(fullgraph=True) around step()/update() of a sync_free scaler with a
+    schedule: refused (the schedule counts steps in a step callback), and the reason names the
+    PrecisionSchedule. Before: it named only register_step_callback and said to read
+    step_applied() outside the region, which the user, who registered nothing, cannot act on.
+    Without fullgraph the step runs eagerly and the schedule switches (the docs' example)."""
+    model = _models.net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+    scaler = dscale.StepGuard("cpu", sync_free=True)
+    sched = PrecisionSchedule(model, scaler, initial={"blocks.0.fc1": "tensorwise"}, emulate=True)
+
+    @torch.compile(backend="eager", fullgraph=True)
+    def update():
+        scaler.step(opt)
+        scaler.update()
+
+    for step in range(2):
+        tokens, target = _models.batch(step, size=4)
+        scaler.scale(_models.loss_of(model, tokens, target)).backward()
+        if step == 0:
+            scaler.step(opt)  # eager warm-up: the optimizer's state
+            scaler.update()
+        else:
+            with pytest.raises(Exception, match="PrecisionSchedule"):
+                update()
+        opt.zero_grad()
+    sched.close()
+    torch._dynamo.reset()
