@@ -223,7 +223,22 @@ class PrecisionSchedule:
             parent = self._root.get_submodule(parent_name) if parent_name else self._root
             setattr(parent, child, new)
             self._modules[name] = new
+            self._warn_unmeasured(name, old, fmt)
         self.formats[name] = fmt
+
+    def _warn_unmeasured(self, name: str, old: nn.Module, fmt: str) -> None:
+        """Say so when the scaler's ``Float8Numerics`` measured the module just replaced: its
+        hooks stay on the old module, so it no longer sees the layer."""
+        scaler = getattr(self, "_scaler", None)  # None while __init__ puts the initial map
+        numerics = None if scaler is None else _attached.numerics_of(scaler)
+        if numerics is not None and any(m is old for _, m in numerics.layers):
+            logger.warning(
+                "PrecisionSchedule: %s now runs in %s as a new module; Float8Numerics measured "
+                "its old module, so it no longer sees this layer and reports zeros for it "
+                "(amax 0). Make the numerics for a map whose float8 layers stay Float8Linear",
+                name,
+                fmt,
+            )
 
     def module(self, name: str) -> nn.Module:
         """The module layer ``name`` runs as now."""
