@@ -420,7 +420,7 @@ def test_a_fullgraph_compiled_step_with_a_schedule_is_refused_naming_the_schedul
     schedule: refused (the schedule counts steps in a step callback), and the reason names the
     PrecisionSchedule. Before: it named only register_step_callback and said to read
     step_applied() outside the region, which the user, who registered nothing, cannot act on.
-    Without fullgraph the step runs eagerly and the schedule switches (the docs' example)."""
+    (Without fullgraph the step runs eagerly and the schedule switches: checked by hand.)"""
     model = _models.net()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
     scaler = dscale.StepGuard("cpu", sync_free=True)
