@@ -347,7 +347,57 @@ def check_schedule(
             "on a plain or DDP model (FSDP2 is not supported)"
         )
     checked = {n: _formats.check_format(f, f"initial[{n!r}]") for n, f in initial.items()}
-    return checked, _checked_switches(switches or {}, modules)
+    planned = _checked_switches(switches or {}, modules)
+    _refuse_untakeable(root, modules, checked, "initial")
+    for step, changes in planned.items():
+        _refuse_untakeable(root, modules, changes, f"switches[{step}]")
+    return checked, planned
+
+
+def _refuse_untakeable(
+    root: nn.Module, modules: Mapping[str, nn.Module], formats: Mapping[str, str], where: str
+) -> None:
+    """ValueError for a layer put in a format torchao cannot take it in (what
+    ``convert_to_float8`` would leave): dims not divisible by the format's multiple (16 for
+    torch._scaled_mm, MXFP8's 32-block), an ``nn.Linear`` subclass (its owner may not call its
+    forward: MultiheadAttention's out_proj), or a linear held under several names (a swap
+    replaces one)."""
+    from dscale.fp8._convert import dim_multiple
+
+    bad = []
+    for name, fmt in formats.items():
+        module = modules[name]
+        if fmt == BF16 and (type(module) is nn.Linear or _torchao_linear(module)):
+            continue
+        others = [n for n, m in root.named_modules(remove_duplicate=False) if m is module]
+        others.remove(name)
+        multiple = dim_multiple("tensorwise" if fmt in FLOAT8_LINEAR else fmt)
+        if type(module) is not nn.Linear and not _torchao_linear(module):
+            bad.append(
+                f"{name} is a {type(module).__name__}, a subclass of nn.Linear (torchao swaps "
+                "nn.Linear itself only; its owner may not call its forward)"
+            )
+        elif others:
+            bad.append(f"{name} is also held as {others} (a swap would replace one name only)")
+        elif fmt != BF16 and (dims := _dims(module))[0] % multiple + dims[1] % multiple:
+            bad.append(
+                f"{name} has in_features={dims[0]}, out_features={dims[1]}; {fmt} needs both "
+                f"divisible by {multiple}"
+            )
+    if bad:
+        raise ValueError(
+            f"PrecisionSchedule: {where} puts layers in formats torchao cannot run them in: "
+            + "; ".join(bad)
+            + ". Leave them out of the schedule (or in bf16)"
+        )
+
+
+def _dims(module: nn.Module) -> tuple[int, int]:
+    return int(module.in_features), int(module.out_features)  # type: ignore[arg-type]
+
+
+def _torchao_linear(module: nn.Module) -> bool:
+    return type(module).__module__.startswith("torchao.")
 
 
 def _fsdp2_module() -> type:

@@ -479,3 +479,35 @@ def _one_step_at(model, opt, scaler, step):
     scaler.step(opt)
     scaler.update()
     opt.zero_grad()
+
+
+def test_layers_torchao_cannot_take_in_a_format_are_refused_before_anything_runs():
+    """The schedule asks for a format explicitly, so a layer convert_to_float8 would leave is a
+    ValueError at construction naming the layer, its dims or type and the format, and nothing is
+    converted: head (32 -> 10) in mxfp8 (32-blocks) or, by a switch at step 900, in tensorwise
+    (torch._scaled_mm's 16); MultiheadAttention's out_proj (an nn.Linear subclass whose forward
+    MHA never calls: the layer would have stayed in high precision while the map said
+    tensorwise); a linear held under two names (the swap would replace one). Before: the mxfp8
+    head was accepted and the first forward raised torchao's AssertionError ('the last dimension
+    of shape torch.Size([64, 10]) must be divisible by block_size 32'), at step 900 for a
+    scheduled switch; the others were accepted and ran silently in another format."""
+    model = _models.net()
+    scaler = dscale.StepGuard("cpu")
+    with pytest.raises(ValueError, match=r"head.*in_features=32, out_features=10.*mxfp8.*32"):
+        PrecisionSchedule(model, scaler, initial={"head": "mxfp8"}, emulate=True)
+    with pytest.raises(ValueError, match=r"switches\[900\].*head.*tensorwise.*16"):
+        PrecisionSchedule(
+            model,
+            scaler,
+            initial={"head": "bf16"},
+            switches={900: {"head": "tensorwise"}},
+            emulate=True,
+        )
+    assert type(model.head) is torch.nn.Linear
+    attention = torch.nn.Sequential(torch.nn.MultiheadAttention(32, 2))
+    with pytest.raises(ValueError, match=r"0.out_proj.*NonDynamicallyQuantizableLinear"):
+        PrecisionSchedule(attention, scaler, initial={"0.out_proj": "tensorwise"}, emulate=True)
+    model.shared = model.blocks[0].fc1
+    with pytest.raises(ValueError, match=r"blocks.0.fc1.*also held as \['shared'\]"):
+        PrecisionSchedule(model, scaler, initial={"blocks.0.fc1": "tensorwise"}, emulate=True)
+    assert type(model.blocks[0].fc1) is torch.nn.Linear
