@@ -507,6 +507,11 @@ def _schedule(job: JobConfig) -> None:
         "wrapped: use parallel=ddp or single, or drop fp8.schedule",
     )
     _need(s.check_every >= 1, f"fp8.schedule.check_every={s.check_every} must be >= 1")
+    _need(
+        job.scaler.enabled,
+        "fp8.schedule counts the steps of the job's scaler, which scaler.enabled=false turns "
+        "off (no step callbacks, no collective): drop scaler.enabled=false or fp8.schedule",
+    )
     model = build_model(dataclasses.asdict(job.model), job.data.seq_len)
     try:
         dscale.precision.check_schedule(model, dict(s.initial), dict(s.switches))

@@ -97,7 +97,7 @@ class PrecisionSchedule:
         self.step = 0
         self.formats: dict[str, str] = {}
         self._group = group
-        self._check_ranks()
+        self._check_ranks(bool(scaler.is_enabled()))
         for name, fmt in self.initial.items():
             self._put(name, fmt)
         self._scaler = scaler
@@ -246,21 +246,32 @@ class PrecisionSchedule:
 
     # -- ranks, state -----------------------------------------------------------------------
 
-    def _check_ranks(self) -> None:
+    def _check_ranks(self, enabled: bool) -> None:
+        """Every rank's schedule and whether its scaler is enabled, in one all-gather; raised
+        alike on every rank."""
         mine = (
             sorted(self.initial.items()),
             sorted((s, sorted(c.items())) for s, c in self.switches.items()),
             self.check_every,
+            enabled,
         )
         everyone = _dist.all_gather_objects(mine, self._group)
         if any(r != everyone[0] for r in everyone):
             detail = "; ".join(
-                f"rank {r}: initial {dict(v[0])}, switches {v[1]}, check_every {v[2]}"
+                f"rank {r}: initial {dict(v[0])}, switches {v[1]}, check_every {v[2]}, "
+                f"scaler enabled {v[3]}"
                 for r, v in enumerate(everyone)
             )
             raise LayoutMismatchError(
                 f"PrecisionSchedule: ranks built different schedules ({detail}); build the "
                 "same schedule on every rank"
+            )
+        if not enabled:
+            raise ValueError(
+                "PrecisionSchedule: the scaler is disabled (enabled=False): its step() calls no "
+                "step callbacks and runs no collective, so the schedule would never count a "
+                "step, switch, or compare the ranks. Pass an enabled scaler: for bf16 or fp32 "
+                "training dscale.StepGuard(device) (no loss scale), for fp16 GradScaler"
             )
 
     def state_dict(self) -> dict[str, Any]:

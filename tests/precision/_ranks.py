@@ -141,6 +141,17 @@ def scenarios(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
     except LayoutMismatchError as e:
         out["edit_every_4"] = (ran, str(e))
     late[3].close()
+    # A scaler disabled on rank 1 only: refused at construction, on every rank.
+    try:
+        PrecisionSchedule(
+            _models.net(),
+            dscale.GradScaler("cpu", enabled=rank == 0),
+            initial=INITIAL,
+            emulate=True,
+        )
+        out["disabled_on_rank_1"] = "not refused"
+    except (LayoutMismatchError, ValueError) as e:
+        out["disabled_on_rank_1"] = str(e)
     # A different schedule on rank 1: refused at construction, on every rank.
     try:
         _build(rank, switches={4: {"blocks.0.fc1": "bf16"}} if rank == 1 else None)

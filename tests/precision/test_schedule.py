@@ -511,3 +511,28 @@ def test_layers_torchao_cannot_take_in_a_format_are_refused_before_anything_runs
     with pytest.raises(ValueError, match=r"blocks.0.fc1.*also held as \['shared'\]"):
         PrecisionSchedule(model, scaler, initial={"blocks.0.fc1": "tensorwise"}, emulate=True)
     assert type(model.blocks[0].fc1) is torch.nn.Linear
+
+
+def test_a_disabled_scaler_is_refused_instead_of_never_switching():
+    """torch's AMP idiom GradScaler(enabled=use_amp) with use_amp False (and a disabled
+    StepGuard): a disabled scaler's step() calls no step callbacks and runs no collective, so
+    the schedule never counted a step: after 4 steps its step was 0 and blocks.0.fc1 still
+    tensorwise, where the switch was at 2, and no rank was ever compared. Now a ValueError
+    naming enabled=False and StepGuard, and nothing is converted (on 2 ranks, a scaler disabled
+    on one rank only is refused on both: tests/precision/_ranks.py)."""
+    for scaler in (dscale.GradScaler("cpu", enabled=False), dscale.StepGuard("cpu", enabled=False)):
+        model = _models.net()
+        with pytest.raises(ValueError, match=r"enabled=False.*StepGuard"):
+            PrecisionSchedule(
+                model,
+                scaler,
+                initial={"blocks.0.fc1": "tensorwise"},
+                switches={2: {"blocks.0.fc1": "bf16"}},
+                emulate=True,
+            )
+        assert type(model.blocks[0].fc1) is torch.nn.Linear
+
+
+def test_a_scaler_disabled_on_one_rank_only_is_refused_on_every_rank(ranks):
+    for r in (0, 1):
+        assert "scaler enabled" in ranks[r]["disabled_on_rank_1"], ranks[r]["disabled_on_rank_1"]
