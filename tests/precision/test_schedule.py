@@ -536,3 +536,57 @@ def test_a_disabled_scaler_is_refused_instead_of_never_switching():
 def test_a_scaler_disabled_on_one_rank_only_is_refused_on_every_rank(ranks):
     for r in (0, 1):
         assert "scaler enabled" in ranks[r]["disabled_on_rank_1"], ranks[r]["disabled_on_rank_1"]
+
+
+def test_fp16_autocast_two_optimizers_clipping_and_a_skip_at_the_switch_equal_torchs_scaler():
+    """fp16 autocast, two optimizers (AdamW on the blocks, SGD on the rest), unscale_() and
+    clip_grad_norm_ every step, an inf in the iteration whose step triggers the switch (step 2:
+    skipped, the scale backed off, the switch still at step 2): the losses, scales and weights
+    equal torch's GradScaler with the same modules switched by hand after that iteration, bit
+    for bit (passes on p43c: an attack that found nothing)."""
+    switches = {2: {"blocks.0.fc1": "bf16", "blocks.1.fc2": "bf16_forward"}}
+    initial = {"blocks.0.fc1": "tensorwise", "blocks.1.fc2": "rowwise"}
+    runs = []
+    for oracle in (False, True):
+        model = _models.net()
+        opts = [
+            torch.optim.AdamW(model.blocks.parameters(), lr=1e-2),
+            torch.optim.SGD([*model.embed.parameters(), *model.head.parameters()], lr=1e-2),
+        ]
+        if oracle:
+            scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+            by_hand = PrecisionSchedule(
+                model, dscale.StepGuard("cpu"), initial=initial, emulate=True
+            )
+            by_hand.close()  # the modules only: switched by hand below
+        else:
+            scaler = dscale.GradScaler("cpu", init_scale=2.0**16)
+            sched = PrecisionSchedule(
+                model, scaler, initial=initial, switches=switches, emulate=True
+            )
+        out = []
+        for step in range(3):
+            tokens, target = _models.batch(step, size=4)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = _models.loss_of(model, tokens, target)
+            scaler.scale(loss).backward()
+            if step == 1:
+                model.head.weight.grad.view(-1)[0] = float("inf")
+            for opt in opts:
+                scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            for opt in opts:
+                scaler.step(opt)
+            scaler.update()
+            for opt in opts:
+                opt.zero_grad()
+            if oracle and step + 1 in switches:
+                by_hand.switch(switches[step + 1])
+            out.append((loss.item(), scaler.get_scale()))
+        runs.append((out, [p.detach().clone() for p in model.parameters()]))
+        if not oracle:
+            assert sched.formats == {**initial, **switches[2]} and sched.step == 3
+            sched.close()
+    (got, params), (want, params_want) = runs
+    assert got == want and got[1][1] == got[0][1] / 2  # the skip backed the scale off
+    assert all(torch.equal(a, b) for a, b in zip(params, params_want))
