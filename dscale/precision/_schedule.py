@@ -128,6 +128,7 @@ class PrecisionSchedule:
                 f"PrecisionSchedule.switch: {unknown} are not scheduled layers "
                 f"(they are: {sorted(self._modules)})"
             )
+        _refuse_untakeable(self._root, self._modules, checked, "switch()")
         self._apply(checked, why)
 
     # -- the step ---------------------------------------------------------------------------

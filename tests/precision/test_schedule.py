@@ -504,6 +504,11 @@ def test_layers_torchao_cannot_take_in_a_format_are_refused_before_anything_runs
             emulate=True,
         )
     assert type(model.head) is torch.nn.Linear
+    sched = PrecisionSchedule(model, scaler, initial={"head": "bf16"}, emulate=True)
+    with pytest.raises(ValueError, match=r"switch\(\).*head.*mxfp8.*32"):
+        sched.switch({"head": "mxfp8"})  # at run time, as Float8Fallback's switch() call
+    assert type(model.head) is torch.nn.Linear and sched.formats == {"head": "bf16"}
+    sched.close()
     attention = torch.nn.Sequential(torch.nn.MultiheadAttention(32, 2))
     with pytest.raises(ValueError, match=r"0.out_proj.*NonDynamicallyQuantizableLinear"):
         PrecisionSchedule(attention, scaler, initial={"0.out_proj": "tensorwise"}, emulate=True)
