@@ -72,8 +72,16 @@ class PrecisionSchedule:
         initial: the map at step 0: every layer the schedule switches must be named here.
         switches: ``{step: {layer: format}}``, steps positive.
         emulate: torchao's emulation (no FP8 GEMM hardware: CPUs, older GPUs).
-        check_every: compare the ranks' maps on every ``check_every``-th iteration (the first
-            included), riding the scaler's vector; 1 compares on every step.
+        check_every: compare the ranks' steps and maps on every ``check_every``-th iteration
+            (the first included, counted by the scaler's ``update()`` calls), riding the
+            scaler's vector; 1 compares on every step. A rank that diverges runs up to
+            ``check_every`` iterations before every rank refuses.
+
+    Raises:
+        ValueError: a bad layer, format or step (:func:`check_schedule`), a layer torchao
+            cannot run in its format, or a disabled scaler; on every rank alike.
+        LayoutMismatchError: the ranks built different schedules (or only some ranks'
+            scalers are enabled); on every rank.
     """
 
     def __init__(
