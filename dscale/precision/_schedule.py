@@ -95,11 +95,16 @@ class PrecisionSchedule:
         check_every: int = 16,
         group: Any | None = None,
     ) -> None:
-        if not isinstance(check_every, int) or isinstance(check_every, bool) or check_every < 1:
-            raise ValueError(f"check_every must be a positive int, got {check_every!r}")
         self._root = unwrapped(model)
-        self.initial, self.switches = check_schedule(self._root, initial, switches)
-        self._modules = _scheduled_modules(self._root, initial)
+        problem = None
+        try:  # a refusal on some ranks only is raised on every rank (no peer left waiting)
+            if isinstance(check_every, bool) or not isinstance(check_every, int) or check_every < 1:
+                raise ValueError(f"check_every must be a positive int, got {check_every!r}")
+            self.initial, self.switches = check_schedule(self._root, initial, switches)
+            self._modules = _scheduled_modules(self._root, initial)
+        except ValueError as exc:
+            problem = exc
+        _dist.gather_then_raise(problem, group, "PrecisionSchedule", (ValueError,))
         self.emulate = emulate
         self.check_every = check_every
         self.step = 0

@@ -141,6 +141,20 @@ def scenarios(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
     except LayoutMismatchError as e:
         out["edit_every_4"] = (ran, str(e))
     late[3].close()
+    # A layer name only rank 1 gets wrong: refused on every rank (rank 0 waited in the
+    # construction's all-gather until the process group's timeout).
+    try:
+        PrecisionSchedule(
+            _models.net(),
+            dscale.GradScaler("cpu"),
+            initial={"blocks.0.fc3" if rank == 1 else "blocks.0.fc1": "tensorwise"},
+            emulate=True,
+        )
+        out["bad_name_on_rank_1"] = "not refused"
+    except ValueError as e:
+        out["bad_name_on_rank_1"] = str(e)
+    except Exception as e:
+        out["bad_name_on_rank_1"] = f"{type(e).__name__}: {e}"
     # A scaler disabled on rank 1 only: refused at construction, on every rank.
     try:
         PrecisionSchedule(

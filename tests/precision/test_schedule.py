@@ -595,3 +595,12 @@ def test_fp16_autocast_two_optimizers_clipping_and_a_skip_at_the_switch_equal_to
     (got, params), (want, params_want) = runs
     assert got == want and got[1][1] == got[0][1] / 2  # the skip backed the scale off
     assert all(torch.equal(a, b) for a, b in zip(params, params_want))
+
+
+def test_a_bad_layer_name_on_one_rank_only_is_refused_on_every_rank(ranks):
+    """Rank 1's initial names blocks.0.fc3 (no such layer), rank 0's a good one: a ValueError on
+    both ranks naming rank 1 and the layer. Before: rank 1 raised alone and rank 0 waited in the
+    construction's all-gather until the process group's timeout."""
+    for r in (0, 1):
+        got = ranks[r]["bad_name_on_rank_1"]
+        assert got.startswith("PrecisionSchedule failed on rank(s) 1") and "fc3" in got, (r, got)
