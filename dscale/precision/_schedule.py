@@ -159,7 +159,7 @@ class PrecisionSchedule:
         """The fingerprint and its negation (the scaler's agreement field), on the iterations
         that compare."""
         if self._stepped() or not self._compares():
-            return None  # a further optimizer of this iteration: sent with the first
+            return None  # not compared now, or a further optimizer: sent with the first
         return self._make_fingerprint()
 
     def agreed(self, slots: torch.Tensor) -> None:
