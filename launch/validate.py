@@ -330,10 +330,10 @@ def check_known_keys(cfg: DictConfig, prefix: str = "") -> None:
                 raise ConfigError(
                     f"{prefix}{key} is not a config key; {hint}see launch/schema.py for the keys"
                 )
-    for key in cfg:  # as they are: a dict keyed by int (fp8.schedule.switches) takes no str
-        node = cfg._get_node(key)
-        if isinstance(node, DictConfig) and f"{prefix}{key}" != "args":  # args: the user's
-            check_known_keys(node, f"{prefix}{key}.")
+    for child in cfg:  # as they are: a dict keyed by int (fp8.schedule.switches) takes no str
+        node, name = cfg._get_node(child), str(child)
+        if isinstance(node, DictConfig) and f"{prefix}{name}" != "args":  # args: the user's
+            check_known_keys(node, f"{prefix}{name}.")
 
 
 def validate(job: JobConfig, typed: Iterable[str] = (), read_elsewhere: Iterable[str] = ()) -> int:
