@@ -3,6 +3,10 @@
 Rendezvous goes through a FileStore in a temp dir (no ports to race for). The process group and the
 whole run have timeouts; the first failure ends the other ranks and every rank's traceback is
 reported. Spawning costs 3-5 s on a 2-core machine, so check several scenarios inside one call.
+
+The ranks are forked from a forkserver that imported torch once (per test process), not spawned:
+a spawned rank spends seconds of CPU importing torch before it runs a line of the test. Each rank
+gets the caller's environment, working directory and sys.path as a spawned one would.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 import io
 import os
 import queue
+import sys
 import tempfile
 import time
 import traceback
@@ -21,6 +26,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+#: How the ranks start: forked from a server that imported these once (see the module's docstring).
+START_METHOD = "forkserver"
+PRELOAD = ["torch", "torch.distributed"]
+
 
 def _rank_main(
     rank: int,
@@ -30,7 +39,15 @@ def _rank_main(
     args: tuple[Any, ...],
     results: Any,
     pg_timeout_s: float,
+    caller: tuple[dict[str, str], str, list[str]],
 ) -> None:
+    # The forkserver's environment, folder and sys.path are those of the test that started it:
+    # take the caller's, as a spawned process would.
+    env, cwd, path = caller
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    sys.path[:] = path
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     store = dist.FileStore(store_path, world_size)
     dist.init_process_group(
@@ -80,15 +97,18 @@ def run_ranks(
 
     ``fn`` must be importable (a module-level function) and its result picklable.
     """
-    ctx_mp = mp.get_context("spawn")
+    ctx_mp = mp.get_context(START_METHOD)
+    if START_METHOD == "forkserver":
+        ctx_mp.set_forkserver_preload(PRELOAD)  # read once, when the server starts
     results = ctx_mp.Queue()
+    caller = (dict(os.environ), os.getcwd(), list(sys.path))
     with tempfile.TemporaryDirectory() as tmp:
         ctx = mp.start_processes(
             _rank_main,
             nprocs=world_size,
             join=False,
-            start_method="spawn",
-            args=(world_size, os.path.join(tmp, "store"), fn, args, results, pg_timeout_s),
+            start_method=START_METHOD,
+            args=(world_size, os.path.join(tmp, "store"), fn, args, results, pg_timeout_s, caller),
         )
         deadline = time.monotonic() + timeout_s
         failure = ""

@@ -146,6 +146,8 @@ def attacks(rank: int, world: int, directory: str) -> dict[str, Any]:
         "rollback": rollback(rank),
         "other_object": other_object(rank, f"{directory}/other"),
         "two_models": two_models(rank, world, f"{directory}/two"),
+        # last: the 1-rank resume test (its own spawn) loads this checkpoint
+        "save_two": save_two(rank, world, f"{directory}/resume"),
     }
 
 

@@ -10,12 +10,15 @@ Issue 41 item 8: under attach(), DDP's reduction makes the overflow flag global 
 runs no agreement collective of its own; with numerics registered it ran one on every step,
 sampled or not. Oracle: the same run without numerics, counted step by step (the agreement
 seam, every all-reduce the profiler sees, and every aten op).
+
+One spawn runs every scenario (a module fixture); each test asserts on its part.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -48,6 +51,21 @@ def _train_step(model: torch.nn.Module, guard: Any, opt: Any, step: int, rank: i
     opt.zero_grad()
 
 
+def _all(rank: int, world: int) -> dict[str, Any]:
+    """Every scenario of this file in one spawn (2 gloo ranks). The layout mismatches last:
+    they end in a refusal on both ranks."""
+    return {
+        "collectives": _collectives(rank, world),
+        "two_optimizers": _two_optimizers(rank, world),
+        "layouts": _layouts(rank, world),
+    }
+
+
+@pytest.fixture(scope="module")
+def spawned() -> dict[int, dict[str, Any]]:
+    return run_ranks(_all, world_size=2, timeout_s=300.0)
+
+
 def _layouts(rank: int, world: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for case, keep in KEEP.items():
@@ -73,8 +91,8 @@ def _layouts(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
-def test_ranks_that_measure_other_layers_raise_layout_mismatch_on_every_rank_ddp():
-    out = run_ranks(_layouts, world_size=2, timeout_s=120.0)
+def test_ranks_that_measure_other_layers_raise_layout_mismatch_on_every_rank_ddp(spawned):
+    out = {rank: got["layouts"] for rank, got in spawned.items()}
     for case in ("counts", "names"):
         errors = [out[rank][case]["error"] for rank in (0, 1)]
         assert all(e is not None and e[0] == "LayoutMismatchError" for e in errors), errors
@@ -139,8 +157,10 @@ def _collectives(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
-def test_unsampled_steps_run_the_collectives_and_ops_of_a_run_without_numerics_under_attach():
-    out = run_ranks(_collectives, world_size=2, timeout_s=180.0)
+def test_unsampled_steps_run_the_collectives_and_ops_of_a_run_without_numerics_under_attach(
+    spawned,
+):
+    out = {rank: got["collectives"] for rank, got in spawned.items()}
     for rank in (0, 1):
         without, with_ = out[rank]["without"]["rows"], out[rank]["with"]["rows"]
         assert out[rank]["with"]["samples"] == 3  # steps 0, 2, 4
@@ -186,13 +206,13 @@ def _two_optimizers(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
-def test_two_optimizers_under_attach_sample_and_switch_as_one_optimizer_on_two_ranks():
+def test_two_optimizers_under_attach_sample_and_switch_as_one_optimizer_on_two_ranks(spawned):
     """Review of issue 41 (items 8, 9): the numerics counted each optimizer's step(), so with
     two optimizers under DDP and attach() ``every=2`` sampled every iteration (and with
     ``every=1`` the second optimizer's step sent zeros). Oracle: the same DDP training with one
     AdamW over all parameters, on both ranks: the same agreed samples (rank 1's outlier on both
     ranks), switched layers and losses at every iteration, and no hang."""
-    out = run_ranks(_two_optimizers, world_size=2, timeout_s=180.0)
+    out = {rank: got["two_optimizers"] for rank, got in spawned.items()}
     for rank in (0, 1):
         one, two = out[rank]["one"], out[rank]["two"]
         assert one["counts"] == (5, 3)  # iterations 0, 2, 4 sampled

@@ -16,8 +16,13 @@ LOOPS = ("exact_adamw", "bound_adamw", "bound_amsgrad")
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("review41")
+def directory(tmp_path_factory):
+    return tmp_path_factory.mktemp("review41")
+
+
+@pytest.fixture(scope="module")
+def runs(directory):
+    """Every 2-rank scenario in one spawn (the resume test's save too)."""
     return run_ranks(_review_ranks.attacks, str(directory), timeout_s=600.0)
 
 
@@ -55,12 +60,13 @@ def test_another_object_under_the_reserved_key_is_refused_on_every_rank(runs):
     assert runs[0]["other_object"]["written"] == []
 
 
-def test_one_rank_resumes_a_two_rank_checkpoint_in_a_beta_schedule(tmp_path):
+def test_one_rank_resumes_a_two_rank_checkpoint_in_a_beta_schedule(runs, directory):
     """Saved by 2 ranks at step 4, one step after betas changed; resumed on 1 rank: the
     scales and the bound's state load as saved (agreed numbers, not per rank), nothing
     saturates in the first forward or after, and no step needs a measurement."""
-    two = run_ranks(_review_ranks.save_two, str(tmp_path), timeout_s=300.0)
-    one = run_ranks(_review_ranks.resume_one, str(tmp_path), world_size=1, timeout_s=300.0)[0]
+    two = {rank: runs[rank]["save_two"] for rank in (0, 1)}  # saved in the module's spawn
+    saved = f"{directory}/resume"
+    one = run_ranks(_review_ranks.resume_one, saved, world_size=1, timeout_s=300.0)[0]
     assert two[0]["saturated"] == two[1]["saturated"] == [0] * 5
     for key in ("names", "shapes", "scales", "ratio_sq", "steps"):
         assert two[0]["saved"][key].equal(one["loaded"][key]), key
