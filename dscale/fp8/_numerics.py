@@ -49,13 +49,15 @@ EPS = 1e-12  # torchao's floor on an amax
 def tensor_stats(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None = None) -> Any:
     """``[amax, saturated, flushed, subnormal]`` of ``x`` cast to ``dtype`` (a float32 tensor).
 
-    ``scale`` defaults to torchao's dynamic tensorwise one, ``fp8_max / amax``.
+    ``scale`` defaults to torchao's dynamic tensorwise one, ``fp8_max / amax`` computed as its
+    ``amax_to_scale`` does: in float64, then float32 (in float32, torch's ``scalar / tensor`` is
+    a reciprocal times the scalar, an ulp off: the amax element then counted as saturated).
     """
     x = x.detach().float()
     info = torch.finfo(dtype)
-    amax = x.abs().amax() if x.numel() else torch.zeros(())
+    amax = x.abs().amax() if x.numel() else torch.zeros((), device=x.device)
     if scale is None:
-        scale = info.max / amax.clamp(min=EPS)
+        scale = (info.max / amax.double().clamp(min=EPS)).float()
     scaled = x * scale
     q = scaled.clamp(-info.max, info.max).to(dtype).float()
     n = max(x.numel(), 1)
@@ -263,9 +265,9 @@ class Float8Numerics:
                 torch.ceil(torch.log2(descale)).clamp(-_granular.E8M0_BIAS, _granular.E8M0_BIAS)
             )
             return 1.0 if e == -_granular.E8M0_BIAS else 2.0**-e
-        if not self._pow2:
-            return fp8_max / max(amax, EPS)
         scale = torch.tensor(fp8_max / max(amax, EPS), dtype=torch.float64).float()
+        if not self._pow2:
+            return float(scale)  # torchao's float32 scale (its amax_to_scale)
         return float(torch.exp2(torch.floor(torch.log2(scale))))
 
     def snapshot(self) -> dict[str, dict[str, float]]:

@@ -210,3 +210,34 @@ def test_layer_names_are_the_bare_models_under_wrappers_inside_the_model():
     numerics = fp8.Float8Numerics(outer, dscale.StepGuard("cpu"), every=1)
     assert [n for n, _ in numerics.layers] == ["fc", "module.fc"]
     assert len(fp8.Float8Fallback(numerics, dscale.StepGuard("cpu")).runs) == 2
+
+
+def test_tensorwise_stats_use_torchaos_float64_scale_and_cast():
+    """Oracle: torchao's own cast (``amax_to_scale``, which divides in float64 then rounds to
+    float32, and ``hp_tensor_and_scale_to_float8``). With amax 3.0, 448 / 3 in float32 (torch's
+    scalar / tensor is a reciprocal times 448) is one ulp above torchao's scale, so the amax
+    element scaled to 448.00003 counted as saturated (0.25 here) though torchao's cast maps it
+    to exactly 448 (r43n)."""
+    from torchao.float8.float8_training_tensor import hp_tensor_and_scale_to_float8
+    from torchao.float8.float8_utils import amax_to_scale
+
+    g = torch.Generator().manual_seed(3)
+    cases = [torch.tensor([3.0, 1.0, -0.5, 0.25]), torch.tensor([-6.0, 2.0, 1e-6, 0.0])]
+    cases += [torch.randn(64, generator=g) * float(k) for k in (0.01, 0.7, 2.9, 13.0, 1e3)]
+    cases += [(torch.randn(64, generator=g) * 7).bfloat16()]
+    for x in cases:
+        for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            info = torch.finfo(dtype)
+            amax = x.abs().amax().float()
+            scale = amax_to_scale(amax, dtype)
+            q = hp_tensor_and_scale_to_float8(x, scale, dtype)._data.float()
+            n = x.numel()
+            xf = x.float()
+            want = [
+                amax.item(),
+                ((xf * scale).abs() > info.max).sum().item() / n,
+                ((xf != 0) & (q == 0)).sum().item() / n,
+                ((q != 0) & (q.abs() < info.smallest_normal)).sum().item() / n,
+            ]
+            ours = fp8.tensor_stats(x, dtype).tolist()
+            assert ours == pytest.approx(want, abs=0, rel=0), (x, dtype)
