@@ -146,8 +146,11 @@ def test_the_proposal_takes_the_cheapest_format_within_the_thresholds_on_every_o
     assert "32x10 not divisible by 16" in proposal.reasons["head_10"]
     assert proposal.reasons["saturates_everywhere"].count("input saturated 0.5") == 3
     assert proposal.kept_high_precision() == ["head_10", "saturates_everywhere"]
-    nv = propose_precision_map(table, dims, formats=("nvfp4", "mxfp8"), max_flushed=0.05)
-    assert nv.map["grads_flush_in_mx"] == "nvfp4" and nv.map["dims_48"] == "nvfp4"
+    # NVFP4Linear's GEMMs take dims divisible by 128 (dscale.fp8._nvfp4.DIM_MULTIPLE).
+    nv_dims = {**dims, "clean": (128, 256)}
+    nv = propose_precision_map(table, nv_dims, formats=("nvfp4", "mxfp8"), max_flushed=0.05)
+    assert nv.map["clean"] == "nvfp4" and nv.map["grads_flush_in_mx"] == "mxfp8"
+    assert "nvfp4: dims 64x64 not divisible by 128" in nv.reasons["grads_flush_in_mx"]
     with pytest.raises(ValueError, match="formats must name"):
         propose_precision_map(table, dims, formats=("fp4",))
     with pytest.raises(ValueError, match="max_flushed"):
