@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from dscale import _dist
-from dscale.fp8._layers import LayoutMismatchError, named_layers
+from dscale.fp8._layers import LayoutMismatchError, named_layers, unwrapped
 from dscale.precision._shadow_stats import FIELDS, SHADOW_FORMATS, all_stats
 
 #: The tensors measured per layer, in the vector's order.
@@ -94,7 +94,12 @@ class ShadowNumerics:
         self._sent: torch.Tensor | None = None
         self._last: list[float] | None = None
         self._worst: list[float] | None = None  # elementwise max over the window's samples
-        self._handles = [m.register_forward_hook(self._hook(n)) for n, m in found]
+        self._hooked = dict(found)  # the module each name's hook is on
+        self._handles = {n: m.register_forward_hook(self._hook(n)) for n, m in found}
+        # A layer's module may be replaced (PrecisionSchedule's switch to a new Float8Linear or
+        # MXFP8 module): on sampled steps, before the model's forward, the hooks follow.
+        self._root = unwrapped(model)
+        self._follow_handle = self._root.register_forward_pre_hook(self._follow)
         self._scaler = scaler
         self._unfield: Any = None
         self._closed = False
@@ -123,6 +128,17 @@ class ShadowNumerics:
     def _stepped(self) -> int:
         count = getattr(self._scaler, "_stepped_this_iteration", None)
         return 0 if count is None else int(count())
+
+    def _follow(self, module: nn.Module, args: Any) -> None:
+        """On a sampled step, move each hook to the module now computing its layer."""
+        if not self._armed:
+            return  # unsampled: no op dispatched, no module walked
+        for name, now in named_layers(self._root, nn.Linear):
+            old = self._hooked.get(name)
+            if old is not None and now is not old:
+                self._handles[name].remove()
+                self._handles[name] = now.register_forward_hook(self._hook(name))
+                self._hooked[name] = now
 
     def _hook(self, name: str) -> Any:
         def forward_hook(module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> None:
@@ -203,8 +219,9 @@ class ShadowNumerics:
 
     def close(self) -> None:
         """Remove the hooks and the collective field."""
-        for handle in self._handles:
+        for handle in self._handles.values():
             handle.remove()
+        self._follow_handle.remove()
         self._unregister()
         self._closed = True
         self._arm(False)

@@ -1,0 +1,76 @@
+"""ShadowNumerics on a model whose layers a PrecisionSchedule switches mid-run (r43n).
+
+A switch from bf16 to tensorwise or MXFP8 puts a new module in the layer's place (holding the
+same parameters). Oracle: the brute-force reference (tests/precision/_brute.py) on the tensors
+the layer computes with after the switch (the model's input and the layer's weight), and the
+count of aten ops and all-reduces of the same run's unsampled steps without the shadow.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import dscale
+from dscale.precision import PrecisionSchedule, ShadowNumerics
+from dscale.precision._shadow_stats import SHADOW_FORMATS
+from tests.precision import _brute
+
+
+def _run(shadow_every: int | None, steps: int = 4) -> dict:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-6)
+    guard = dscale.StepGuard("cpu")
+    schedule = PrecisionSchedule(
+        model, guard, initial={"0": "bf16"}, switches={2: {"0": "tensorwise"}}, emulate=True
+    )
+    shadow = ShadowNumerics(model, guard, every=shadow_every) if shadow_every else None
+    out: dict = {"snapshots": {}, "ops": []}
+    g = torch.Generator().manual_seed(1)
+    for step in range(steps):
+        x = torch.randn(8, 32, generator=g)
+        x[0, 0] = 1e7  # an outlier: the first layer's input flushes under tensorwise
+        weight = model[0].weight.detach().clone()  # as the forward sees it
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as p:
+            loss = model(x).square().mean()
+            guard.scale(loss).backward()
+            guard.step(opt)
+            guard.update()
+            opt.zero_grad()
+        out["ops"].append(sum(1 for e in p.events() if e.name.startswith("aten::")))
+        if shadow is not None and shadow.sampled_last_step:
+            out["snapshots"][step] = (shadow.snapshot(), x, weight)
+    out["formats"] = dict(schedule.formats)
+    out["module"] = type(model[0]).__name__
+    return out
+
+
+def test_the_shadow_measures_a_layer_the_schedule_switched_to_a_new_module():
+    """After the switch at step 2 (bf16 -> tensorwise: a new Float8Linear in the layer's place),
+    the sampled step 3 reports the layer's input and weight as the brute force does on them; it
+    reported zeros before (the hooks stayed on the old module, which no longer runs)."""
+    out = _run(shadow_every=1)
+    assert out["formats"] == {"0": "tensorwise"} and out["module"] == "Float8Linear"
+    for step in (1, 3):  # before and after the switch
+        snap, x, weight = out["snapshots"][step]
+        for op, tensor in (("input", x), ("weight", weight)):
+            for fmt in SHADOW_FORMATS:
+                got = snap[f"0/{op}/{fmt}"]
+                want = _brute.reference(tensor, fmt, op)
+                assert [got["saturated"], got["flushed"]] == pytest.approx(want, abs=0), (
+                    step,
+                    op,
+                    fmt,
+                )
+        assert snap["0/input/tensorwise"]["flushed"] > 0.5  # the outlier: not a zero row
+
+
+def test_unsampled_steps_add_no_op_across_a_switch():
+    """The shadow on a scheduled model: an unsampled step (3: every=2, after the switch)
+    dispatches exactly the ops of the same run without the shadow."""
+    plain = _run(shadow_every=None)
+    shadowed = _run(shadow_every=2)
+    assert shadowed["ops"][1] == plain["ops"][1] and shadowed["ops"][3] == plain["ops"][3]
+    assert shadowed["ops"][2] > plain["ops"][2]
