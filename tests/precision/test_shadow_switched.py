@@ -47,13 +47,20 @@ def _run(shadow_every: int | None, steps: int = 4) -> dict:
     return out
 
 
-def test_the_shadow_measures_a_layer_the_schedule_switched_to_a_new_module():
-    """After the switch at step 2 (bf16 -> tensorwise: a new Float8Linear in the layer's place),
-    the sampled step 3 reports the layer's input and weight as the brute force does on them; it
-    reported zeros before (the hooks stayed on the old module, which no longer runs)."""
-    out = _run(shadow_every=1)
+@pytest.fixture(scope="module")
+def runs() -> dict:
+    return {"plain": _run(shadow_every=None), "shadowed": _run(shadow_every=2)}
+
+
+def test_the_shadow_measures_a_layer_the_schedule_switched_to_a_new_module(runs):
+    """Steps 0 and 2 are sampled (every=2); the switch at step 2 (bf16 -> tensorwise: a new
+    Float8Linear in the layer's place) runs from step 2's forward on. Both samples report the
+    layer's input and weight as the brute force does on them; step 2 reported zeros before (the
+    hooks stayed on the old module, which no longer runs)."""
+    out = runs["shadowed"]
     assert out["formats"] == {"0": "tensorwise"} and out["module"] == "Float8Linear"
-    for step in (1, 3):  # before and after the switch
+    assert sorted(out["snapshots"]) == [0, 2]
+    for step in (0, 2):  # before and after the switch
         snap, x, weight = out["snapshots"][step]
         for op, tensor in (("input", x), ("weight", weight)):
             for fmt in SHADOW_FORMATS:
@@ -67,10 +74,9 @@ def test_the_shadow_measures_a_layer_the_schedule_switched_to_a_new_module():
         assert snap["0/input/tensorwise"]["flushed"] > 0.5  # the outlier: not a zero row
 
 
-def test_unsampled_steps_add_no_op_across_a_switch():
-    """The shadow on a scheduled model: an unsampled step (3: every=2, after the switch)
-    dispatches exactly the ops of the same run without the shadow."""
-    plain = _run(shadow_every=None)
-    shadowed = _run(shadow_every=2)
+def test_unsampled_steps_add_no_op_across_a_switch(runs):
+    """The shadow on a scheduled model: the unsampled steps (1 before the switch, 3 after)
+    dispatch exactly the ops of the same run without the shadow."""
+    plain, shadowed = runs["plain"], runs["shadowed"]
     assert shadowed["ops"][1] == plain["ops"][1] and shadowed["ops"][3] == plain["ops"][3]
     assert shadowed["ops"][2] > plain["ops"][2]
