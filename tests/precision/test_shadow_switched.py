@@ -80,3 +80,29 @@ def test_unsampled_steps_add_no_op_across_a_switch(runs):
     plain, shadowed = runs["plain"], runs["shadowed"]
     assert shadowed["ops"][1] == plain["ops"][1] and shadowed["ops"][3] == plain["ops"][3]
     assert shadowed["ops"][2] > plain["ops"][2]
+
+
+def test_schedule_numerics_and_shadow_on_one_scaler_ride_its_one_collective_on_two_ranks():
+    """A PrecisionSchedule checked every step (a switch at step 2), Float8Numerics and
+    ShadowNumerics sampling every step, on one StepGuard under DDP: every step runs the one
+    agreement all-reduce the scaler alone runs (oracle: the same loop without them). Rank 1's
+    outlier at step 3 flags only the second linear's input, on both ranks (worst rank's)."""
+    from tests.fp8 import _mx_spawn
+
+    out = {rank: r["stacked"] for rank, r in _mx_spawn.results().items()}
+    for rank in (0, 1):
+        bare, stacked = out[rank]["bare"]["rows"], out[rank]["stacked"]["rows"]
+        assert [r["agreements"] for r in stacked] == [r["agreements"] for r in bare] == [1] * 4
+        assert out[rank]["stacked"]["module"] == "Float8Linear"  # the switch happened
+    assert out[0]["stacked"]["rows"][3]["shadow"] == out[1]["stacked"]["rows"][3]["shadow"]
+    for step in (2, 3):
+        snap = out[0]["stacked"]["rows"][step]["shadow"]
+        flagged = {
+            k.rsplit("/", 1)[0]
+            for k, row in snap.items()
+            if k.endswith("/tensorwise") and row["flushed"] > 0.1
+        }
+        assert flagged == ({"2/input"} if step == 3 else set()), step
+    numerics = out[0]["stacked"]["rows"][3]["numerics"]
+    assert set(numerics) == {"0/input", "0/weight", "0/grad_output"}
+    assert max(row["flushed"] for row in numerics.values()) < 0.5  # layer 0: not flagged
