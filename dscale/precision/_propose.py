@@ -7,7 +7,8 @@ format of ``formats`` (cheapest first) that
    multiple: 16 for tensorwise and rowwise, 32 for MXFP8, 128 for NVFP4 (NVFP4Linear's GEMMs),
    as ``convert_to_float8`` and torchao require), and
 2. on every operand (input, weight, grad_output), over the whole sampled window, saturates at
-   most ``max_saturated`` and flushes at most ``max_flushed`` of the elements;
+   most ``max_saturated`` and flushes at most ``max_flushed`` of the elements (a NaN share
+   passes no threshold);
 
 and ``bf16`` when none does, with the reason; a layer never measured (its module's forward did
 not run in a sample) stays ``bf16`` too. Every layer gets a reason naming what decided it.
@@ -92,7 +93,7 @@ def propose_precision_map(
             over = [
                 f"{op} {field} {value:.3g} > {limits[field]:g}"
                 for (op, field), value in sorted(worst.items())
-                if value > limits[field]
+                if not value <= limits[field]  # a NaN share is not within a threshold
             ]
             if over:
                 refused.append(f"{fmt}: {', '.join(over)}")

@@ -197,3 +197,22 @@ def test_the_run_log_and_the_report_show_the_window_and_its_proposal(tmp_path):
     for layer, reason in proposal.reasons.items():
         assert f"- {layer}: {reason}" in text
     assert proposal.map["head"] == "bf16"  # 10 outputs: no format takes it
+
+
+def test_the_proposal_refuses_a_format_whose_shares_are_nan_or_inf():
+    """A table read back from a run log, or a share that rode the MAX collective as NaN -> +inf:
+    a NaN share is not within a threshold (``nan > 0.01`` is False: it passed before, and the
+    layer got MXFP8 on a NaN flushed share), an inf one neither (r43n)."""
+    table = _table(
+        {
+            "nan_mx": {("input", "mxfp8"): (0.0, float("nan"))},
+            "inf_mx": {("weight", "mxfp8"): (float("inf"), 0.0)},
+            "nan_everywhere": {
+                (op, f): (float("nan"),) * 2 for op in OPERANDS for f in SHADOW_FORMATS
+            },
+        }
+    )
+    dims = {name: (64, 64) for name in ("nan_mx", "inf_mx", "nan_everywhere")}
+    proposal = propose_precision_map(table, dims)
+    assert proposal.map == {"nan_mx": "rowwise", "inf_mx": "rowwise", "nan_everywhere": "bf16"}
+    assert "input flushed nan" in proposal.reasons["nan_mx"]
