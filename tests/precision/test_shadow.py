@@ -212,7 +212,7 @@ def test_the_proposal_refuses_a_format_whose_shares_are_nan_or_inf():
             },
         }
     )
-    dims = {name: (64, 64) for name in ("nan_mx", "inf_mx", "nan_everywhere")}
+    dims = dict.fromkeys(("nan_mx", "inf_mx", "nan_everywhere"), (64, 64))
     proposal = propose_precision_map(table, dims)
     assert proposal.map == {"nan_mx": "rowwise", "inf_mx": "rowwise", "nan_everywhere": "bf16"}
     assert "input flushed nan" in proposal.reasons["nan_mx"]
