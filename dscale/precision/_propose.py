@@ -53,12 +53,14 @@ def propose_precision_map(
     max_flushed: float = MAX_FLUSHED,
     max_saturated: float = MAX_SATURATED,
     unmeasured: Iterable[str] = (),
+    left: Mapping[str, str] | None = None,
 ) -> PrecisionProposal:
     """Propose a format per layer from ``table`` (``ShadowNumerics.window()``: keys
     ``"layer/operand/format"``, values ``{saturated, flushed}``) and ``dims`` (layer ->
     ``(in_features, out_features)``, ``ShadowNumerics.dims``). See the module's rule.
     ``unmeasured``: layers whose forward never ran in a sample (their rows are zeros, not
-    measurements): they stay bf16, with that reason."""
+    measurements): they stay bf16, with that reason. ``left``: layer -> why no format can take
+    it (an ``nn.Linear`` subclass torchao leaves): bf16, with that reason."""
     formats = tuple(formats)
     bad = [f for f in formats if f not in SHADOW_FORMATS]
     if bad or not formats:
@@ -81,6 +83,10 @@ def propose_precision_map(
         if layer in skipped:
             chosen[layer] = BF16
             reasons[layer] = "bf16: not measured (its forward never ran in a sampled step)"
+            continue
+        if left and layer in left:
+            chosen[layer] = BF16
+            reasons[layer] = f"bf16: {left[layer]}"
             continue
         in_f, out_f = dims[layer]
         refused: list[str] = []

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from dscale import _dist
+from dscale.fp8._convert import _CONVERTED
 from dscale.fp8._layers import LayoutMismatchError, named_layers, unwrapped
 from dscale.precision._shadow_stats import FIELDS, SHADOW_FORMATS, all_stats
 
@@ -215,7 +216,14 @@ class ShadowNumerics:
         from dscale.precision._propose import propose_precision_map
 
         unmeasured = [n for n in self.dims if n not in self.measured]
-        return propose_precision_map(self.window(), self.dims, unmeasured=unmeasured, **thresholds)
+        left = {
+            name: f"a {type(m).__name__}, a subclass of nn.Linear (torchao swaps nn.Linear only)"
+            for name, m in self._hooked.items()
+            if type(m) is not nn.Linear and not type(m).__module__.startswith(_CONVERTED)
+        }
+        return propose_precision_map(
+            self.window(), self.dims, unmeasured=unmeasured, left=left, **thresholds
+        )
 
     def close(self) -> None:
         """Remove the hooks and the collective field."""

@@ -216,3 +216,31 @@ def test_the_proposal_refuses_a_format_whose_shares_are_nan_or_inf():
     proposal = propose_precision_map(table, dims)
     assert proposal.map == {"nan_mx": "rowwise", "inf_mx": "rowwise", "nan_everywhere": "bf16"}
     assert "input flushed nan" in proposal.reasons["nan_mx"]
+
+
+def test_the_proposal_keeps_a_linear_subclass_torchao_leaves_in_bf16():
+    """A user's nn.Linear subclass with its own forward: measured like any linear, but
+    convert_to_float8 leaves it and PrecisionSchedule refuses it (oracle: convert_to_float8's
+    own ``left``); the proposal gave it mxfp8 (r43n). Now bf16, naming why."""
+    import dscale
+    import dscale.fp8 as fp8
+    from dscale.precision import ShadowNumerics
+
+    class Doubled(torch.nn.Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return super().forward(x) * 2
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(Doubled(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64))
+    guard = dscale.StepGuard("cpu")
+    shadow = ShadowNumerics(model, guard, every=1)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    guard.scale(model(torch.randn(32, 64)).square().mean()).backward()
+    guard.step(opt)
+    guard.update()
+    proposal = shadow.propose()
+    shadow.close()
+    left = fp8.convert_to_float8(model, recipe="mxfp8", emulate=True).left
+    assert set(left) == {"0"}
+    assert proposal.map == {"0": "bf16", "2": "mxfp8"}
+    assert "subclass of nn.Linear" in proposal.reasons["0"]
