@@ -67,6 +67,14 @@ def tensor_stats(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None
     return torch.stack([amax, saturated, flushed, subnormal]).float()
 
 
+def keep_worst(stats: dict[str, torch.Tensor], key: str, value: torch.Tensor) -> None:
+    """``stats[key]``, field by field the worst (largest) of the step's measurements: under
+    gradient accumulation a sampled step measures each micro-batch, and reports the worst one
+    (as across ranks); NaN propagates."""
+    old = stats.get(key)
+    stats[key] = value if old is None else torch.maximum(old, value.to(old.device))
+
+
 class Float8Numerics:
     """Sampled per-layer FP8 numerics of a converted model, agreed across ranks.
 
@@ -166,18 +174,20 @@ class Float8Numerics:
                 return  # unsampled: no op dispatched
             with torch.no_grad():
                 if self.granularity == "nvfp4":
-                    self._stats[f"{name}/input"] = _nvfp4_stats.layer_stats(args[0], "input")
+                    inp = _nvfp4_stats.layer_stats(args[0], "input")
                     weight: torch.Tensor = module.weight  # type: ignore[assignment]
-                    self._stats[f"{name}/weight"] = _nvfp4_stats.layer_stats(weight, "weight")
+                    wstats = _nvfp4_stats.layer_stats(weight, "weight")
                 else:
-                    self._stats[f"{name}/input"] = self._measure(args[0], torch.float8_e4m3fn)
-                    self._stats[f"{name}/weight"] = self._weight_stats(module, self._weights[name])
+                    inp = self._measure(args[0], torch.float8_e4m3fn)
+                    wstats = self._weight_stats(module, self._weights[name])
+                keep_worst(self._stats, f"{name}/input", inp)
+                keep_worst(self._stats, f"{name}/weight", wstats)
             if output.requires_grad:
 
                 def grad_hook(grad: torch.Tensor) -> None:
                     with torch.no_grad():
                         stats = self._measure(grad, self._grad_dtype)
-                    self._stats[f"{name}/grad_output"] = stats
+                        keep_worst(self._stats, f"{name}/grad_output", stats)
 
                 output.register_hook(grad_hook)
 

@@ -27,6 +27,7 @@ from torch import nn
 from dscale import _dist
 from dscale.fp8._convert import _CONVERTED
 from dscale.fp8._layers import LayoutMismatchError, named_layers, unwrapped
+from dscale.fp8._numerics import keep_worst
 from dscale.precision._shadow_stats import FIELDS, SHADOW_FORMATS, all_stats
 
 #: The tensors measured per layer, in the vector's order.
@@ -146,14 +147,16 @@ class ShadowNumerics:
             if not self._armed:
                 return  # unsampled: no op dispatched
             self.measured.add(name)
-            with torch.no_grad():
-                self._stats[f"{name}/input"] = all_stats(args[0], "input")
-                self._stats[f"{name}/weight"] = all_stats(_local(module.weight), "weight")
+            with torch.no_grad():  # several micro-batches in a step: the worst of them
+                keep_worst(self._stats, f"{name}/input", all_stats(args[0], "input"))
+                weight = all_stats(_local(module.weight), "weight")
+                keep_worst(self._stats, f"{name}/weight", weight)
             if isinstance(output, torch.Tensor) and output.requires_grad:
 
                 def grad_hook(grad: torch.Tensor) -> None:
                     with torch.no_grad():
-                        self._stats[f"{name}/grad_output"] = all_stats(grad, "grad_output")
+                        stats = all_stats(grad, "grad_output")
+                        keep_worst(self._stats, f"{name}/grad_output", stats)
 
                 output.register_hook(grad_hook)
 
