@@ -8,6 +8,7 @@ one rank) every collective is a no-op, so every code path runs in a plain unit t
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -87,8 +88,11 @@ def _backend_device_types(group: Any) -> set[str]:
 
 # (group, preferred, device) answers of flag_device, made eagerly: dynamo cannot read the
 # backend off a ProcessGroup (an internal error even without fullgraph), so a compiled step
-# finds the answer its eager warm-up step made.
-_FLAG_DEVICES: list[tuple[Any, torch.device, torch.device]] = []
+# finds the answer its eager warm-up step made. The group is held weakly: a strong reference
+# kept it (and its gloo threads) alive after the user's destroy_process_group(), until the
+# interpreter's own teardown, where gloo's threads could abort the process at exit
+# ("terminate called without an active exception").
+_FLAG_DEVICES: list[tuple[weakref.ref[Any], torch.device, torch.device]] = []
 
 
 def flag_device(group: Any, preferred: torch.device) -> torch.device:
@@ -98,7 +102,7 @@ def flag_device(group: Any, preferred: torch.device) -> torch.device:
     Grads that live on the CPU (FSDP CPU offload) under NCCL therefore send their flag to the GPU.
     """
     for known, asked, device in _FLAG_DEVICES:
-        if known is group and asked == preferred:
+        if known() is group and asked == preferred:
             return device
     if torch.compiler.is_compiling():
         raise RuntimeError(
@@ -112,9 +116,10 @@ def flag_device(group: Any, preferred: torch.device) -> torch.device:
         device = torch.device("cuda", torch.cuda.current_device())
     else:
         device = torch.device("cpu")
+    _FLAG_DEVICES[:] = [entry for entry in _FLAG_DEVICES if entry[0]() is not None]
     if len(_FLAG_DEVICES) >= 16:  # groups come and go in tests: keep the newest
         del _FLAG_DEVICES[0]
-    _FLAG_DEVICES.append((group, preferred, device))
+    _FLAG_DEVICES.append((weakref.ref(group), preferred, device))
     return device
 
 
@@ -185,7 +190,8 @@ def any_rank(flag: bool, group: Any | None = None) -> bool:
     return bool(value.item())
 
 
-_cpu_groups: dict[tuple[int, ...], Any] = {}
+# Held weakly, as _FLAG_DEVICES: torch's registry keeps a group alive until it is destroyed.
+_cpu_groups: dict[tuple[int, ...], weakref.ref[Any]] = {}
 
 
 def cpu_group(group: Any | None = None) -> Any | None:
@@ -201,9 +207,12 @@ def cpu_group(group: Any | None = None) -> Any | None:
     if "cpu" in _backend_device_types(resolved):
         return resolved
     ranks = tuple(dist.get_process_group_ranks(resolved))
-    if ranks not in _cpu_groups:
-        _cpu_groups[ranks] = dist.new_group(ranks=list(ranks), backend="gloo")
-    return _cpu_groups[ranks]
+    known = _cpu_groups.get(ranks)
+    made = None if known is None else known()
+    if made is None:  # first call, or the group was destroyed since: every rank sees the same
+        made = dist.new_group(ranks=list(ranks), backend="gloo")
+        _cpu_groups[ranks] = weakref.ref(made)
+    return made
 
 
 def new_gloo_group(group: Any | None = None) -> Any | None:

@@ -330,10 +330,10 @@ def check_known_keys(cfg: DictConfig, prefix: str = "") -> None:
                 raise ConfigError(
                     f"{prefix}{key} is not a config key; {hint}see launch/schema.py for the keys"
                 )
-    for raw in cfg:  # as they are: a dict keyed by int (fp8.schedule.switches) takes no str
-        node = cfg._get_node(raw)
-        if isinstance(node, DictConfig) and f"{prefix}{raw!s}" != "args":  # args: the user's
-            check_known_keys(node, f"{prefix}{raw!s}.")
+    for child in cfg:  # as they are: a dict keyed by int (fp8.schedule.switches) takes no str
+        node, name = cfg._get_node(child), str(child)
+        if isinstance(node, DictConfig) and f"{prefix}{name}" != "args":  # args: the user's
+            check_known_keys(node, f"{prefix}{name}.")
 
 
 def validate(job: JobConfig, typed: Iterable[str] = (), read_elsewhere: Iterable[str] = ()) -> int:
@@ -463,12 +463,6 @@ def _fp8(job: JobConfig) -> None:
         "fp8.recipe=mxfp8_wgrad_with_hp (grad_weight in high precision)",
     )
     _need(
-        f.recipe != "nvfp4" or (torch.cuda.is_available() and f.emulate != "true"),
-        "fp8.recipe=nvfp4 trains on torchao's NVFP4Linear, whose Triton kernels need a GPU "
-        "(no emulation): run it on a GPU with fp8.emulate=auto or false, or pick "
-        "fp8.recipe=mxfp8 (emulated on the CPU)",
-    )
-    _need(
         not f.float8_all_gather or job.parallel.strategy == "fsdp",
         "fp8.float8_all_gather=true all-gathers FSDP2's weight shards in float8: it needs "
         f"parallel=fsdp (this job has parallel={job.parallel.strategy})",
@@ -513,6 +507,11 @@ def _schedule(job: JobConfig) -> None:
         "wrapped: use parallel=ddp or single, or drop fp8.schedule",
     )
     _need(s.check_every >= 1, f"fp8.schedule.check_every={s.check_every} must be >= 1")
+    _need(
+        job.scaler.enabled,
+        "fp8.schedule counts the steps of the job's scaler, which scaler.enabled=false turns "
+        "off (no step callbacks, no collective): drop scaler.enabled=false or fp8.schedule",
+    )
     model = build_model(dataclasses.asdict(job.model), job.data.seq_len)
     try:
         dscale.precision.check_schedule(model, dict(s.initial), dict(s.switches))

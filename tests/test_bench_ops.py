@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,7 +18,7 @@ import torch
 import dscale
 from dscale.bench import _ops, _ops_guard
 from dscale.bench._op_count import count_ops
-from dscale.bench._ops_cli import check_targets, run_single
+from dscale.bench._ops_cli import check_targets
 
 
 def test_the_counter_counts_kernels_and_host_reads_and_leaves_views_out() -> None:
@@ -62,8 +61,26 @@ def test_sync_free_keeps_its_flat_path_for_parameters_without_state(optimizer: s
 
 
 @pytest.fixture(scope="module")
-def single() -> dict:
-    return run_single(torch.device("cpu"), profile=False)
+def cli(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """One run of ``python -m dscale.bench ops --no-compiled --json``: its single-process and
+    StepGuard tables are what ``run_single`` and ``run_guard`` return in this process (the CLI
+    calls them with the same arguments), so the tests below read them instead of counting twice.
+    The compiled column has its own test (tests/test_bench_ops_compiled.py)."""
+    out = tmp_path_factory.mktemp("ops") / "ops.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "dscale.bench", "ops", "--no-compiled", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=900,  # 576 s seen at load average 15 on 2 shared cores
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return {"stdout": proc.stdout, "json": json.loads(out.read_text())}
+
+
+@pytest.fixture(scope="module")
+def single(cli: dict) -> dict:
+    return cli["json"]["single"]
 
 
 def test_every_dynamic_and_sync_free_target_is_met_in_a_single_process(single) -> None:
@@ -89,19 +106,9 @@ def test_predictive_is_within_six_ops_of_torch_at_any_parameter_count(single) ->
             assert large["dscale_predictive"]["host_reads"] == 0, shape
 
 
-def test_the_cli_runs_two_ranks_and_writes_json(tmp_path: Path) -> None:
-    out = tmp_path / "ops.json"
-    proc = subprocess.run(
-        # the compiled column has its own test (tests/test_bench_ops_compiled.py)
-        [sys.executable, "-m", "dscale.bench", "ops", "--no-compiled", "--json", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=900,  # 576 s seen at load average 15 on 2 shared cores
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "2 gloo ranks" in proc.stdout and "targets:" in proc.stdout
-    result = json.loads(out.read_text())
+def test_the_cli_runs_two_ranks_and_writes_json(cli: dict) -> None:
+    assert "2 gloo ranks" in cli["stdout"] and "targets:" in cli["stdout"]
+    result = cli["json"]
     ranks = result["ranks2"]
     for name, arms in ranks.items():
         for arm in ("dscale", "dscale_sync_free", "dscale_predictive"):
@@ -119,8 +126,8 @@ def test_the_cli_runs_two_ranks_and_writes_json(tmp_path: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def guard_rows() -> dict:
-    return _ops_guard.run_guard(torch.device("cpu"))
+def guard_rows(cli: dict) -> dict:
+    return cli["json"]["step_guard"]
 
 
 def test_the_spike_gate_adds_at_most_20_ops_to_a_step_guard(guard_rows) -> None:

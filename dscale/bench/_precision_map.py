@@ -28,12 +28,7 @@ ARMS = ("bf16", "mxfp8", "proposed")
 
 
 def apply_map(model: nn.Module, precision_map: dict[str, str]) -> None:
-    """Convert each layer to its map's format (``bf16``: left), one conversion per recipe.
-
-    An MXFP8 layer after a bf16 one gets its input in the weight's dtype (fp32: exact): torchao
-    0.18's emulated MXFP8Linear multiplies the dequantized operands in their own dtypes and
-    raises on a bfloat16 input with a float32 weight (measured here under bf16 autocast).
-    """
+    """Convert each layer to its map's format (``bf16``: left), one conversion per recipe."""
     import dscale.fp8 as fp8
 
     for recipe in sorted(set(precision_map.values()) - {"bf16"}):
@@ -42,15 +37,6 @@ def apply_map(model: nn.Module, precision_map: dict[str, str]) -> None:
             return precision_map.get(name) != recipe
 
         fp8.convert_to_float8(model, recipe=recipe, keep_high_precision=keep, emulate=True)  # type: ignore[arg-type]
-    for name, module in model.named_modules():
-        if precision_map.get(name, "bf16").startswith("mxfp8"):
-            module.register_forward_pre_hook(_input_in_weight_dtype)
-
-
-def _input_in_weight_dtype(module: Any, args: tuple[Any, ...]) -> Any:
-    x = args[0]
-    dtype: torch.dtype = module.weight.dtype
-    return (x.to(dtype), *args[1:]) if isinstance(x, torch.Tensor) and x.dtype != dtype else None
 
 
 def run_arm(

@@ -27,7 +27,9 @@ torch.amp.GradScaler), ``extra`` (a dict of more Statefuls), the step, and per-r
 scaler's dscale.fp8 companions (WeightScales, Float8Numerics, Float8Fallback) and its
 dscale.precision.PrecisionSchedule come with it, under ``fp8_weight_scales``, ``fp8_numerics``,
 ``fp8_fallback`` and ``precision_schedule``, without being named in ``extra``;
-a checkpoint that lacks one's state is refused on load.
+a checkpoint that lacks one's state is refused on load, and so is a checkpoint holding a
+``precision_schedule`` loaded with a scaler that has none (load without ``scaler=`` for the
+weights).
 
 Preemption: ``with PreemptionGuard(["SIGTERM"]) as p: ... if p.should_stop(): save; exit(75)``;
 all ranks agree on the step (one small CPU all-reduce per call).

@@ -17,8 +17,9 @@ raises the same error on all of them (no hang), and a refused load changes nothi
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -178,7 +179,26 @@ def _stage(
                 staged[name] = empty_copy(state.state_dict())
                 _check_named(path, saved, name, staged[name])
                 _check_shapes(path, metadata, name, staged[name])
+    _refuse_a_schedule_without_a_place(path, states, saved)
     return staged
+
+
+def _refuse_a_schedule_without_a_place(
+    path: Path, states: Mapping[str, Any], saved: Mapping[str, Any]
+) -> None:
+    """A scaler loaded from a checkpoint whose run had a dscale.precision.PrecisionSchedule
+    needs one too: without it, every scheduled layer would train in the model's own format, not
+    the saved run's, without a word (the weights alone load without ``scaler=``)."""
+    key = "precision_schedule"
+    if "scaler" in states and key not in states and any(k.startswith(key + ".") for k in saved):
+        raise CheckpointError(
+            f"{path} holds a dscale.precision.PrecisionSchedule's state ({key}: the saved run "
+            "trained its scheduled layers in their formats), but the scaler being loaded has "
+            "no PrecisionSchedule: the resumed run would train those layers in the model's own "
+            "format. Build the same PrecisionSchedule on the scaler before load_checkpoint() "
+            "(the saved map and step are restored), or load without scaler= to take the weights "
+            "only"
+        )
 
 
 _NOT_EXTRAS = ("model", "optimizer", "scaler", "train")
@@ -333,6 +353,30 @@ def load_checkpoint(
     states = build_states(
         step=0, model=model, optimizer=optimizer, scaler=scaler, extra=extra, group=group
     )
+    with _fresh_optimizer_kept_fresh(states):
+        return _load(path, states, scaler, group)
+
+
+@contextlib.contextmanager
+def _fresh_optimizer_kept_fresh(states: Mapping[str, Any]) -> Iterator[None]:
+    """Take out again, when the load is refused, the state DCP gives a fresh optimizer.
+
+    To learn a fresh optimizer's structure, torch's ``get_optimizer_state_dict`` steps it with
+    zero grads and lr 0 (AdamW: step 1, zero moments); a refused load would leave that behind,
+    and a run that went on would apply Adam's bias correction one step off.
+    """
+    state = states.get("optimizer")
+    optimizer = state.optimizer if isinstance(state, OptimizerState) else None
+    fresh = optimizer is not None and not optimizer.state
+    try:
+        yield
+    except BaseException:
+        if fresh:
+            optimizer.state.clear()  # type: ignore[union-attr]
+        raise
+
+
+def _load(path: Path, states: dict[str, Any], scaler: Any, group: Any) -> int:
     problem: BaseException | None = None
     sums: _Sums = ("crc32", [])
     staged: dict[str, Any] = {}

@@ -70,7 +70,9 @@ def check_tokens(module: nn.Module, args: tuple[Any, ...]) -> None:
 
     grad_weight's GEMM blocks the tokens (every dim of the input but the last) by 32 unless it
     runs in high precision; torchao asserts it in backward, after the forward ran, with the
-    transposed shape in the message. Shapes only: no op, no host read.
+    transposed shape in the message. Shapes only: no op, no host read. In eval mode nothing is
+    refused (a validation forward without ``no_grad``); a backward there meets torchao's own
+    assertion.
     """
     x = args[0] if args else None
     if (
@@ -78,6 +80,7 @@ def check_tokens(module: nn.Module, args: tuple[Any, ...]) -> None:
         or x.dim() == 0
         or getattr(module, "wgrad_with_hp", True)
         or not torch.is_grad_enabled()
+        or not module.training  # model.eval(): evaluation with grad enabled runs any batch
         or not (x.requires_grad or any(p.requires_grad for p in module.parameters()))
     ):
         return

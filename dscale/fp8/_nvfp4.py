@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -29,7 +30,7 @@ import torch
 from torch import nn
 
 from dscale import _dist
-from dscale.fp8 import _attached, _layers, _torchao
+from dscale.fp8 import _attached, _layers, _nvfp4_checks, _torchao
 from dscale.fp8._layers import LayoutMismatchError
 
 logger = logging.getLogger(__name__)
@@ -58,9 +59,24 @@ def sr_seed(name: str, seed: int, rank: int) -> int:
     return int.from_bytes(_digest("sr", seed, name, rank)[:8], "little", signed=True)
 
 
+#: Added to :func:`_bits` when a sign is neither -1 nor +1 (memory never written: a layer built
+#: on the meta device and materialized with ``to_empty()``); MAX keeps it above every valid value.
+_INVALID = 1 << SIGNS
+
+
+def process_rank() -> int:
+    """This process's rank in the world; before ``init_process_group``, the launcher's ``RANK``
+    (torchrun sets it), so seeds set then are still this rank's (0 without either)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return _dist.rank(None)
+    return int(os.environ.get("RANK", "0"))
+
+
 def _bits(signs: Sequence[int]) -> int:
-    """Signs as a 16-bit number (exact in float32: it rides the agreement vector as it is)."""
-    return sum(1 << i for i, s in enumerate(signs) if int(s) > 0)
+    """Signs as a 16-bit number (exact in float32: it rides the agreement vector as it is),
+    plus :data:`_INVALID` when any is neither -1 nor +1."""
+    invalid = _INVALID if any(int(s) not in (-1, 1) for s in signs) else 0
+    return invalid + sum(1 << i for i, s in enumerate(signs) if int(s) > 0)
 
 
 def _local(t: Any) -> torch.Tensor:
@@ -78,8 +94,13 @@ def refuse_broadcasting_ddp(model: nn.Module) -> None:
 
     if not isinstance(model, DistributedDataParallel) or not model.broadcast_buffers:
         return
+    # What DDP broadcasts is the list it made at construction (buffers of layers swapped in
+    # later are not in it), less its ignore list.
+    listed = getattr(model, "named_module_buffers", None)
     seeds = [n for n, _ in model.module.named_buffers() if n.endswith("._sr_seed")]
-    broadcast = [n for n in seeds if n not in model.parameters_to_ignore]
+    broadcast = [
+        n for n in seeds if n not in model.parameters_to_ignore and (listed is None or n in listed)
+    ]
     if broadcast:
         raise ValueError(
             f"the model is a DDP that broadcasts its buffers from rank 0 before every forward, "
@@ -98,7 +119,7 @@ def prepare(model: nn.Module, *, seed: int = 0, rank: int | None = None) -> dict
     written, by layer name. Local: no collective.
     """
     refuse_broadcasting_ddp(model)
-    rank = _dist.rank(None) if rank is None else rank
+    rank = process_rank() if rank is None else rank
     written = {}
     for name, module in nvfp4_layers(model):
         _write(module, sign_vector(name, seed), sr_seed(name, seed, rank))
@@ -110,6 +131,14 @@ def prepare(model: nn.Module, *, seed: int = 0, rank: int | None = None) -> dict
         if isinstance(module, kinds) and fqn not in ignored:
             ignored.append(fqn)
     model._ddp_params_and_buffers_to_ignore = ignored  # type: ignore[assignment]
+    meta = [n for n, m in nvfp4_layers(model) if _local(m._sr_seed).device.type == "meta"]
+    if meta:
+        logger.warning(
+            "NVFP4 layers %s are on the meta device: their Hadamard signs and SR seeds cannot "
+            "be written yet (to_empty() leaves whatever memory held); build "
+            "dscale.fp8.NVFP4Seeds(model, scaler) once the model is materialized",
+            meta[:4],
+        )
     return written
 
 
@@ -143,6 +172,23 @@ def swap_linears(model: nn.Module, names: Sequence[str]) -> None:
         setattr(modules[parent_name] if parent_name else model, child, new)
 
 
+class _LoadHook:
+    """The model's load_state_dict post hook, calling its NVFP4Seeds; pickled or deep-copied
+    with the model (``torch.save(model)``, a copy for an EMA) it becomes a no-op: a bound method
+    would drag the NVFP4Seeds and its scaler along (unpicklable), and the copy's layers are not
+    the ones it set (build another NVFP4Seeds on the copy)."""
+
+    def __init__(self, seeds: NVFP4Seeds) -> None:
+        self.seeds: NVFP4Seeds | None = seeds
+
+    def __call__(self, module: nn.Module, incompatible: Any) -> None:
+        if self.seeds is not None:
+            self.seeds._after_model_load(module, incompatible)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"seeds": None}
+
+
 class NVFP4Seeds:
     """The NVFP4 layers' Hadamard signs and SR seeds: set, checked at the first step, saved.
 
@@ -170,22 +216,29 @@ class NVFP4Seeds:
         self._model = model
         self._scaler = scaler
         self.seed = seed
-        self.rank = _dist.rank(None)
+        self.rank = process_rank()
         layers = nvfp4_layers(model)
-        if not layers:
-            raise ValueError(
-                "NVFP4Seeds: the model holds no torchao NVFP4Linear; convert it with "
-                "convert_to_float8(model, recipe='nvfp4') or build it with NVFP4Linear layers"
-            )
+        problem = _nvfp4_checks.local_problem(layers, self)
+        if problem is None:
+            try:
+                refuse_broadcasting_ddp(model)
+            except ValueError as exc:
+                problem = str(exc)
+        # One gather: a refusal, other layers or another seed on any rank raise on every rank
+        # (a rank raising alone would leave the others in the first step's collective).
+        group = scaler._process_group() if hasattr(scaler, "_process_group") else None
+        _nvfp4_checks.agree(layers, seed, problem, group)
         self.names = tuple(n for n, _ in layers)
         self._modules = [m for _, m in layers]
         self._expected = prepare(model, seed=seed)
+        for module in self._modules:
+            _nvfp4_checks.owners[module] = self
         self._pending = True  # check at the next step
         self._sent = False
         self._slots: torch.Tensor | None = None
         self._unfield = scaler.add_agreement_field(self)
         _attached.attach_nvfp4(scaler, self)
-        self._unhook = model.register_load_state_dict_post_hook(self._after_model_load).remove
+        self._unhook = model.register_load_state_dict_post_hook(_LoadHook(self)).remove
 
     # ------------------------------------------------------------ the agreement field protocol
     def values(self, optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
@@ -194,12 +247,15 @@ class NVFP4Seeds:
         if not self._pending:
             return None
         self._pending, self._sent = False, True
+        rank_changed = self.rank != process_rank()
         rows = []
         for name, module in zip(self.names, self._modules):
             used = _bits(module.rht_sign_vector)
             held = _bits(_local(module._rht_sign_vector).tolist())
             moved = int(_local(module._sr_seed).reshape(-1)[0]) != self._expected[name]
-            rows.append([used, -used, held, -held, float(moved)])
+            # 2: the seeds were derived for another rank (built before init_process_group,
+            # every rank as rank 0, so every rank's stochastic rounding alike).
+            rows.append([used, -used, held, -held, 2.0 if rank_changed else float(moved)])
         return torch.tensor(rows, dtype=torch.float32).reshape(-1)
 
     def agreed(self, slots: torch.Tensor) -> None:
@@ -221,8 +277,24 @@ class NVFP4Seeds:
             for n, (hi, neg_lo, held_hi, held_neg_lo, _) in zip(self.names, rows)
             if len({hi, -neg_lo, held_hi, -held_neg_lo}) > 1
         ]
-        seeds = [n for n, row in zip(self.names, rows) if row[4] > 0]
+        seeds = [n for n, row in zip(self.names, rows) if 0 < row[4] < 2]
+        before_init = [n for n, row in zip(self.names, rows) if row[4] >= 2]
+        invalid = [n for n, row in zip(self.names, rows) if max(row[0], row[2]) >= _INVALID]
         problems = []
+        if invalid:
+            problems.append(
+                f"the Hadamard sign vectors of {invalid} hold values other than -1 and +1 on "
+                "some rank (a sign of 0 zeroes the transform): a damaged state loaded, or "
+                "memory never written (a model built on the meta device, then to_empty()); "
+                "load a sound state, or build NVFP4Seeds after the model is materialized"
+            )
+        if before_init:
+            problems.append(
+                f"the stochastic-rounding seeds of {before_init} were derived for another "
+                "rank than this process's on some rank (NVFP4Seeds built before "
+                "init_process_group: every rank as rank 0, so every rank rounds alike); build "
+                "NVFP4Seeds after init_process_group"
+            )
         if signs:
             problems.append(
                 f"the Hadamard sign vectors of {signs} differ between ranks (or from the "
@@ -272,6 +344,7 @@ class NVFP4Seeds:
             raise ValueError(f"NVFP4Seeds state lacks {missing}; is it of another object?")
         saved = bytes(state["names"].tolist()).decode().split("\n") if len(state["names"]) else []
         _layers.refuse_other_layers("NVFP4Seeds", saved, len(saved), list(self.names))
+        _nvfp4_checks.check_state(state, saved)
         rows = state["sr_seeds"]
         mine = rows.get(f"rank_{self.rank}")
         if len(rows) != _dist.world_size(None) or mine is None:
@@ -304,3 +377,6 @@ class NVFP4Seeds:
         self._unfield()
         self._unhook()
         _attached.detach(self._scaler, self)
+        for module in self._modules:
+            if _nvfp4_checks.owners.get(module) is self:
+                del _nvfp4_checks.owners[module]

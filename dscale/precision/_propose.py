@@ -4,8 +4,8 @@ The rule (a data-driven form of "keep the last 15% of blocks in bf16"): each lay
 format of ``formats`` (cheapest first) that
 
 1. its weight's dims allow (both ``in_features`` and ``out_features`` divisible by the format's
-   multiple: 16 for tensorwise and rowwise, 32 for MXFP8, 128 for NVFP4 (NVFP4Linear's GEMMs),
-   as ``convert_to_float8`` and torchao require), and
+   multiple, ``dscale.fp8._convert.dim_multiple``: 16 for tensorwise and rowwise, 32 for
+   MXFP8, 128 for NVFP4, as ``convert_to_float8`` and torchao require), and
 2. on every operand (input, weight, grad_output), over the whole sampled window, saturates at
    most ``max_saturated`` and flushes at most ``max_flushed`` of the elements (a NaN share
    passes no threshold);

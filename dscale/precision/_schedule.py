@@ -10,8 +10,12 @@ layer's config; to or from MXFP8 by a new module holding the same parameters.
 
 Ranks are compared twice: at construction (every rank's map and switches, one all-gather,
 naming what differs) and then on every ``check_every``-th iteration by a fingerprint of the
-current map and the switches to come riding the scaler's one agreement vector (MAX of the
-fingerprint and of its negation): a rank whose map was edited alone is refused on every rank.
+step, the current map and the switches to come riding the scaler's one agreement vector (MAX of
+the fingerprint and of its negation): a rank whose map or step was changed alone is refused on
+every rank. Which iterations compare is counted by the scaler's ``update()`` calls, not by the
+schedule's own step: every rank counts those alike even where the schedules' steps differ, so
+the vectors keep one length on every rank (a step of the schedule's own would arm the
+comparison on one rank only, and gloo aborts on vectors of different lengths).
 """
 
 from __future__ import annotations
@@ -69,8 +73,16 @@ class PrecisionSchedule:
         initial: the map at step 0: every layer the schedule switches must be named here.
         switches: ``{step: {layer: format}}``, steps positive.
         emulate: torchao's emulation (no FP8 GEMM hardware: CPUs, older GPUs).
-        check_every: compare the ranks' maps on every ``check_every``-th iteration (the first
-            included), riding the scaler's vector; 1 compares on every step.
+        check_every: compare the ranks' steps and maps on every ``check_every``-th iteration
+            (the first included, counted by the scaler's ``update()`` calls), riding the
+            scaler's vector; 1 compares on every step. A rank that diverges runs up to
+            ``check_every`` iterations before every rank refuses.
+
+    Raises:
+        ValueError: a bad layer, format or step (:func:`check_schedule`), a layer torchao
+            cannot run in its format, or a disabled scaler; on every rank alike.
+        LayoutMismatchError: the ranks built different schedules (or only some ranks'
+            scalers are enabled); on every rank.
     """
 
     def __init__(
@@ -84,24 +96,27 @@ class PrecisionSchedule:
         check_every: int = 16,
         group: Any | None = None,
     ) -> None:
-        if not isinstance(check_every, int) or isinstance(check_every, bool) or check_every < 1:
-            raise ValueError(f"check_every must be a positive int, got {check_every!r}")
         self._root = unwrapped(model)
-        self.initial, self.switches = check_schedule(self._root, initial, switches)
-        self._modules = _scheduled_modules(self._root, initial)
+        problem = None
+        try:  # a refusal on some ranks only is raised on every rank (no peer left waiting)
+            if isinstance(check_every, bool) or not isinstance(check_every, int) or check_every < 1:
+                raise ValueError(f"check_every must be a positive int, got {check_every!r}")
+            self.initial, self.switches = check_schedule(self._root, initial, switches)
+            self._modules = _scheduled_modules(self._root, initial)
+        except ValueError as exc:
+            problem = exc
+        _dist.gather_then_raise(problem, group, "PrecisionSchedule", (ValueError,))
         self.emulate = emulate
         self.check_every = check_every
         self.step = 0
         self.formats: dict[str, str] = {}
         self._group = group
-        self._check_ranks()
+        self._check_ranks(bool(scaler.is_enabled()))
         for name, fmt in self.initial.items():
             self._put(name, fmt)
         self._scaler = scaler
         self._sent: torch.Tensor | None = None
-        self._fingerprint = self._make_fingerprint()
-        self._unfield: Callable[[], None] | None = None
-        self._arm()
+        self._unfield: Callable[[], None] | None = scaler.add_agreement_field(self)
         self._unregister = scaler.register_step_callback(self._after_step)
         _attached.attach_schedule(scaler, self)
         logger.info("PrecisionSchedule: step 0: %s", _describe({}, self.formats))
@@ -127,6 +142,7 @@ class PrecisionSchedule:
                 f"PrecisionSchedule.switch: {unknown} are not scheduled layers "
                 f"(they are: {sorted(self._modules)})"
             )
+        _refuse_untakeable(self._root, self._modules, checked, "switch()")
         self._apply(checked, why)
 
     # -- the step ---------------------------------------------------------------------------
@@ -135,20 +151,17 @@ class PrecisionSchedule:
         count = getattr(self._scaler, "_stepped_this_iteration", None)
         return 0 if count is None else int(count())
 
-    def _arm(self) -> None:
-        """Ride the vector on the iterations that compare (every rank counts them alike)."""
-        armed = self.step % self.check_every == 0
-        if armed and self._unfield is None:
-            self._unfield = self._scaler.add_agreement_field(self)
-        elif not armed and self._unfield is not None:
-            self._unfield()
-            self._unfield = None
+    def _compares(self) -> bool:
+        """Whether this iteration compares: the scaler's count of ``update()`` calls, which
+        every rank makes alike (a compiled update is not counted: it compares every time)."""
+        return int(getattr(self._scaler, "_iteration", 0)) % self.check_every == 0
 
     def values(self, optimizer: Any) -> torch.Tensor | None:
-        """The fingerprint and its negation (the scaler's agreement field)."""
-        if self._stepped():
-            return None  # a further optimizer of this iteration: sent with the first
-        return self._fingerprint
+        """The fingerprint and its negation (the scaler's agreement field), on the iterations
+        that compare."""
+        if self._stepped() or not self._compares():
+            return None  # not compared now, or a further optimizer: sent with the first
+        return self._make_fingerprint()
 
     def agreed(self, slots: torch.Tensor) -> None:
         """This field's slots in the all-reduced vector."""
@@ -163,21 +176,37 @@ class PrecisionSchedule:
         self.step += 1
         due = self.switches.get(self.step)
         if due:
-            self._apply(due, "scheduled")
-        self._arm()
+            self._apply(self._unless_fallen(due), "scheduled")
+
+    def _unless_fallen(self, changes: Mapping[str, str]) -> dict[str, str]:
+        """``changes`` without the switches out of bf16 of layers ``Float8Fallback`` switched:
+        the fallback measured them unfit for FP8, so they stay in bf16 (logged). Every rank
+        drops alike (the fallback's decisions are agreed), and a resume does too (the
+        fallback's state switches its layers to bf16 again after the schedule's)."""
+        fallen = set(getattr(_attached.fallback_of(self._scaler), "fallen", ()))
+        kept = sorted(n for n, f in changes.items() if n in fallen and f != BF16)
+        if kept:
+            logger.warning(
+                "PrecisionSchedule: step %d: %s stay in bf16: Float8Fallback switched them, "
+                "so the schedule's switch of them (%s) is not applied",
+                self.step,
+                kept,
+                ", ".join(f"{n} -> {changes[n]}" for n in kept),
+            )
+        return {n: f for n, f in changes.items() if n not in kept}
 
     def _refuse_disagreement(self, sent: torch.Tensor) -> None:
         high, neg_low = sent.view(-1, 2).t().tolist()  # host read of 4 agreed floats
         if any(h != -n for h, n in zip(high, neg_low)):
             raise LayoutMismatchError(
                 f"PrecisionSchedule: at step {self.step} the ranks' precision maps differ (this "
-                f"rank's: {self.formats}; switches to come: {self._future()}); every rank "
-                "must build the same schedule and switch alike: call switch() on every rank, "
-                "never on one"
+                f"rank's: step {self.step}, {self.formats}; switches to come: "
+                f"{self._future()}); every rank must build the same schedule, load the same "
+                "state and switch alike: call switch() on every rank, never on one"
             )
 
     def _make_fingerprint(self) -> torch.Tensor:
-        text = repr((sorted(self.formats.items()), self._future()))
+        text = repr((self.step, sorted(self.formats.items()), self._future()))
         digest = hashlib.sha256(text.encode()).digest()
         a = int.from_bytes(digest[:3], "big")
         b = int.from_bytes(digest[3:6], "big")
@@ -193,7 +222,6 @@ class PrecisionSchedule:
         for name, fmt in changes.items():
             if self.formats.get(name) != fmt:
                 self._put(name, fmt)
-        self._fingerprint = self._make_fingerprint()
         if self.formats != before:
             logger.warning(
                 "PrecisionSchedule: step %d%s: %s",
@@ -210,7 +238,22 @@ class PrecisionSchedule:
             parent = self._root.get_submodule(parent_name) if parent_name else self._root
             setattr(parent, child, new)
             self._modules[name] = new
+            self._warn_unmeasured(name, old, fmt)
         self.formats[name] = fmt
+
+    def _warn_unmeasured(self, name: str, old: nn.Module, fmt: str) -> None:
+        """Say so when the scaler's ``Float8Numerics`` measured the module just replaced: its
+        hooks stay on the old module, so it no longer sees the layer."""
+        scaler = getattr(self, "_scaler", None)  # None while __init__ puts the initial map
+        numerics = None if scaler is None else _attached.numerics_of(scaler)
+        if numerics is not None and any(m is old for _, m in numerics.layers):
+            logger.warning(
+                "PrecisionSchedule: %s now runs in %s as a new module; Float8Numerics measured "
+                "its old module, so it no longer sees this layer and reports zeros for it "
+                "(amax 0). Make the numerics for a map whose float8 layers stay Float8Linear",
+                name,
+                fmt,
+            )
 
     def module(self, name: str) -> nn.Module:
         """The module layer ``name`` runs as now."""
@@ -218,21 +261,32 @@ class PrecisionSchedule:
 
     # -- ranks, state -----------------------------------------------------------------------
 
-    def _check_ranks(self) -> None:
+    def _check_ranks(self, enabled: bool) -> None:
+        """Every rank's schedule and whether its scaler is enabled, in one all-gather; raised
+        alike on every rank."""
         mine = (
             sorted(self.initial.items()),
             sorted((s, sorted(c.items())) for s, c in self.switches.items()),
             self.check_every,
+            enabled,
         )
         everyone = _dist.all_gather_objects(mine, self._group)
         if any(r != everyone[0] for r in everyone):
             detail = "; ".join(
-                f"rank {r}: initial {dict(v[0])}, switches {v[1]}, check_every {v[2]}"
+                f"rank {r}: initial {dict(v[0])}, switches {v[1]}, check_every {v[2]}, "
+                f"scaler enabled {v[3]}"
                 for r, v in enumerate(everyone)
             )
             raise LayoutMismatchError(
                 f"PrecisionSchedule: ranks built different schedules ({detail}); build the "
                 "same schedule on every rank"
+            )
+        if not enabled:
+            raise ValueError(
+                "PrecisionSchedule: the scaler is disabled (enabled=False): its step() calls no "
+                "step callbacks and runs no collective, so the schedule would never count a "
+                "step, switch, or compare the ranks. Pass an enabled scaler: for bf16 or fp32 "
+                "training dscale.StepGuard(device) (no loss scale), for fp16 GradScaler"
             )
 
     def state_dict(self) -> dict[str, Any]:
@@ -287,7 +341,6 @@ class PrecisionSchedule:
             formats[name] = FORMATS[index]
         self.step = step
         self._apply(formats, f"resumed at step {step}")
-        self._arm()
 
     def close(self) -> None:
         """Stop switching and comparing (the layers stay in their formats)."""
@@ -320,7 +373,57 @@ def check_schedule(
             "on a plain or DDP model (FSDP2 is not supported)"
         )
     checked = {n: _formats.check_format(f, f"initial[{n!r}]") for n, f in initial.items()}
-    return checked, _checked_switches(switches or {}, modules)
+    planned = _checked_switches(switches or {}, modules)
+    _refuse_untakeable(root, modules, checked, "initial")
+    for step, changes in planned.items():
+        _refuse_untakeable(root, modules, changes, f"switches[{step}]")
+    return checked, planned
+
+
+def _refuse_untakeable(
+    root: nn.Module, modules: Mapping[str, nn.Module], formats: Mapping[str, str], where: str
+) -> None:
+    """ValueError for a layer put in a format torchao cannot take it in (what
+    ``convert_to_float8`` would leave): dims not divisible by the format's multiple (16 for
+    torch._scaled_mm, MXFP8's 32-block), an ``nn.Linear`` subclass (its owner may not call its
+    forward: MultiheadAttention's out_proj), or a linear held under several names (a swap
+    replaces one)."""
+    from dscale.fp8._convert import dim_multiple
+
+    bad = []
+    for name, fmt in formats.items():
+        module = modules[name]
+        if fmt == BF16 and (type(module) is nn.Linear or _torchao_linear(module)):
+            continue
+        others = [n for n, m in root.named_modules(remove_duplicate=False) if m is module]
+        others.remove(name)
+        multiple = dim_multiple("tensorwise" if fmt in FLOAT8_LINEAR else fmt)
+        if type(module) is not nn.Linear and not _torchao_linear(module):
+            bad.append(
+                f"{name} is a {type(module).__name__}, a subclass of nn.Linear (torchao swaps "
+                "nn.Linear itself only; its owner may not call its forward)"
+            )
+        elif others:
+            bad.append(f"{name} is also held as {others} (a swap would replace one name only)")
+        elif fmt != BF16 and (dims := _dims(module))[0] % multiple + dims[1] % multiple:
+            bad.append(
+                f"{name} has in_features={dims[0]}, out_features={dims[1]}; {fmt} needs both "
+                f"divisible by {multiple}"
+            )
+    if bad:
+        raise ValueError(
+            f"PrecisionSchedule: {where} puts layers in formats torchao cannot run them in: "
+            + "; ".join(bad)
+            + ". Leave them out of the schedule (or in bf16)"
+        )
+
+
+def _dims(module: nn.Module) -> tuple[int, int]:
+    return int(module.in_features), int(module.out_features)  # type: ignore[arg-type]
+
+
+def _torchao_linear(module: nn.Module) -> bool:
+    return type(module).__module__.startswith("torchao.")
 
 
 def _fsdp2_module() -> type:

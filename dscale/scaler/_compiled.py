@@ -42,7 +42,9 @@ FUSED = (
 CALLBACKS = (
     "a step callback (register_step_callback) is told whether the step was applied, a host "
     "read of the agreed flag per step; read step_applied() outside the compiled region "
-    "instead. " + _COMPILES
+    "instead. dscale's features that count steps register one too (dscale.precision's "
+    "PrecisionSchedule, dscale.fp8's WeightScales, Float8Numerics and Float8Fallback): with "
+    "them, compile without fullgraph=True (step() then runs eagerly). " + _COMPILES
 )
 HOOKED_STEP = (
     "the optimizer's step has hooks or was replaced (opt.step = ...), and the scaler runs the "

@@ -92,6 +92,14 @@ def _nvfp4() -> None:
         print("NVFP4Linear forward: ran")
     except Exception as exc:  # what this machine cannot run, said as torchao says it
         print(f"NVFP4Linear forward: {type(exc).__name__}: {exc}")
+    from torchao.quantization.quantize_.common import KernelPreference
+
+    emulated = cls(128, 128, kernel_preference=KernelPreference.EMULATED)
+    try:
+        emulated(torch.randn(128, 128, dtype=torch.bfloat16))
+        print("NVFP4Linear(kernel_preference=EMULATED) forward: ran")
+    except Exception as exc:
+        print(f"NVFP4Linear(kernel_preference=EMULATED) forward: {type(exc).__name__}: {exc}")
 
 
 if __name__ == "__main__":

@@ -264,3 +264,76 @@ def test_the_launcher_refuses_an_mxfp8_job_whose_batches_mxfp8_cannot_train_on()
     validate(
         _job("trainer.precision=fp8", "data.batch_size=3", "data.seq_len=32", "fp8.recipe=mxfp8")
     )
+
+
+def test_mxfp8_one_non_finite_element_skips_and_frozen_and_late_params_train_as_in_bf16():
+    """Review r43d: one NaN or inf in one 32-block (of the input, or of a weight) skips the step
+    with every parameter unchanged, as the bf16 model's non-finite grads would; a frozen weight
+    keeps grad None and a parameter added to the optimizer late trains, each grad within
+    MXFP8's error of the bf16 model's; 40 tokens (not a multiple of 32) train under
+    mxfp8_wgrad_with_hp."""
+
+    def base() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 32))
+
+    for bad in (float("nan"), float("inf")):
+        for where in ("input", "weight"):
+            model, bf16 = base(), base()
+            fp8.convert_to_float8(model, recipe="mxfp8", emulate=True)
+            x = torch.randn(32, 64)
+            for m in (model, bf16):
+                if where == "weight":
+                    with torch.no_grad():
+                        m[2].weight[1, 7] = bad
+            if where == "input":
+                x[3, 5] = bad
+            bf16(x).square().mean().backward()
+            assert not all(p.grad.isfinite().all() for p in bf16.parameters())  # the oracle
+            guard = dscale.StepGuard("cpu")
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            before = [p.detach().clone() for p in model.parameters()]
+            guard.scale(model(x).square().mean()).backward()
+            guard.step(opt)
+            guard.update()
+            assert not guard.step_applied(opt), (bad, where)
+            after = [p.detach() for p in model.parameters()]
+            assert all(torch.equal(a.nan_to_num(), b.nan_to_num()) for a, b in zip(before, after))
+    for recipe, tokens in (("mxfp8", 32), ("mxfp8_wgrad_with_hp", 40)):
+        model, bf16 = base(), base()
+        fp8.convert_to_float8(model, recipe=recipe, emulate=True)
+        for m in (model, bf16):
+            m[0].weight.requires_grad_(False)
+        opt = torch.optim.SGD([model[0].bias, model[2].weight], lr=0.1)
+        opt.add_param_group({"params": [model[2].bias]})  # late
+        x = torch.randn(tokens, 64)
+        guard = dscale.StepGuard("cpu")
+        guard.scale(model(x).square().mean()).backward()
+        bf16(x).square().mean().backward()
+        assert model[0].weight.grad is None and bf16[0].weight.grad is None
+        for (name, p), q in zip(model.named_parameters(), bf16.parameters()):
+            if q.grad is not None:
+                assert ((p.grad - q.grad).norm() / q.grad.norm()) < 0.25, (recipe, name)
+        before = model[2].bias.detach().clone()
+        guard.step(opt)
+        guard.update()
+        assert guard.step_applied(opt) and not torch.equal(before, model[2].bias)
+
+
+def test_an_eval_mode_forward_with_grad_enabled_runs_any_batch_as_torchao_alone():
+    """Review r43d: a validation forward in eval mode without no_grad (35 tokens) was refused
+    with the training ValueError, where torchao's MXFP8Linear alone runs it; now it runs and
+    gives torchao's output bit for bit. In train mode it is still refused."""
+    from tests.fp8 import _mx_ranks
+
+    x = torch.randn(5, 7, 32)
+    ours, theirs = nn.Sequential(nn.Linear(32, 32)), nn.Sequential(nn.Linear(32, 32))
+    theirs.load_state_dict(ours.state_dict())
+    fp8.convert_to_float8(ours, recipe="mxfp8", emulate=True)
+    _mx_ranks.torchao_mxfp8(theirs, "mxfp8", names=("0",))
+    ours.eval()
+    theirs.eval()
+    assert torch.equal(ours(x), theirs(x))
+    ours.train()
+    with pytest.raises(ValueError, match="divisible by 32"):
+        ours(x)

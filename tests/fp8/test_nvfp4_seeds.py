@@ -185,3 +185,244 @@ def test_a_two_rank_checkpoint_resumed_by_one_process_derives_its_seeds_and_keep
     for name, module in _nvfp4.nvfp4_layers(model):
         assert (module.rht_sign_vector, int(module._sr_seed)) == saved[name]
     assert seeds.seed == 0  # the saved run's
+
+
+# ---------------------------------------------------------------- review r43d: attacks
+
+
+def test_ranks_holding_other_nvfp4_layers_are_refused_at_construction_on_every_rank(runs):
+    """Rank 1 kept a layer in high precision: before, the first step's vector was 13 floats on
+    rank 0 and 8 on rank 1 and gloo aborted rank 1 ("Received data size doesn't match"); a
+    rank with no NVFP4 layer raised alone, leaving rank 0 in the collective."""
+    for rank in (0, 1):
+        out = runs[rank]["attacks"]
+        assert out["other_layers"].startswith("LayoutMismatchError")
+        assert "only here: ['2 (128->128)']" in out["other_layers"]
+        assert out["none_on_1"].startswith("ValueError: NVFP4Seeds refused on rank(s) rank 1")
+
+
+def test_nvfp4seeds_built_before_init_process_group_is_refused_at_the_first_step(runs):
+    """Built before init (every rank is rank 0 then), every rank held rank 0's SR seeds and the
+    check passed: the stochastic rounding correlated across ranks, silently."""
+    a, b = runs[0]["attacks"], runs[1]["attacks"]
+    assert a["before_init_seeds"] == b["before_init_seeds"]  # what the check must catch
+    for out in (a, b):
+        assert out["before_init"].startswith("LayoutMismatchError")
+        assert "before init_process_group" in out["before_init"]
+
+
+def test_signs_other_than_plus_minus_one_after_a_load_are_refused_on_every_rank(runs):
+    """A model state whose signs are 0 (loaded alike on every rank) passed the agreement check:
+    a zero sign zeroes the Hadamard transform."""
+    for rank in (0, 1):
+        out = runs[rank]["attacks"]["zero_signs"]
+        assert out.startswith("LayoutMismatchError") and "other than -1 and +1" in out
+        assert "['0']" in out
+
+
+def test_another_runs_model_state_loaded_on_rank_1_alone_is_refused_on_every_rank(runs):
+    """model.load_state_dict of a state made with other signs, on rank 1 only: the load re-arms
+    the check, and every rank raises before the step (no finding: v43d did this too)."""
+    for rank in (0, 1):
+        out = runs[rank]["attacks"]
+        assert out["other_run_on_1"].startswith("LayoutMismatchError")
+        assert "sign vectors of ['0', '2'] differ" in out["other_run_on_1"]
+        assert out["other_run_unchanged"]
+
+
+def test_the_check_rides_the_deferred_collective_of_torchs_amp_recipe_on_gradscaler(runs):
+    """GradScaler, two micro-batches, unscale_ + clip_grad_norm_ on one of two optimizers: rank
+    1's changed signs refused on every rank at the first optimizer's step, nothing stepped (no
+    finding: v43d did this too)."""
+    for rank in (0, 1):
+        out = runs[rank]["attacks"]
+        assert out["amp_recipe"].startswith("LayoutMismatchError")
+        assert "sign vectors of ['0'] differ" in out["amp_recipe"]
+        assert out["amp_unchanged"]
+
+
+def test_fsdp2_keeps_each_ranks_sr_seeds_and_a_resume_gives_each_its_own_back(runs):
+    """fully_shard leaves the buffers plain and unbroadcast; the first step passes the check;
+    dscale.checkpoint brings each rank's own seeds back over seeds overwritten with 5 (no
+    finding)."""
+    a, b = runs[0]["attacks"], runs[1]["attacks"]
+    assert a["fsdp_applied"] and b["fsdp_applied"]
+    for name in a["fsdp_used"]:
+        assert a["fsdp_used"][name][0] == b["fsdp_used"][name][0]
+        assert a["fsdp_used"][name][1] != b["fsdp_used"][name][1]
+        for out in (a, b):
+            assert out["fsdp_loaded"][name] == out["fsdp_used"][name]
+
+
+def test_a_ddp_built_before_the_conversion_is_accepted_and_keeps_per_rank_seeds(runs):
+    """DDP broadcasts the buffers it listed at construction: the swapped layers' SR seeds are
+    not among them (each rank's own below), so NVFP4Seeds on that DDP is no longer refused."""
+    a, b = runs[0]["attacks"], runs[1]["attacks"]
+    assert a["ddp_before"] == b["ddp_before"] == "no error"
+    assert a["ddp_before_applied"] and b["ddp_before_applied"]
+    for name in a["ddp_before_used"]:
+        assert a["ddp_before_used"][name][0] == b["ddp_before_used"][name][0]
+        assert a["ddp_before_used"][name][1] != b["ddp_before_used"][name][1]
+
+
+def test_nvfp4_slots_ride_the_one_collective_first_step_and_first_after_a_load_only(runs):
+    """One all-reduce per step; 5 slots per layer (2 layers) on the first step and on the first
+    after load_checkpoint, the flag alone otherwise (iteration 2 carries no scale range)."""
+    for rank in (0, 1):
+        out = runs[rank]["attacks"]
+        assert out["widths"] == [3 + 10, 1]
+        assert out["widths_after_load"] == [1 + 10, 1]
+
+
+def _seeded(seed: int = 0):
+    model = nn.Sequential(nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 128, bias=False))
+    fp8.convert_to_float8(model, recipe="nvfp4")
+    guard = dscale.StepGuard("cpu")
+    seeds = fp8.NVFP4Seeds(model, guard, seed=seed)
+    return model, guard, seeds, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def _tampered(state, what):
+    if what == "short sign rows":
+        state["sign_vectors"] = state["sign_vectors"][:1]
+    elif what == "zero signs":
+        state["sign_vectors"] = torch.zeros_like(state["sign_vectors"])
+    elif what == "short sr row":
+        state["sr_seeds"]["rank_0"] = state["sr_seeds"]["rank_0"][:1]
+    return state
+
+
+def test_a_tampered_or_missing_fp8_nvfp4_entry_is_refused_before_anything_loads(tmp_path):
+    """Before, rows shorter than the layers passed the check and raised KeyError in the middle
+    of applying (the model already loaded), and signs of 0 loaded silently."""
+    from dscale.checkpoint import CheckpointError, CheckpointManager, load_checkpoint
+
+    kinds = ("short sign rows", "zero signs", "short sr row")
+    for step, what in enumerate(kinds, 1):
+        model, guard, seeds, _ = _seeded()
+        state = seeds.state_dict
+        seeds.state_dict = lambda state=state, what=what: _tampered(state(), what)
+        CheckpointManager(tmp_path / f"t{step}", every=0).save(1, model=model, scaler=guard)
+        seeds.close()
+    model, _, _, _ = _seeded()
+    CheckpointManager(tmp_path / "bare", every=0).save(1, model=model)  # no fp8_nvfp4 entry
+    model, guard, seeds, _ = _seeded(seed=5)
+    with torch.no_grad():
+        model[0].weight.fill_(0.5)  # unlike every saved model
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    for step in range(1, len(kinds) + 1):
+        with pytest.raises(CheckpointError, match="damaged"):
+            load_checkpoint(tmp_path / f"t{step}" / "step-1", model=model, scaler=guard)
+    with pytest.raises(CheckpointError, match="holds no fp8_nvfp4 state"):
+        load_checkpoint(tmp_path / "bare" / "step-1", model=model, scaler=guard)
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert seeds.seed == 5
+
+
+def test_nvfp4seeds_refuses_meta_buffers_and_a_second_live_one_on_the_same_layers(caplog):
+    """A model converted on the meta device got no signs (to_empty() left garbage: signs of 0
+    or -84); NVFP4Seeds on it wrote nothing. A second NVFP4Seeds on the same layers silently
+    overwrote the first's SR seeds."""
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 128))
+    with caplog.at_level("WARNING", logger="dscale.fp8._nvfp4"):
+        fp8.convert_to_float8(model, recipe="nvfp4")
+    assert "on the meta device" in caplog.text
+    guard = dscale.StepGuard("cpu")
+    with pytest.raises(ValueError, match="meta device"):
+        fp8.NVFP4Seeds(model, guard)
+    model.to_empty(device="cpu")
+    first = fp8.NVFP4Seeds(model, guard)
+    assert model[0].rht_sign_vector == tuple(_nvfp4.sign_vector("0", 0))
+    with pytest.raises(ValueError, match="already set by another live NVFP4Seeds"):
+        fp8.NVFP4Seeds(model, guard, seed=1)
+    assert int(model[0]._sr_seed) == _nvfp4.sr_seed("0", 0, 0)  # the first's, untouched
+    first.close()
+    fp8.NVFP4Seeds(model, guard, seed=1).close()
+    assert model[0].rht_sign_vector == tuple(_nvfp4.sign_vector("0", 1))
+
+
+def test_one_process_refuses_signs_other_than_plus_minus_one_before_the_step():
+    """Without a collective, verify() was never called: a one-process job that loaded a state
+    with signs of 0 trained on (a zeroed Hadamard transform). Refused now, nothing stepped."""
+    model = nn.Sequential(nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 128))
+    fp8.convert_to_float8(model, recipe="nvfp4")
+    for _, layer in _nvfp4.nvfp4_layers(model):
+        layer.forward = lambda x, m=layer: torch.nn.functional.linear(x, m.weight, m.bias)
+    guard = dscale.StepGuard("cpu")
+    seeds = fp8.NVFP4Seeds(model, guard)
+    state = model.state_dict()
+    state["2._rht_sign_vector"] = torch.zeros(16, dtype=torch.int8)
+    model.load_state_dict(state)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in model.parameters()]
+    guard.scale(model(torch.randn(4, 128)).sum()).backward()
+    with pytest.raises(fp8.LayoutMismatchError, match=r"sign vectors of \['2'\]"):
+        guard.step(opt)
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    seeds.close()
+
+
+def test_nvfp4_leaves_what_torchao_cannot_take_in_conversion_left_and_swaps_a_shared_linear_once():
+    """Review r43d (no finding): a Linear subclass and dims not divisible by 128 are named in
+    ``conversion.left``; a bias-less linear is converted; a linear held under two names becomes
+    one NVFP4Linear held under both (one sign vector, one SR seed, one ignore entry)."""
+
+    class Sub(nn.Linear):
+        pass
+
+    model = nn.Module()
+    model.a = nn.Linear(128, 128)
+    model.b = model.a
+    model.s = Sub(128, 128)
+    model.odd = nn.Linear(128, 96)
+    model.nb = nn.Linear(256, 128, bias=False)
+    conversion = fp8.convert_to_float8(model, recipe="nvfp4")
+    assert conversion.converted == ("a", "nb")
+    assert sorted(conversion.left) == ["odd", "s"]
+    assert "subclass" in conversion.left["s"] and "divisible by 128" in conversion.left["odd"]
+    assert model.a is model.b and type(model.a).__name__ == "NVFP4Linear"
+    assert model._ddp_params_and_buffers_to_ignore == ["a._sr_seed", "nb._sr_seed"]
+    assert [n for n, _ in _nvfp4.nvfp4_layers(model)] == ["a", "nb"]
+
+
+def test_a_model_with_nvfp4seeds_can_be_saved_whole_and_copied_and_the_copy_is_its_own():
+    """torch.save(model) raised "Can't pickle local object 'GradScaler.add_agreement_field.
+    <locals>.unregister'": the load hook was a bound method dragging NVFP4Seeds and its scaler
+    along. The loaded copy keeps the buffers; loading a state into it leaves the original's
+    NVFP4Seeds alone (its layers are not the copy's)."""
+    import copy
+    import io
+
+    model = nn.Sequential(nn.Linear(128, 128))
+    fp8.convert_to_float8(model, recipe="nvfp4")
+    seeds = fp8.NVFP4Seeds(model, dscale.StepGuard("cpu"))
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    for twin in (loaded, copy.deepcopy(model)):
+        assert twin[0].rht_sign_vector == model[0].rht_sign_vector
+        assert int(twin[0]._sr_seed) == int(model[0]._sr_seed)
+        seeds._pending = False
+        twin.load_state_dict(model.state_dict())
+        assert not seeds._pending  # the original's check is not re-armed by the copy's load
+    model.load_state_dict(model.state_dict())
+    assert seeds._pending  # its own model's load still is
+    seeds.close()
+
+
+def test_converted_before_init_process_group_under_torchrun_the_sr_seeds_are_this_ranks(
+    monkeypatch,
+):
+    """torchrun sets RANK before the script calls init_process_group; a conversion (or
+    NVFP4Seeds) made before init used rank 0's SR seeds on every rank, silently when no
+    NVFP4Seeds followed. Now RANK is read until the process group exists."""
+    monkeypatch.setenv("RANK", "1")
+    model = _model(0)
+    fp8.convert_to_float8(model, recipe="nvfp4")
+    assert int(model[0]._sr_seed) == _nvfp4.sr_seed("0", 0, 1) != _nvfp4.sr_seed("0", 0, 0)
+    seeds = fp8.NVFP4Seeds(model, dscale.StepGuard("cpu"))
+    assert seeds.rank == 1 and int(model[2]._sr_seed) == _nvfp4.sr_seed("2", 0, 1)
+    seeds.close()

@@ -78,6 +78,11 @@ def _no_worker_started(run_dir: Path) -> bool:
             "trainer.precision=fp8 parallel=fsdp ++fp8.schedule.initial={layers.0.mlp.0:bf16}",
             "fp8.schedule swaps layers' modules",
         ),
+        (
+            "trainer.precision=fp8 scaler.enabled=false "
+            "++fp8.schedule.initial={layers.0.mlp.0:bf16}",
+            "fp8.schedule counts the steps of the job's scaler",
+        ),
         # The mesh's degrees against the world size (2 ranks unless said) and the demo model.
         ("parallel=tp parallel.tp=4", "parallel.tp=4 but the job has 2 ranks"),
         ("parallel=pp parallel.pp=3", "parallel.pp=3 but the job has 2 ranks"),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -210,7 +211,11 @@ def test_a_rerun_of_a_complete_run_writes_nothing_and_says_the_run_is_complete(
     assert "trainer.max_steps=3" in recorded, recorded
     before = _folder_state(run_dir)
     # The same command, then one asking for fewer steps (and other figures of its own).
-    for again in (job, [*job, "trainer.max_steps=2", "trainer.log_every=7"]):
+    fewer = [*job, "trainer.max_steps=2", "trainer.log_every=7"]
+    for again, said in [
+        (job, "is already at trainer.max_steps=3"),
+        (fewer, "is already past trainer.max_steps=2"),
+    ]:
         proc = launch(run_dir, *again, timeout_s=120)
         assert proc.returncode == 0, output(proc)
         after = _folder_state(run_dir)
@@ -218,7 +223,10 @@ def test_a_rerun_of_a_complete_run_writes_nothing_and_says_the_run_is_complete(
         changed = [p for p in before if before[p] != after[p]]
         assert changed == [], (changed, output(proc))
         assert "the run is complete" in proc.stdout, output(proc)
-        assert "nothing to train" in proc.stdout, output(proc)
+        assert re.search(rf"step 3 \(.*\) {said}: nothing to train; .*hydra.job.name=<name>",
+                         proc.stdout), output(proc)  # fmt: skip
+        assert "tokens_per_s" not in proc.stdout, output(proc)  # no worker started
+        assert "dscale job finished" not in proc.stdout, output(proc)
 
 
 @pytest.mark.slow

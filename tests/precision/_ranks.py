@@ -27,7 +27,7 @@ STEPS = 6
 SKIP_AT = 2
 
 
-def _build(rank: int, switches: Any = None) -> tuple[Any, ...]:
+def _build(rank: int, switches: Any = None, check_every: int = 1) -> tuple[Any, ...]:
     model = _models.net()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     scaler = dscale.GradScaler("cpu", init_scale=2.0**8)
@@ -37,7 +37,7 @@ def _build(rank: int, switches: Any = None) -> tuple[Any, ...]:
         initial=INITIAL,
         switches=SWITCHES if switches is None else switches,
         emulate=True,
-        check_every=1,
+        check_every=check_every,
     )
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     return ddp, opt, scaler, sched
@@ -111,6 +111,61 @@ def scenarios(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
         out["edit"] = "not refused"
     except LayoutMismatchError as e:
         out["edit"] = str(e)
+    # The same map on both ranks, but rank 1's schedule at another step (its state loaded with
+    # step 3): refused at the next compared step on every rank, also with check_every=4 (where
+    # the ranks used to arm the comparison at different iterations: vectors of different
+    # lengths, and gloo aborted the processes).
+    for every in (1, 4):
+        other = _build(rank, switches={}, check_every=every)
+        state = other[3].state_dict()
+        if rank == 1:
+            other[3].load_state_dict({**state, "step": torch.tensor(3)})
+        try:
+            _steps(other, rank, range(4))
+            out[f"other_step_every_{every}"] = "not refused"
+        except LayoutMismatchError as e:
+            out[f"other_step_every_{every}"] = str(e)
+        other[3].close()
+    # check_every=4, switch() on rank 1 alone after iteration 0: how many iterations run with
+    # the maps differing before every rank refuses (docs/block-scaled.md says up to 4).
+    late = _build(rank, switches={}, check_every=4)
+    _steps(late, rank, range(1))
+    if rank == 1:
+        late[3].switch({"blocks.1.fc2": "bf16"})
+    ran = 0
+    try:
+        for step in range(1, 9):
+            _steps(late, rank, range(step, step + 1))
+            ran += 1
+        out["edit_every_4"] = "not refused"
+    except LayoutMismatchError as e:
+        out["edit_every_4"] = (ran, str(e))
+    late[3].close()
+    # A layer name only rank 1 gets wrong: refused on every rank (rank 0 waited in the
+    # construction's all-gather until the process group's timeout).
+    try:
+        PrecisionSchedule(
+            _models.net(),
+            dscale.GradScaler("cpu"),
+            initial={"blocks.0.fc3" if rank == 1 else "blocks.0.fc1": "tensorwise"},
+            emulate=True,
+        )
+        out["bad_name_on_rank_1"] = "not refused"
+    except ValueError as e:
+        out["bad_name_on_rank_1"] = str(e)
+    except Exception as e:
+        out["bad_name_on_rank_1"] = f"{type(e).__name__}: {e}"
+    # A scaler disabled on rank 1 only: refused at construction, on every rank.
+    try:
+        PrecisionSchedule(
+            _models.net(),
+            dscale.GradScaler("cpu", enabled=rank == 0),
+            initial=INITIAL,
+            emulate=True,
+        )
+        out["disabled_on_rank_1"] = "not refused"
+    except (LayoutMismatchError, ValueError) as e:
+        out["disabled_on_rank_1"] = str(e)
     # A different schedule on rank 1: refused at construction, on every rank.
     try:
         _build(rank, switches={4: {"blocks.0.fc1": "bf16"}} if rank == 1 else None)

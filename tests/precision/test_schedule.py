@@ -8,6 +8,7 @@ float8 casts computed by hand (the forward-only variant's gradients), ``nn.funct
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import pytest
 import torch
@@ -56,6 +57,27 @@ def test_a_rank_local_edit_and_a_different_schedule_are_refused_on_every_rank(ra
     for r in (0, 1):
         assert "precision maps differ" in ranks[r]["edit"], ranks[r]["edit"]
         assert "different schedules" in ranks[r]["other_schedule"], ranks[r]["other_schedule"]
+
+
+def test_a_rank_whose_schedule_is_at_another_step_is_refused_on_every_rank(ranks):
+    """Rank 1's schedule loaded at step 3, rank 0's at 0, the same map and nothing to switch:
+    the ranks' steps differ, which the fingerprint did not cover (not refused: the ranks would
+    take the next switch at different iterations). With check_every=4 the ranks compared at
+    different iterations (each by its own step), so their vectors had different lengths and
+    gloo aborted both processes; now both compare at the scaler's iterations and refuse."""
+    for r in (0, 1):
+        for every in (1, 4):
+            got = ranks[r][f"other_step_every_{every}"]
+            assert "precision maps differ" in got and "step" in got, (r, every, got)
+
+
+def test_a_rank_local_edit_runs_at_most_check_every_iterations_before_the_refusal(ranks):
+    """check_every=4 and switch() on rank 1 after iteration 0: iterations 1-3 complete with the
+    maps differing, iteration 4 (the next compared one) is refused on both ranks, as the docs
+    say ("up to check_every iterations")."""
+    for r in (0, 1):
+        ran, message = ranks[r]["edit_every_4"]
+        assert ran == 3 and "at step 4" in message, (r, ran, message)
 
 
 def _cast(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,6 +140,59 @@ def test_float8_fallback_switches_through_the_schedule():
     x = torch.randn(4, 64)
     ref = torch.nn.functional.linear(x, layer.weight, layer.bias)
     assert torch.equal(layer.forward(x), ref)  # (forward: the outlier hook is still on it)
+
+
+def _fallback_run(steps: int) -> tuple[PrecisionSchedule, fp8.Float8Fallback, list[float], Any]:
+    """A schedule that switches blocks.1.fc2 to rowwise at step 4, and a Float8Fallback that
+    switches the same layer to bf16 at step 2 (an outlier on its input)."""
+    model = _models.net()
+    guard = dscale.StepGuard("cpu")
+    names = [f"blocks.{b}.fc{i}" for b in (0, 1) for i in (1, 2)]
+    sched = PrecisionSchedule(
+        model,
+        guard,
+        initial=dict.fromkeys(names, "tensorwise"),
+        switches={4: {"blocks.1.fc2": "rowwise"}},
+        emulate=True,
+    )
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model.blocks[1].fc2.register_forward_pre_hook(_blow_up)
+    numerics = fp8.Float8Numerics(model, guard, every=1)
+    fallback = fp8.Float8Fallback(numerics, guard, threshold=0.05, samples=2)
+    losses = []
+    for step in range(steps):
+        tokens, target = _models.batch(step)
+        loss = _models.loss_of(model, tokens, target)
+        guard.scale(loss).backward()
+        guard.step(opt)
+        guard.update()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return sched, fallback, losses, guard
+
+
+def test_a_layer_float8fallback_switched_stays_in_bf16_through_a_later_switch_and_a_resume(caplog):
+    """Float8Fallback switches blocks.1.fc2 to bf16 at step 2; the schedule would switch it to
+    rowwise at step 4. The fallback wins (the layer was measured unfit for FP8), on every rank
+    alike (both decisions are agreed), with a log line; and a resume at step 6 (the schedule's
+    state, then the fallback's, as dscale.checkpoint loads them) has the uninterrupted run's
+    map. Before: the schedule switched the layer back to rowwise, and the resume's fallback
+    load switched it to bf16 again: the resumed run trained another format than the
+    uninterrupted one."""
+    from dscale.fp8 import _attached
+
+    with caplog.at_level(logging.WARNING, logger="dscale.precision._schedule"):
+        whole, fallback, _, guard = _fallback_run(6)
+    assert fallback.fallen == ["blocks.1.fc2"]
+    assert whole.formats["blocks.1.fc2"] == "bf16"
+    assert any(
+        "Float8Fallback" in r.getMessage() and "step 4" in r.getMessage() for r in caplog.records
+    )
+    saved = {k: v.state_dict() for k, v in _attached.companions(guard).items()}
+    resumed, _, _, guard2 = _fallback_run(0)
+    for key, companion in _attached.companions(guard2).items():
+        companion.load_state_dict(saved[key])
+    assert resumed.formats == whole.formats and resumed.step == whole.step
 
 
 def _blow_up(module, args):
@@ -217,3 +292,343 @@ def test_a_linear_subclass_is_refused_as_convert_to_float8_leaves_it():
         with pytest.raises(ValueError, match=r"subclass of nn\.Linear"):
             PrecisionSchedule(net, dscale.StepGuard("cpu"), initial={"0": fmt}, emulate=True)
     PrecisionSchedule(net, dscale.StepGuard("cpu"), initial={"2": "tensorwise"}, emulate=True)
+
+
+def _one_step(model, opt, scaler):
+    tokens, target = _models.batch(0, size=4)
+    scaler.scale(_models.loss_of(model, tokens, target)).backward()
+    scaler.step(opt)
+    scaler.update()
+    opt.zero_grad()
+
+
+def test_a_checkpoint_with_a_schedule_into_a_run_without_one_is_refused_and_changes_nothing(
+    tmp_path,
+):
+    """A run with blocks.1.fc2 in mxfp8 is saved; a run without a schedule (every layer in
+    the model's own format) loads it with its scaler: refused, naming precision_schedule and the
+    fix, and the model and scaler stay as they were. Before: it loaded, and the resumed run
+    trained blocks.1.fc2 as nn.Linear, not the saved run's format, without a word. Loaded
+    without the scaler (the weights only), it still loads."""
+    from dscale.checkpoint import CheckpointError, CheckpointManager, load_checkpoint
+
+    model = _models.net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scaler = dscale.StepGuard("cpu")
+    sched = PrecisionSchedule(model, scaler, initial={"blocks.1.fc2": "mxfp8"}, emulate=True)
+    _one_step(model, opt, scaler)
+    manager = CheckpointManager(tmp_path, every=0, keep=1)
+    manager.save(1, model=model, optimizer=opt, scaler=scaler)
+    manager.wait()
+    sched.close()
+    plain = _models.net(seed=1)
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    plain_scaler = dscale.StepGuard("cpu")
+    _one_step(plain, plain_opt, plain_scaler)
+    before = [p.detach().clone() for p in plain.parameters()]
+    scaler_before = plain_scaler.state_dict()
+    with pytest.raises(CheckpointError, match=r"precision_schedule.*PrecisionSchedule"):
+        load_checkpoint(tmp_path / "step-1", model=plain, optimizer=plain_opt, scaler=plain_scaler)
+    assert all(torch.equal(a, b) for a, b in zip(before, plain.parameters()))
+    assert plain_scaler.state_dict() == scaler_before
+    assert load_checkpoint(tmp_path / "step-1", model=plain, optimizer=plain_opt) == 1
+
+
+def test_a_checkpoint_without_a_schedule_into_a_run_with_one_is_refused_and_changes_nothing(
+    tmp_path,
+):
+    """A run without a schedule is saved; a fresh run with one (its optimizer not stepped yet)
+    loads it: refused, naming precision_schedule, and the model, the map and the optimizer stay
+    as they were. Before: the optimizer did not: to learn its structure, DCP stepped the fresh
+    AdamW with zero grads and lr 0, and the refusal left that state (step 1, zero moments), so
+    a run that went on would apply Adam's bias correction one step off."""
+    from dscale.checkpoint import CheckpointError, CheckpointManager, load_checkpoint
+
+    model = _models.net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scaler = dscale.StepGuard("cpu")
+    _one_step(model, opt, scaler)
+    manager = CheckpointManager(tmp_path, every=0, keep=1)
+    manager.save(1, model=model, optimizer=opt, scaler=scaler)
+    manager.wait()
+    fresh = _models.net(seed=1)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    fresh_scaler = dscale.StepGuard("cpu")
+    sched = PrecisionSchedule(fresh, fresh_scaler, initial={"blocks.1.fc2": "mxfp8"}, emulate=True)
+    before = [p.detach().clone() for p in fresh.parameters()]
+    with pytest.raises(CheckpointError, match="holds no precision_schedule state"):
+        load_checkpoint(tmp_path / "step-1", model=fresh, optimizer=fresh_opt, scaler=fresh_scaler)
+    assert all(torch.equal(a, b) for a, b in zip(before, fresh.parameters()))
+    assert sched.formats == {"blocks.1.fc2": "mxfp8"} and sched.step == 0
+    assert not fresh_opt.state, "a refused load left optimizer state behind"
+    assert all(p.grad is None for p in fresh.parameters())
+
+
+def test_adam_state_and_weights_through_switches_equal_torchao_modules_swapped_by_hand():
+    """blocks.0.fc1 tensorwise -> mxfp8 at step 2 -> bf16_forward at step 3 -> tensorwise at
+    step 4, under AdamW with weight decay and a frozen bias in the switched layer: the losses,
+    every weight and Adam's moments equal a run that swaps torchao's own modules by hand
+    (Float8Linear.from_float, MXFP8Linear emulated, holding the same parameters) at the same
+    steps, bit for bit."""
+    import dataclasses
+
+    from torchao.float8 import CastConfig, Float8LinearConfig, ScalingType
+    from torchao.float8.float8_linear import Float8Linear
+    from torchao.prototype.moe_training.mxfp8_linear import MXFP8Linear
+    from torchao.prototype.mx_formats.config import ScaleCalculationMode
+    from torchao.quantization.quantize_.common import KernelPreference
+
+    tensorwise = dataclasses.replace(
+        Float8LinearConfig.from_recipe_name("tensorwise"), emulate=True
+    )
+    off = CastConfig(scaling_type=ScalingType.DISABLED)
+    forward_off = dataclasses.replace(tensorwise, cast_config_input=off, cast_config_weight=off)
+
+    def by_hand(old, fmt):
+        if fmt == "mxfp8":
+            new = MXFP8Linear(
+                old.in_features,
+                old.out_features,
+                bias=True,
+                kernel_preference=KernelPreference.EMULATED,
+                scale_calculation_mode=ScaleCalculationMode.RCEIL,
+            )
+        else:
+            plain = torch.nn.Linear(old.in_features, old.out_features)
+            plain.weight, plain.bias = old.weight, old.bias
+            config = tensorwise if fmt == "tensorwise" else forward_off
+            return Float8Linear.from_float(plain, config=config)
+        new.weight, new.bias = old.weight, old.bias
+        return new
+
+    plan = {2: "mxfp8", 3: "bf16_forward", 4: "tensorwise"}
+    runs = []
+    for hand in (False, True):
+        model = _models.net()
+        model.blocks[0].fc1.bias.requires_grad_(False)
+        opt = torch.optim.AdamW(
+            [p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1
+        )
+        guard = dscale.StepGuard("cpu")
+        if hand:
+            model.blocks[0].fc1 = by_hand(model.blocks[0].fc1, "tensorwise")
+        else:
+            sched = PrecisionSchedule(
+                model,
+                guard,
+                initial={"blocks.0.fc1": "tensorwise"},
+                switches={s: {"blocks.0.fc1": f} for s, f in plan.items()},
+                emulate=True,
+            )
+        losses = []
+        for step in range(5):
+            if hand and step in plan:
+                model.blocks[0].fc1 = by_hand(model.blocks[0].fc1, plan[step])
+            tokens, target = _models.batch(step, size=4)
+            loss = _models.loss_of(model, tokens, target)
+            guard.scale(loss).backward()
+            guard.step(opt)
+            guard.update()
+            opt.zero_grad()
+            losses.append(loss.item())
+        runs.append((losses, [p.detach().clone() for p in model.parameters()], opt.state_dict()))
+        if not hand:
+            assert sched.formats == {"blocks.0.fc1": "tensorwise"}
+            sched.close()
+    (losses, params, state), (losses_h, params_h, state_h) = runs
+    assert losses == losses_h
+    assert all(torch.equal(a, b) for a, b in zip(params, params_h))
+    for index, moments in state["state"].items():
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(moments[key], state_h["state"][index][key]), (index, key)
+
+
+def test_a_fullgraph_compiled_step_with_a_schedule_is_refused_naming_the_schedule():
+    """torch.compile(fullgraph=True) around step()/update() of a sync_free scaler with a
+    schedule: refused (the schedule counts steps in a step callback), and the reason names the
+    PrecisionSchedule. Before: it named only register_step_callback and said to read
+    step_applied() outside the region, which the user, who registered nothing, cannot act on.
+    (Without fullgraph the step runs eagerly and the schedule switches: checked by hand.)"""
+    model = _models.net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+    scaler = dscale.StepGuard("cpu", sync_free=True)
+    sched = PrecisionSchedule(model, scaler, initial={"blocks.0.fc1": "tensorwise"}, emulate=True)
+
+    @torch.compile(backend="eager", fullgraph=True)
+    def update():
+        scaler.step(opt)
+        scaler.update()
+
+    for step in range(2):
+        tokens, target = _models.batch(step, size=4)
+        scaler.scale(_models.loss_of(model, tokens, target)).backward()
+        if step == 0:
+            scaler.step(opt)  # eager warm-up: the optimizer's state
+            scaler.update()
+        else:
+            with pytest.raises(Exception, match="PrecisionSchedule"):
+                update()
+        opt.zero_grad()
+    sched.close()
+    torch._dynamo.reset()
+
+
+def test_a_swap_that_float8numerics_stops_seeing_is_logged(caplog):
+    """blocks.0.fc1 measured by Float8Numerics (tensorwise) switches to mxfp8 at step 1: a new
+    module, which the numerics' hooks are not on. From then on the numerics report zeros for
+    the layer (amax 0); a warning names the layer. Before: nothing said so (listed as not done,
+    but silent at run time)."""
+    model = _models.net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    guard = dscale.StepGuard("cpu")
+    names = [f"blocks.{b}.fc{i}" for b in (0, 1) for i in (1, 2)]
+    sched = PrecisionSchedule(
+        model,
+        guard,
+        initial=dict.fromkeys(names, "tensorwise"),
+        switches={1: {"blocks.0.fc1": "mxfp8"}},
+        emulate=True,
+    )
+    numerics = fp8.Float8Numerics(model, guard, every=1)
+    with caplog.at_level(logging.WARNING, logger="dscale.precision._schedule"):
+        for step in range(2):
+            _one_step_at(model, opt, guard, step)
+    assert numerics.snapshot()["blocks.0.fc1/input"]["amax"] == 0.0  # what it reports now
+    assert numerics.snapshot()["blocks.1.fc1/input"]["amax"] > 0.0
+    warned = [r.getMessage() for r in caplog.records if "Float8Numerics" in r.getMessage()]
+    assert len(warned) == 1 and "blocks.0.fc1 now runs in mxfp8" in warned[0], warned
+    numerics.close()
+    sched.close()
+
+
+def _one_step_at(model, opt, scaler, step):
+    tokens, target = _models.batch(step, size=4)
+    scaler.scale(_models.loss_of(model, tokens, target)).backward()
+    scaler.step(opt)
+    scaler.update()
+    opt.zero_grad()
+
+
+def test_layers_torchao_cannot_take_in_a_format_are_refused_before_anything_runs():
+    """The schedule asks for a format explicitly, so a layer convert_to_float8 would leave is a
+    ValueError at construction naming the layer, its dims or type and the format, and nothing is
+    converted: head (32 -> 10) in mxfp8 (32-blocks) or, by a switch at step 900, in tensorwise
+    (torch._scaled_mm's 16); MultiheadAttention's out_proj (an nn.Linear subclass whose forward
+    MHA never calls: the layer would have stayed in high precision while the map said
+    tensorwise); a linear held under two names (the swap would replace one). Before: the mxfp8
+    head was accepted and the first forward raised torchao's AssertionError ('the last dimension
+    of shape torch.Size([64, 10]) must be divisible by block_size 32'), at step 900 for a
+    scheduled switch; the others were accepted and ran silently in another format."""
+    model = _models.net()
+    scaler = dscale.StepGuard("cpu")
+    with pytest.raises(ValueError, match=r"head.*in_features=32, out_features=10.*mxfp8.*32"):
+        PrecisionSchedule(model, scaler, initial={"head": "mxfp8"}, emulate=True)
+    with pytest.raises(ValueError, match=r"switches\[900\].*head.*tensorwise.*16"):
+        PrecisionSchedule(
+            model,
+            scaler,
+            initial={"head": "bf16"},
+            switches={900: {"head": "tensorwise"}},
+            emulate=True,
+        )
+    assert type(model.head) is torch.nn.Linear
+    sched = PrecisionSchedule(model, scaler, initial={"head": "bf16"}, emulate=True)
+    with pytest.raises(ValueError, match=r"switch\(\).*head.*mxfp8.*32"):
+        sched.switch({"head": "mxfp8"})  # at run time, as Float8Fallback's switch() call
+    assert type(model.head) is torch.nn.Linear and sched.formats == {"head": "bf16"}
+    sched.close()
+    attention = torch.nn.Sequential(torch.nn.MultiheadAttention(32, 2))
+    with pytest.raises(ValueError, match=r"0.out_proj.*NonDynamicallyQuantizableLinear"):
+        PrecisionSchedule(attention, scaler, initial={"0.out_proj": "tensorwise"}, emulate=True)
+    model.shared = model.blocks[0].fc1
+    with pytest.raises(ValueError, match=r"blocks.0.fc1.*also held as \['shared'\]"):
+        PrecisionSchedule(model, scaler, initial={"blocks.0.fc1": "tensorwise"}, emulate=True)
+    assert type(model.blocks[0].fc1) is torch.nn.Linear
+
+
+def test_a_disabled_scaler_is_refused_instead_of_never_switching():
+    """torch's AMP idiom GradScaler(enabled=use_amp) with use_amp False (and a disabled
+    StepGuard): a disabled scaler's step() calls no step callbacks and runs no collective, so
+    the schedule never counted a step: after 4 steps its step was 0 and blocks.0.fc1 still
+    tensorwise, where the switch was at 2, and no rank was ever compared. Now a ValueError
+    naming enabled=False and StepGuard, and nothing is converted (on 2 ranks, a scaler disabled
+    on one rank only is refused on both: tests/precision/_ranks.py)."""
+    for scaler in (dscale.GradScaler("cpu", enabled=False), dscale.StepGuard("cpu", enabled=False)):
+        model = _models.net()
+        with pytest.raises(ValueError, match=r"enabled=False.*StepGuard"):
+            PrecisionSchedule(
+                model,
+                scaler,
+                initial={"blocks.0.fc1": "tensorwise"},
+                switches={2: {"blocks.0.fc1": "bf16"}},
+                emulate=True,
+            )
+        assert type(model.blocks[0].fc1) is torch.nn.Linear
+
+
+def test_a_scaler_disabled_on_one_rank_only_is_refused_on_every_rank(ranks):
+    for r in (0, 1):
+        assert "scaler enabled" in ranks[r]["disabled_on_rank_1"], ranks[r]["disabled_on_rank_1"]
+
+
+def test_fp16_autocast_two_optimizers_clipping_and_a_skip_at_the_switch_equal_torchs_scaler():
+    """fp16 autocast, two optimizers (AdamW on the blocks, SGD on the rest), unscale_() and
+    clip_grad_norm_ every step, an inf in the iteration whose step triggers the switch (step 2:
+    skipped, the scale backed off, the switch still at step 2): the losses, scales and weights
+    equal torch's GradScaler with the same modules switched by hand after that iteration, bit
+    for bit (passes on p43c: an attack that found nothing)."""
+    switches = {2: {"blocks.0.fc1": "bf16", "blocks.1.fc2": "bf16_forward"}}
+    initial = {"blocks.0.fc1": "tensorwise", "blocks.1.fc2": "rowwise"}
+    runs = []
+    for oracle in (False, True):
+        model = _models.net()
+        opts = [
+            torch.optim.AdamW(model.blocks.parameters(), lr=1e-2),
+            torch.optim.SGD([*model.embed.parameters(), *model.head.parameters()], lr=1e-2),
+        ]
+        if oracle:
+            scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+            by_hand = PrecisionSchedule(
+                model, dscale.StepGuard("cpu"), initial=initial, emulate=True
+            )
+            by_hand.close()  # the modules only: switched by hand below
+        else:
+            scaler = dscale.GradScaler("cpu", init_scale=2.0**16)
+            sched = PrecisionSchedule(
+                model, scaler, initial=initial, switches=switches, emulate=True
+            )
+        out = []
+        for step in range(3):
+            tokens, target = _models.batch(step, size=4)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = _models.loss_of(model, tokens, target)
+            scaler.scale(loss).backward()
+            if step == 1:
+                model.head.weight.grad.view(-1)[0] = float("inf")
+            for opt in opts:
+                scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            for opt in opts:
+                scaler.step(opt)
+            scaler.update()
+            for opt in opts:
+                opt.zero_grad()
+            if oracle and step + 1 in switches:
+                by_hand.switch(switches[step + 1])
+            out.append((loss.item(), scaler.get_scale()))
+        runs.append((out, [p.detach().clone() for p in model.parameters()]))
+        if not oracle:
+            assert sched.formats == {**initial, **switches[2]} and sched.step == 3
+            sched.close()
+    (got, params), (want, params_want) = runs
+    assert got == want and got[1][1] == got[0][1] / 2  # the skip backed the scale off
+    assert all(torch.equal(a, b) for a, b in zip(params, params_want))
+
+
+def test_a_bad_layer_name_on_one_rank_only_is_refused_on_every_rank(ranks):
+    """Rank 1's initial names blocks.0.fc3 (no such layer), rank 0's a good one: a ValueError on
+    both ranks naming rank 1 and the layer. Before: rank 1 raised alone and rank 0 waited in the
+    construction's all-gather until the process group's timeout."""
+    for r in (0, 1):
+        got = ranks[r]["bad_name_on_rank_1"]
+        assert got.startswith("PrecisionSchedule failed on rank(s) 1") and "fc3" in got, (r, got)

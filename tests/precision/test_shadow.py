@@ -150,6 +150,7 @@ def test_the_proposal_takes_the_cheapest_format_within_the_thresholds_on_every_o
     nv_dims = {**dims, "clean": (128, 256)}
     nv = propose_precision_map(table, nv_dims, formats=("nvfp4", "mxfp8"), max_flushed=0.05)
     assert nv.map["clean"] == "nvfp4" and nv.map["grads_flush_in_mx"] == "mxfp8"
+    assert nv.map["dims_48"] == "bf16"
     assert "nvfp4: dims 64x64 not divisible by 128" in nv.reasons["grads_flush_in_mx"]
     with pytest.raises(ValueError, match="formats must name"):
         propose_precision_map(table, dims, formats=("fp4",))

@@ -86,8 +86,18 @@ def _scenarios(rank: int, world: int) -> dict[str, Any]:
     }
 
 
-def test_each_registered_field_reads_the_max_over_the_ranks_and_changes_no_decision():
-    results = run_ranks(_scenarios, world_size=2)
+def _both(rank: int, world: int) -> dict[str, Any]:
+    return {"scenarios": _scenarios(rank, world), "attached": _attached_fields(rank, world)}
+
+
+@pytest.fixture(scope="module")
+def spawned() -> dict[int, dict[str, Any]]:
+    """One 2-rank spawn for both tests below (a spawn costs seconds)."""
+    return run_ranks(_both, world_size=2)
+
+
+def test_each_registered_field_reads_the_max_over_the_ranks_and_changes_no_decision(spawned):
+    results = {rank: out["scenarios"] for rank, out in spawned.items()}
     for rank, per_scaler in results.items():
         for name, got in per_scaler.items():
             first, sparse, last = got["fields"]["read"]
@@ -221,14 +231,14 @@ def _attached_fields(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
-def test_registered_fields_read_the_max_over_the_ranks_under_attach() -> None:
+def test_registered_fields_read_the_max_over_the_ranks_under_attach(spawned) -> None:
     """Under attach() DDP's reduction makes the overflow flag global, so the scaler dropped its
     collective: a registered field then read its rank-local values (rank 0 read 0, 1, 2, 3
     where the MAX is 1, 2, inf, 4), and Float8Numerics' amaxes differed by rank. Registered fields
     keep the collective (as the spike gate does), and a rank that refuses its step (a grad
     written after the hooks; a backward after unscale_()) joins it, so that its peer skips
     instead of stepping alone. Oracle: the same run without attach()."""
-    results = run_ranks(_attached_fields, world_size=2)
+    results = {rank: out["attached"] for rank, out in spawned.items()}
     want = [[1.0, 0.0], [2.0, 0.0], [float("inf"), 0.0], [4.0, 0.0]]
     for rank, got in results.items():
         assert got["plain"]["read"] == want, rank

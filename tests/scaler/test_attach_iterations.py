@@ -5,7 +5,8 @@ GradScaler, with dscale's without attach(), and with attach(); rank 1's loss ove
 backward of iteration 2. The attached run must match both bit for bit (power-of-two scale and
 world size: DDP makes the grads, hence torch's decisions, the same on both ranks). Orders the hooks
 cannot check are refused on every rank before anything moves. Also here: attach() does not keep
-DDP's process group alive once the model and the group are gone.
+DDP's process group alive once the model and the group are gone, nor does a scaler agreeing
+over that group once it is deleted.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from tests.multirank import run_ranks
 from tests.scaler._setup import batch, full_params, tiny_model, wrap
 
 POISONED_STEP = 2
+GROUP_HOLDERS = ("ddp", "attach", "agree")
 
 
 def _loss(model: nn.Module, x: torch.Tensor, poison: bool) -> torch.Tensor:
@@ -491,27 +493,39 @@ def _refused_with_no_agreement(rank: int) -> dict[str, Any]:
     }
 
 
-def _group_is_collected(rank: int, attach: bool) -> bool:
-    """``del model; dist.destroy_process_group(group)``: nothing of the scaler's holds the group."""
+def _group_is_collected(rank: int, how: str) -> bool:
+    """``del model; dist.destroy_process_group(group)``: nothing of the scaler's holds the group.
+
+    ``how``: "ddp", the scaler agrees over the world group and DDP reduces over ``group`` (the
+    control); "attach", the same with attach(); "agree", the scaler agrees over ``group`` itself
+    and is deleted too (it holds its ``process_group`` argument; dscale's module-level cache of
+    the group's flag device held it on main, so its gloo threads outlived destroy_process_group()
+    until the interpreter's teardown, where they could abort the process at exit).
+    """
     import dscale
 
     group = dist.new_group([0, 1])
     base = tiny_model()
     model = DDP(base, process_group=group)
     opt = torch.optim.SGD(base.parameters(), lr=0.1)
-    scaler = dscale.GradScaler("cpu", init_scale=2.0**10)
-    if attach:
+    over = group if how == "agree" else None
+    scaler = dscale.GradScaler("cpu", init_scale=2.0**10, process_group=over)
+    if how == "attach":
         scaler.attach(model)
     scaler.scale(_loss(model, batch(rank, 0), False)).backward()
     scaler.step(opt)
     scaler.update()
+    assert scaler.get_scale() == 2.0**10  # a step was taken over the group
     gone = weakref.ref(group)
     del model
+    if how == "agree":
+        del scaler, over
     dist.destroy_process_group(group)
     del group
     gc.collect()
-    # The scaler and the plain module (whose parameters carry the hooks) are still alive.
-    assert scaler.get_scale() > 0 and base is not None
+    # The plain module (whose parameters carry the hooks) is still alive, and the scaler but in
+    # "agree".
+    assert base is not None
     return gone() is None
 
 
@@ -661,7 +675,7 @@ def _all(rank: int, world_size: int) -> dict[str, Any]:
     out["recovery"] = {
         w: _recovery_after_refusal(rank, w) for w in ("step", "unscale", "unscale_update")
     }
-    out["group_collected"] = {a: _group_is_collected(rank, a) for a in (False, True)}
+    out["group_collected"] = {how: _group_is_collected(rank, how) for how in GROUP_HOLDERS}
     out["grads_kept"] = {
         parallel: _grads_kept(rank, parallel) for parallel in ("ddp", "ddp_bucket_view", "fsdp2")
     }
@@ -716,10 +730,10 @@ def test_a_refusal_after_unscale_joins_the_agreement_after_the_users_collectives
     assert r0["norm"] == r1["norm"] == 3.0  # the user's all-reduce paired with its own
 
 
-def test_attach_does_not_keep_ddps_process_group_alive(results) -> None:
+def test_neither_attach_nor_the_agreement_keeps_a_destroyed_process_group_alive(results) -> None:
     for out in results.values():
-        # Without attach() the group goes (the control); with it, it must go too.
-        assert out["group_collected"] == {False: True, True: True}
+        # Without attach() the group goes (the control); with it, or agreed over, it must go too.
+        assert out["group_collected"] == dict.fromkeys(GROUP_HOLDERS, True)
 
 
 @pytest.mark.parametrize("parallel", ["ddp", "ddp_bucket_view", "fsdp2"])

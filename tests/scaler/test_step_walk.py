@@ -10,7 +10,9 @@ callback from a helper into the scaler is the bounce this guards against).
 from __future__ import annotations
 
 import collections
+import functools
 import sys
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
@@ -32,11 +34,20 @@ _SCALERS = {
 }
 
 
+# The imported package's own folder, not any path with "/dscale/" in it: a clone in a folder
+# named dscale (/tmp/x/dscale/tests/...) would count this test file as a dscale module.
+_PACKAGE = Path(dscale.__file__).resolve().parent
+
+
+@functools.cache
+def _in_package(filename: str) -> str | None:
+    """The file relative to the dscale package ("scaler/_api.py"), None outside it."""
+    path = Path(filename).resolve()
+    return path.relative_to(_PACKAGE).as_posix() if path.is_relative_to(_PACKAGE) else None
+
+
 def _module(frame: FrameType | None) -> str | None:
-    if frame is None:
-        return None
-    name = frame.f_code.co_filename
-    return name.split("/dscale/", 1)[1] if "/dscale/" in name else None
+    return None if frame is None else _in_package(frame.f_code.co_filename)
 
 
 def _walk(optimizer_name: str, scaler_name: str, device_side: bool) -> list[tuple[str, str]]:

@@ -204,7 +204,8 @@ def verify_fields(layout: Layout) -> None:
 
     Every rank holds the same agreed vector, so a refusal raised here is raised on every rank
     and no rank is left waiting in a collective. Only fields that sent values this step are in
-    the layout (a check at the first step costs nothing later).
+    the layout (a check at the first step costs nothing later). In one process (no
+    collective) the fields' own values are checked the same way.
     """
     layout.verify()
 
