@@ -49,13 +49,15 @@ EPS = 1e-12  # torchao's floor on an amax
 def tensor_stats(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None = None) -> Any:
     """``[amax, saturated, flushed, subnormal]`` of ``x`` cast to ``dtype`` (a float32 tensor).
 
-    ``scale`` defaults to torchao's dynamic tensorwise one, ``fp8_max / amax``.
+    ``scale`` defaults to torchao's dynamic tensorwise one, ``fp8_max / amax`` computed as its
+    ``amax_to_scale`` does: in float64, then float32 (in float32, torch's ``scalar / tensor`` is
+    a reciprocal times the scalar, an ulp off: the amax element then counted as saturated).
     """
     x = x.detach().float()
     info = torch.finfo(dtype)
-    amax = x.abs().amax() if x.numel() else torch.zeros(())
+    amax = x.abs().amax() if x.numel() else torch.zeros((), device=x.device)
     if scale is None:
-        scale = info.max / amax.clamp(min=EPS)
+        scale = (info.max / amax.double().clamp(min=EPS)).float()
     scaled = x * scale
     q = scaled.clamp(-info.max, info.max).to(dtype).float()
     n = max(x.numel(), 1)
@@ -63,6 +65,14 @@ def tensor_stats(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None
     flushed = ((x != 0) & (q == 0)).sum() / n
     subnormal = ((q != 0) & (q.abs() < info.smallest_normal)).sum() / n
     return torch.stack([amax, saturated, flushed, subnormal]).float()
+
+
+def keep_worst(stats: dict[str, torch.Tensor], key: str, value: torch.Tensor) -> None:
+    """``stats[key]``, field by field the worst (largest) of the step's measurements: under
+    gradient accumulation a sampled step measures each micro-batch, and reports the worst one
+    (as across ranks); NaN propagates."""
+    old = stats.get(key)
+    stats[key] = value if old is None else torch.maximum(old, value.to(old.device))
 
 
 class Float8Numerics:
@@ -164,18 +174,20 @@ class Float8Numerics:
                 return  # unsampled: no op dispatched
             with torch.no_grad():
                 if self.granularity == "nvfp4":
-                    self._stats[f"{name}/input"] = _nvfp4_stats.layer_stats(args[0], "input")
+                    inp = _nvfp4_stats.layer_stats(args[0], "input")
                     weight: torch.Tensor = module.weight  # type: ignore[assignment]
-                    self._stats[f"{name}/weight"] = _nvfp4_stats.layer_stats(weight, "weight")
+                    wstats = _nvfp4_stats.layer_stats(weight, "weight")
                 else:
-                    self._stats[f"{name}/input"] = self._measure(args[0], torch.float8_e4m3fn)
-                    self._stats[f"{name}/weight"] = self._weight_stats(module, self._weights[name])
+                    inp = self._measure(args[0], torch.float8_e4m3fn)
+                    wstats = self._weight_stats(module, self._weights[name])
+                keep_worst(self._stats, f"{name}/input", inp)
+                keep_worst(self._stats, f"{name}/weight", wstats)
             if output.requires_grad:
 
                 def grad_hook(grad: torch.Tensor) -> None:
                     with torch.no_grad():
                         stats = self._measure(grad, self._grad_dtype)
-                    self._stats[f"{name}/grad_output"] = stats
+                        keep_worst(self._stats, f"{name}/grad_output", stats)
 
                 output.register_hook(grad_hook)
 
@@ -263,9 +275,9 @@ class Float8Numerics:
                 torch.ceil(torch.log2(descale)).clamp(-_granular.E8M0_BIAS, _granular.E8M0_BIAS)
             )
             return 1.0 if e == -_granular.E8M0_BIAS else 2.0**-e
-        if not self._pow2:
-            return fp8_max / max(amax, EPS)
         scale = torch.tensor(fp8_max / max(amax, EPS), dtype=torch.float64).float()
+        if not self._pow2:
+            return float(scale)  # torchao's float32 scale (its amax_to_scale)
         return float(torch.exp2(torch.floor(torch.log2(scale))))
 
     def snapshot(self) -> dict[str, dict[str, float]]:

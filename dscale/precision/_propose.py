@@ -7,7 +7,8 @@ format of ``formats`` (cheapest first) that
    multiple, ``dscale.fp8._convert.dim_multiple``: 16 for tensorwise and rowwise, 32 for
    MXFP8, 128 for NVFP4, as ``convert_to_float8`` and torchao require), and
 2. on every operand (input, weight, grad_output), over the whole sampled window, saturates at
-   most ``max_saturated`` and flushes at most ``max_flushed`` of the elements;
+   most ``max_saturated`` and flushes at most ``max_flushed`` of the elements (a NaN share
+   passes no threshold);
 
 and ``bf16`` when none does, with the reason; a layer never measured (its module's forward did
 not run in a sample) stays ``bf16`` too. Every layer gets a reason naming what decided it.
@@ -52,12 +53,14 @@ def propose_precision_map(
     max_flushed: float = MAX_FLUSHED,
     max_saturated: float = MAX_SATURATED,
     unmeasured: Iterable[str] = (),
+    left: Mapping[str, str] | None = None,
 ) -> PrecisionProposal:
     """Propose a format per layer from ``table`` (``ShadowNumerics.window()``: keys
     ``"layer/operand/format"``, values ``{saturated, flushed}``) and ``dims`` (layer ->
     ``(in_features, out_features)``, ``ShadowNumerics.dims``). See the module's rule.
     ``unmeasured``: layers whose forward never ran in a sample (their rows are zeros, not
-    measurements): they stay bf16, with that reason."""
+    measurements): they stay bf16, with that reason. ``left``: layer -> why no format can take
+    it (an ``nn.Linear`` subclass torchao leaves): bf16, with that reason."""
     formats = tuple(formats)
     bad = [f for f in formats if f not in SHADOW_FORMATS]
     if bad or not formats:
@@ -81,6 +84,10 @@ def propose_precision_map(
             chosen[layer] = BF16
             reasons[layer] = "bf16: not measured (its forward never ran in a sampled step)"
             continue
+        if left and layer in left:
+            chosen[layer] = BF16
+            reasons[layer] = f"bf16: {left[layer]}"
+            continue
         in_f, out_f = dims[layer]
         refused: list[str] = []
         for fmt in formats:
@@ -92,7 +99,7 @@ def propose_precision_map(
             over = [
                 f"{op} {field} {value:.3g} > {limits[field]:g}"
                 for (op, field), value in sorted(worst.items())
-                if value > limits[field]
+                if not value <= limits[field]  # a NaN share is not within a threshold
             ]
             if over:
                 refused.append(f"{fmt}: {', '.join(over)}")

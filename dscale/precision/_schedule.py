@@ -33,6 +33,7 @@ from torch import nn
 
 from dscale import _dist
 from dscale.fp8 import _attached, _mx, _torchao
+from dscale.fp8._convert import _CONVERTED
 from dscale.fp8._layers import LayoutMismatchError, refuse_other_layers, state_int, unwrapped
 from dscale.precision import _formats
 from dscale.precision._formats import BF16, BF16_FORWARD, FLOAT8_LINEAR, FORMATS
@@ -460,6 +461,14 @@ def _scheduled_modules(root: nn.Module, initial: Mapping[str, str]) -> dict[str,
     found = {}
     for name in initial:
         module = modules[name]
+        kind = type(module)
+        if kind is not nn.Linear and not kind.__module__.startswith(_CONVERTED):
+            raise ValueError(
+                f"PrecisionSchedule: {name!r} (a {kind.__name__}, a subclass of nn.Linear) "
+                "cannot be scheduled: a switch swaps the module for torchao's, which would drop "
+                "the subclass's own forward (convert_to_float8 leaves it too); schedule "
+                "nn.Linear layers only"
+            )
         config = getattr(module, "config", None)
         if getattr(config, "enable_fsdp_float8_all_gather", False):
             raise ValueError(

@@ -25,7 +25,9 @@ import torch
 from torch import nn
 
 from dscale import _dist
-from dscale.fp8._layers import LayoutMismatchError, named_layers
+from dscale.fp8._convert import _CONVERTED
+from dscale.fp8._layers import LayoutMismatchError, named_layers, unwrapped
+from dscale.fp8._numerics import keep_worst
 from dscale.precision._shadow_stats import FIELDS, SHADOW_FORMATS, all_stats
 
 #: The tensors measured per layer, in the vector's order.
@@ -94,7 +96,12 @@ class ShadowNumerics:
         self._sent: torch.Tensor | None = None
         self._last: list[float] | None = None
         self._worst: list[float] | None = None  # elementwise max over the window's samples
-        self._handles = [m.register_forward_hook(self._hook(n)) for n, m in found]
+        self._hooked = dict(found)  # the module each name's hook is on
+        self._handles = {n: m.register_forward_hook(self._hook(n)) for n, m in found}
+        # A layer's module may be replaced (PrecisionSchedule's switch to a new Float8Linear or
+        # MXFP8 module): on sampled steps, before the model's forward, the hooks follow.
+        self._root = unwrapped(model)
+        self._follow_handle = self._root.register_forward_pre_hook(self._follow)
         self._scaler = scaler
         self._unfield: Any = None
         self._closed = False
@@ -124,19 +131,32 @@ class ShadowNumerics:
         count = getattr(self._scaler, "_stepped_this_iteration", None)
         return 0 if count is None else int(count())
 
+    def _follow(self, module: nn.Module, args: Any) -> None:
+        """On a sampled step, move each hook to the module now computing its layer."""
+        if not self._armed:
+            return  # unsampled: no op dispatched, no module walked
+        for name, now in named_layers(self._root, nn.Linear):
+            old = self._hooked.get(name)
+            if old is not None and now is not old:
+                self._handles[name].remove()
+                self._handles[name] = now.register_forward_hook(self._hook(name))
+                self._hooked[name] = now
+
     def _hook(self, name: str) -> Any:
         def forward_hook(module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> None:
             if not self._armed:
                 return  # unsampled: no op dispatched
             self.measured.add(name)
-            with torch.no_grad():
-                self._stats[f"{name}/input"] = all_stats(args[0], "input")
-                self._stats[f"{name}/weight"] = all_stats(_local(module.weight), "weight")
+            with torch.no_grad():  # several micro-batches in a step: the worst of them
+                keep_worst(self._stats, f"{name}/input", all_stats(args[0], "input"))
+                weight = all_stats(_local(module.weight), "weight")
+                keep_worst(self._stats, f"{name}/weight", weight)
             if isinstance(output, torch.Tensor) and output.requires_grad:
 
                 def grad_hook(grad: torch.Tensor) -> None:
                     with torch.no_grad():
-                        self._stats[f"{name}/grad_output"] = all_stats(grad, "grad_output")
+                        stats = all_stats(grad, "grad_output")
+                        keep_worst(self._stats, f"{name}/grad_output", stats)
 
                 output.register_hook(grad_hook)
 
@@ -199,12 +219,20 @@ class ShadowNumerics:
         from dscale.precision._propose import propose_precision_map
 
         unmeasured = [n for n in self.dims if n not in self.measured]
-        return propose_precision_map(self.window(), self.dims, unmeasured=unmeasured, **thresholds)
+        left = {
+            name: f"a {type(m).__name__}, a subclass of nn.Linear (torchao swaps nn.Linear only)"
+            for name, m in self._hooked.items()
+            if type(m) is not nn.Linear and not type(m).__module__.startswith(_CONVERTED)
+        }
+        return propose_precision_map(
+            self.window(), self.dims, unmeasured=unmeasured, left=left, **thresholds
+        )
 
     def close(self) -> None:
         """Remove the hooks and the collective field."""
-        for handle in self._handles:
+        for handle in self._handles.values():
             handle.remove()
+        self._follow_handle.remove()
         self._unregister()
         self._closed = True
         self._arm(False)

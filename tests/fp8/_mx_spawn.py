@@ -16,7 +16,7 @@ from tests.multirank import run_ranks
 def _every_scenario(rank: int, world_size: int) -> dict[str, Any]:
     from dscale.bench import _fp8_cli
     from tests.fp8 import _fsdp_numerics, _granular_ranks, _mx_ranks
-    from tests.precision import _shadow_ranks
+    from tests.precision import _shadow_ranks, _stacked_ranks
 
     bench = {"steps": 2, "models": ["mlp"], "sweep": False, "only_mxfp8": True}
     return {
@@ -26,6 +26,7 @@ def _every_scenario(rank: int, world_size: int) -> dict[str, Any]:
         "mismatch": _mx_ranks.mismatched(rank, world_size),
         "fsdp_numerics": _fsdp_numerics.ranks(rank, world_size),
         "shadow": _shadow_ranks.ranks(rank, world_size),
+        "stacked": _stacked_ranks.ranks(rank, world_size),
     }
 
 

@@ -266,6 +266,34 @@ def test_a_state_for_other_layers_or_formats_is_refused_and_changes_nothing():
     assert sched.step == 5
 
 
+def test_a_linear_subclass_is_refused_as_convert_to_float8_leaves_it():
+    """A user's nn.Linear subclass with its own forward (here: the output doubled). Oracle:
+    convert_to_float8 leaves it ("a subclass of nn.Linear"); the schedule swapped it for a
+    Float8Linear holding its parameters, dropping its forward silently (the model's output
+    halved) (r43n). Now: a ValueError naming the layer and its class, the model unchanged."""
+
+    class Doubled(torch.nn.Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return super().forward(x) * 2
+
+    def model() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(Doubled(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64))
+
+    left = fp8.convert_to_float8(model(), emulate=True).left
+    assert "subclass of nn.Linear" in left["0"]
+    net = model()
+    x = torch.randn(32, 64)
+    before = net(x)
+    with pytest.raises(ValueError, match=r"'0' \(a Doubled, a subclass of nn.Linear"):
+        PrecisionSchedule(net, dscale.StepGuard("cpu"), initial={"0": "tensorwise"}, emulate=True)
+    assert type(net[0]) is Doubled and torch.equal(net(x), before)
+    for fmt in ("bf16", "mxfp8"):  # refused whatever the format (the schedule swaps it)
+        with pytest.raises(ValueError, match=r"subclass of nn\.Linear"):
+            PrecisionSchedule(net, dscale.StepGuard("cpu"), initial={"0": fmt}, emulate=True)
+    PrecisionSchedule(net, dscale.StepGuard("cpu"), initial={"2": "tensorwise"}, emulate=True)
+
+
 def _one_step(model, opt, scaler):
     tokens, target = _models.batch(0, size=4)
     scaler.scale(_models.loss_of(model, tokens, target)).backward()

@@ -146,9 +146,11 @@ def test_the_proposal_takes_the_cheapest_format_within_the_thresholds_on_every_o
     assert "32x10 not divisible by 16" in proposal.reasons["head_10"]
     assert proposal.reasons["saturates_everywhere"].count("input saturated 0.5") == 3
     assert proposal.kept_high_precision() == ["head_10", "saturates_everywhere"]
-    nv = propose_precision_map(table, dims, formats=("nvfp4", "mxfp8"), max_flushed=0.05)
-    # convert_to_float8(recipe="nvfp4") takes dims divisible by 128 only (torchao's NVFP4Linear).
-    assert nv.map["grads_flush_in_mx"] == "mxfp8" and nv.map["dims_48"] == "bf16"
+    # NVFP4Linear's GEMMs take dims divisible by 128 (dscale.fp8._nvfp4.DIM_MULTIPLE).
+    nv_dims = {**dims, "clean": (128, 256)}
+    nv = propose_precision_map(table, nv_dims, formats=("nvfp4", "mxfp8"), max_flushed=0.05)
+    assert nv.map["clean"] == "nvfp4" and nv.map["grads_flush_in_mx"] == "mxfp8"
+    assert nv.map["dims_48"] == "bf16"
     assert "nvfp4: dims 64x64 not divisible by 128" in nv.reasons["grads_flush_in_mx"]
     with pytest.raises(ValueError, match="formats must name"):
         propose_precision_map(table, dims, formats=("fp4",))
@@ -196,3 +198,50 @@ def test_the_run_log_and_the_report_show_the_window_and_its_proposal(tmp_path):
     for layer, reason in proposal.reasons.items():
         assert f"- {layer}: {reason}" in text
     assert proposal.map["head"] == "bf16"  # 10 outputs: no format takes it
+
+
+def test_the_proposal_refuses_a_format_whose_shares_are_nan_or_inf():
+    """A table read back from a run log, or a share that rode the MAX collective as NaN -> +inf:
+    a NaN share is not within a threshold (``nan > 0.01`` is False: it passed before, and the
+    layer got MXFP8 on a NaN flushed share), an inf one neither (r43n)."""
+    table = _table(
+        {
+            "nan_mx": {("input", "mxfp8"): (0.0, float("nan"))},
+            "inf_mx": {("weight", "mxfp8"): (float("inf"), 0.0)},
+            "nan_everywhere": {
+                (op, f): (float("nan"),) * 2 for op in OPERANDS for f in SHADOW_FORMATS
+            },
+        }
+    )
+    dims = dict.fromkeys(("nan_mx", "inf_mx", "nan_everywhere"), (64, 64))
+    proposal = propose_precision_map(table, dims)
+    assert proposal.map == {"nan_mx": "rowwise", "inf_mx": "rowwise", "nan_everywhere": "bf16"}
+    assert "input flushed nan" in proposal.reasons["nan_mx"]
+
+
+def test_the_proposal_keeps_a_linear_subclass_torchao_leaves_in_bf16():
+    """A user's nn.Linear subclass with its own forward: measured like any linear, but
+    convert_to_float8 leaves it and PrecisionSchedule refuses it (oracle: convert_to_float8's
+    own ``left``); the proposal gave it mxfp8 (r43n). Now bf16, naming why."""
+    import dscale
+    import dscale.fp8 as fp8
+    from dscale.precision import ShadowNumerics
+
+    class Doubled(torch.nn.Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return super().forward(x) * 2
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(Doubled(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64))
+    guard = dscale.StepGuard("cpu")
+    shadow = ShadowNumerics(model, guard, every=1)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    guard.scale(model(torch.randn(32, 64)).square().mean()).backward()
+    guard.step(opt)
+    guard.update()
+    proposal = shadow.propose()
+    shadow.close()
+    left = fp8.convert_to_float8(model, recipe="mxfp8", emulate=True).left
+    assert set(left) == {"0"}
+    assert proposal.map == {"0": "bf16", "2": "mxfp8"}
+    assert "subclass of nn.Linear" in proposal.reasons["0"]
