@@ -463,6 +463,12 @@ def _fp8(job: JobConfig) -> None:
         "fp8.recipe=mxfp8_wgrad_with_hp (grad_weight in high precision)",
     )
     _need(
+        f.recipe != "nvfp4" or (torch.cuda.is_available() and f.emulate != "true"),
+        "fp8.recipe=nvfp4 trains on torchao's NVFP4Linear, whose Triton kernels need a GPU "
+        "(no emulation): run it on a GPU with fp8.emulate=auto or false, or pick "
+        "fp8.recipe=mxfp8 (emulated on the CPU)",
+    )
+    _need(
         not f.float8_all_gather or job.parallel.strategy == "fsdp",
         "fp8.float8_all_gather=true all-gathers FSDP2's weight shards in float8: it needs "
         f"parallel=fsdp (this job has parallel={job.parallel.strategy})",

@@ -18,7 +18,7 @@ from typing import Literal
 
 from torch import nn
 
-from dscale.fp8 import _mx, _nvfp4, _torchao
+from dscale.fp8 import _mx, _nvfp4_prepare, _torchao
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ _CONVERTED = ("torchao.", "dscale.fp8.")
 def dim_multiple(recipe: str) -> int:
     """What both dims of a weight must be divisible by under ``recipe`` (MXFP8: its block)."""
     if recipe == "nvfp4":
-        return _nvfp4.DIM_MULTIPLE
+        return _nvfp4_prepare.DIM_MULTIPLE
     return _mx.BLOCK if recipe in _mx.WGRAD_WITH_HP else DIM_MULTIPLE
 
 
@@ -120,9 +120,9 @@ def convert_to_float8(
         return Float8Conversion(recipe, False, tuple(sorted(names)), left)
     if recipe == "nvfp4":
         names = [n for n, m in model.named_modules() if type(m) is nn.Linear and n not in left]
-        _nvfp4.swap_linears(model, names)
+        _nvfp4_prepare.swap_linears(model, names)
         _share_swaps(model, aliases)
-        _nvfp4.prepare(model)
+        _nvfp4_prepare.prepare(model)
         return Float8Conversion(recipe, False, tuple(sorted(names)), left)
     config = float8.Float8LinearConfig.from_recipe_name(recipe)
     config = _with(config, enable_fsdp_float8_all_gather=float8_all_gather, emulate=emulate)

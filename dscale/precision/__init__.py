@@ -9,6 +9,7 @@ formats are named in :mod:`dscale.precision._formats` only. Importing this packa
 import torchao; building a schedule does. See docs/block-scaled.md.
 """
 
+from dscale.precision._checks import check_schedule
 from dscale.precision._formats import (
     BF16,
     BF16_FORWARD,
@@ -19,7 +20,7 @@ from dscale.precision._formats import (
     TENSORWISE,
 )
 from dscale.precision._propose import PrecisionProposal, propose_precision_map
-from dscale.precision._schedule import PrecisionSchedule, check_schedule
+from dscale.precision._schedule import PrecisionSchedule
 from dscale.precision._shadow import ShadowNumerics
 
 __all__ = [

@@ -16,15 +16,15 @@ every rank. Which iterations compare is counted by the scaler's ``update()`` cal
 schedule's own step: every rank counts those alike even where the schedules' steps differ, so
 the vectors keep one length on every rank (a step of the schedule's own would arm the
 comparison on one rank only, and gloo aborts on vectors of different lengths).
+
+What a format's module is lives in :mod:`dscale.precision._layers`, whether a map is takeable
+on a model in :mod:`dscale.precision._checks` (the launcher runs those checks alone).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
 import hashlib
 import logging
-import types
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -32,11 +32,11 @@ import torch
 from torch import nn
 
 from dscale import _dist
-from dscale.fp8 import _attached, _mx, _torchao
-from dscale.fp8._convert import _CONVERTED
+from dscale.fp8 import _attached
 from dscale.fp8._layers import LayoutMismatchError, refuse_other_layers, state_int, unwrapped
-from dscale.precision import _formats
-from dscale.precision._formats import BF16, BF16_FORWARD, FLOAT8_LINEAR, FORMATS
+from dscale.precision import _formats, _layers
+from dscale.precision._checks import check_schedule, refuse_untakeable, scheduled_modules
+from dscale.precision._formats import BF16, FORMATS
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ class PrecisionSchedule:
             if isinstance(check_every, bool) or not isinstance(check_every, int) or check_every < 1:
                 raise ValueError(f"check_every must be a positive int, got {check_every!r}")
             self.initial, self.switches = check_schedule(self._root, initial, switches)
-            self._modules = _scheduled_modules(self._root, initial)
+            self._modules = scheduled_modules(self._root, initial)
         except ValueError as exc:
             problem = exc
         _dist.gather_then_raise(problem, group, "PrecisionSchedule", (ValueError,))
@@ -142,7 +142,7 @@ class PrecisionSchedule:
                 f"PrecisionSchedule.switch: {unknown} are not scheduled layers "
                 f"(they are: {sorted(self._modules)})"
             )
-        _refuse_untakeable(self._root, self._modules, checked, "switch()")
+        refuse_untakeable(self._root, self._modules, checked, "switch()")
         self._apply(checked, why)
 
     # -- the step ---------------------------------------------------------------------------
@@ -232,7 +232,7 @@ class PrecisionSchedule:
 
     def _put(self, name: str, fmt: str) -> None:
         old = self._modules[name]
-        new = _build(old, fmt, self.emulate, name)
+        new = _layers.build(old, fmt, self.emulate, name)
         if new is not old:
             parent_name, _, child = name.rpartition(".")
             parent = self._root.get_submodule(parent_name) if parent_name else self._root
@@ -351,218 +351,9 @@ class PrecisionSchedule:
         _attached.detach(self._scaler, self)
 
 
-def check_schedule(
-    model: nn.Module,
-    initial: Mapping[str, str],
-    switches: Mapping[int, Mapping[str, str]] | None = None,
-) -> tuple[dict[str, str], dict[int, dict[str, str]]]:
-    """``(initial, switches)`` checked against ``model``, converting nothing.
-
-    What :class:`PrecisionSchedule` checks first (the launcher calls it before any worker
-    starts): layer names are linears of the model, formats are :data:`FORMATS`, steps are
-    positive ints and every switched layer has an initial format.
-
-    Raises:
-        ValueError: naming the bad layer (with the nearest names), format or step.
-    """
-    root = unwrapped(model)
-    modules = _scheduled_modules(root, initial)
-    if any(isinstance(m, _fsdp2_module()) for m in root.modules()):
-        raise ValueError(
-            "PrecisionSchedule swaps modules, which fully_shard (FSDP2) has wrapped: build it "
-            "on a plain or DDP model (FSDP2 is not supported)"
-        )
-    checked = {n: _formats.check_format(f, f"initial[{n!r}]") for n, f in initial.items()}
-    planned = _checked_switches(switches or {}, modules)
-    _refuse_untakeable(root, modules, checked, "initial")
-    for step, changes in planned.items():
-        _refuse_untakeable(root, modules, changes, f"switches[{step}]")
-    return checked, planned
-
-
-def _refuse_untakeable(
-    root: nn.Module, modules: Mapping[str, nn.Module], formats: Mapping[str, str], where: str
-) -> None:
-    """ValueError for a layer put in a format torchao cannot take it in (what
-    ``convert_to_float8`` would leave): dims not divisible by the format's multiple (16 for
-    torch._scaled_mm, MXFP8's 32-block), an ``nn.Linear`` subclass (its owner may not call its
-    forward: MultiheadAttention's out_proj), or a linear held under several names (a swap
-    replaces one)."""
-    from dscale.fp8._convert import dim_multiple
-
-    bad = []
-    for name, fmt in formats.items():
-        module = modules[name]
-        if fmt == BF16 and (type(module) is nn.Linear or _torchao_linear(module)):
-            continue
-        others = [n for n, m in root.named_modules(remove_duplicate=False) if m is module]
-        others.remove(name)
-        multiple = dim_multiple("tensorwise" if fmt in FLOAT8_LINEAR else fmt)
-        if type(module) is not nn.Linear and not _torchao_linear(module):
-            bad.append(
-                f"{name} is a {type(module).__name__}, a subclass of nn.Linear (torchao swaps "
-                "nn.Linear itself only; its owner may not call its forward)"
-            )
-        elif others:
-            bad.append(f"{name} is also held as {others} (a swap would replace one name only)")
-        elif fmt != BF16 and (dims := _dims(module))[0] % multiple + dims[1] % multiple:
-            bad.append(
-                f"{name} has in_features={dims[0]}, out_features={dims[1]}; {fmt} needs both "
-                f"divisible by {multiple}"
-            )
-    if bad:
-        raise ValueError(
-            f"PrecisionSchedule: {where} puts layers in formats torchao cannot run them in: "
-            + "; ".join(bad)
-            + ". Leave them out of the schedule (or in bf16)"
-        )
-
-
-def _dims(module: nn.Module) -> tuple[int, int]:
-    return int(module.in_features), int(module.out_features)  # type: ignore[arg-type]
-
-
-def _torchao_linear(module: nn.Module) -> bool:
-    return type(module).__module__.startswith("torchao.")
-
-
-def _fsdp2_module() -> type:
-    from torch.distributed.fsdp import FSDPModule
-
-    return FSDPModule
-
-
 def _describe(before: Mapping[str, str], after: Mapping[str, str]) -> str:
     return ", ".join(
         f"{n} {before[n]} -> {f}" if n in before else f"{n} {f}"
         for n, f in sorted(after.items())
         if before.get(n) != f
     )
-
-
-def _scheduled_modules(root: nn.Module, initial: Mapping[str, str]) -> dict[str, nn.Module]:
-    """The layers ``initial`` names, each a linear of ``root``; ValueError naming bad names."""
-    if not isinstance(initial, Mapping) or not initial:
-        raise ValueError(f"initial must be a non-empty map layer name -> format, got {initial!r}")
-    modules = dict(root.named_modules())
-    linears = sorted(n for n, m in modules.items() if isinstance(m, nn.Linear))
-    bad = []
-    for name in initial:
-        if name not in modules or not isinstance(modules[name], nn.Linear):
-            near = difflib.get_close_matches(str(name), linears, n=3, cutoff=0.6)
-            what = f"a {type(modules[name]).__name__}" if name in modules else "no module"
-            bad.append(f"{name!r} ({what}; nearest linears {near or linears[:6]})")
-    if bad:
-        raise ValueError(
-            "PrecisionSchedule: initial names layers that are not linears of the model: "
-            + "; ".join(bad)
-            + ". Name nn.Linear layers as model.named_modules() gives them"
-        )
-    found = {}
-    for name in initial:
-        module = modules[name]
-        kind = type(module)
-        if kind is not nn.Linear and not kind.__module__.startswith(_CONVERTED):
-            raise ValueError(
-                f"PrecisionSchedule: {name!r} (a {kind.__name__}, a subclass of nn.Linear) "
-                "cannot be scheduled: a switch swaps the module for torchao's, which would drop "
-                "the subclass's own forward (convert_to_float8 leaves it too); schedule "
-                "nn.Linear layers only"
-            )
-        config = getattr(module, "config", None)
-        if getattr(config, "enable_fsdp_float8_all_gather", False):
-            raise ValueError(
-                f"PrecisionSchedule: {name} is all-gathered in float8 (its weight arrives "
-                "already cast, so it cannot switch); convert with float8_all_gather=False"
-            )
-        found[name] = module
-    return found
-
-
-def _checked_switches(
-    switches: Mapping[int, Mapping[str, str]], modules: Mapping[str, nn.Module]
-) -> dict[int, dict[str, str]]:
-    out: dict[int, dict[str, str]] = {}
-    for step, changes in switches.items():
-        if not isinstance(step, int) or isinstance(step, bool) or step < 1:
-            raise ValueError(
-                f"switches: step {step!r} must be a positive int (step 0's map is initial)"
-            )
-        unknown = sorted(set(changes) - set(modules))
-        if unknown:
-            raise ValueError(
-                f"switches[{step}] names {unknown}, which initial does not; every switched "
-                f"layer needs its format at step 0 in initial (it names {sorted(modules)})"
-            )
-        out[step] = {
-            n: _formats.check_format(f, f"switches[{step}][{n!r}]") for n, f in changes.items()
-        }
-    return out
-
-
-def float8_config(fmt: str, emulate: bool) -> Any:
-    """torchao's ``Float8LinearConfig`` for a :data:`FLOAT8_LINEAR` format (or ``bf16``:
-    every cast disabled)."""
-    float8 = _torchao.float8()
-    if fmt == BF16:
-        from dscale.fp8._fallback import disabled_config
-
-        return disabled_config(float8.Float8LinearConfig(emulate=emulate))
-    recipe = "tensorwise" if fmt == BF16_FORWARD else fmt
-    config = dataclasses.replace(
-        float8.Float8LinearConfig.from_recipe_name(recipe), emulate=emulate
-    )
-    if fmt == BF16_FORWARD:
-        # The forward GEMM's two operands disabled (torchao requires both or neither of a
-        # GEMM's operands in float8); the backward's four casts stay tensorwise.
-        off = float8.CastConfig(scaling_type=float8.ScalingType.DISABLED)
-        config = dataclasses.replace(config, cast_config_input=off, cast_config_weight=off)
-    return config
-
-
-def _build(old: nn.Module, fmt: str, emulate: bool, name: str) -> nn.Module:
-    """The module computing ``old``'s layer in ``fmt``, holding ``old``'s parameters."""
-    float8_cls = _torchao.float8_linear_class() if fmt in FLOAT8_LINEAR or fmt == BF16 else None
-    is_float8 = type(old).__name__ == "Float8Linear" and type(old).__module__.startswith("torchao")
-    if fmt in FLOAT8_LINEAR or (fmt == BF16 and is_float8):
-        config = float8_config(fmt, emulate)
-        if is_float8:
-            module = old  # in place: the same module (hooks on it keep working)
-        else:
-            module = float8_cls.from_float(_plain(old), config=config)  # type: ignore[union-attr]
-            module.train(old.training)
-        template = float8_cls.from_float(  # type: ignore[union-attr]
-            nn.Linear(16, 16, bias=False, device="meta"), config=config
-        )
-        module.config = template.config
-        module.linear_mm_config = template.linear_mm_config
-        if fmt == BF16:
-            # torchao's disabled path alone mixes dtypes in backward under autocast: the
-            # forward is nn.Linear's (as Float8Fallback's switch).
-            module.forward = types.MethodType(nn.Linear.forward, module)
-        else:
-            module.__dict__.pop("forward", None)
-        return module
-    if fmt == BF16:
-        if type(old) is nn.Linear:
-            return old
-        return _plain(old)
-    # MXFP8
-    if type(old) is _mx.layer_class():
-        setattr(old, "wgrad_with_hp", _mx.WGRAD_WITH_HP[fmt])  # noqa: B010 (a torchao attribute)
-        return old
-    return _mx.build(old, name, recipe=fmt, emulate=emulate)
-
-
-def _plain(old: nn.Module) -> nn.Linear:
-    """A plain ``nn.Linear`` holding ``old``'s parameters."""
-    new = nn.Linear(
-        old.in_features,  # type: ignore[arg-type]
-        old.out_features,  # type: ignore[arg-type]
-        bias=old.bias is not None,
-        device="meta",
-    )
-    new.weight = old.weight  # type: ignore[assignment]
-    new.bias = old.bias  # type: ignore[assignment]
-    new.train(old.training)
-    return new

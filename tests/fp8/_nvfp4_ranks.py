@@ -19,12 +19,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import dscale
 import dscale.fp8 as fp8
 from dscale.checkpoint import CheckpointManager, load_checkpoint
-from dscale.fp8 import _nvfp4, _torchao
+from dscale.fp8 import _nvfp4_prepare, _torchao
 from dscale.scaler._program import agreement as _agreement
 
 
 def _kernel_double(model: nn.Module) -> None:
-    for _, module in _nvfp4.nvfp4_layers(model):
+    for _, module in _nvfp4_prepare.nvfp4_layers(model):
         module.forward = lambda x, m=module: _recorded(m, x)
 
 
@@ -46,13 +46,13 @@ def _converted(rank: int) -> nn.Module:
 
 
 def _used(model: nn.Module) -> dict[str, Any]:
-    return {n: m.used for n, m in _nvfp4.nvfp4_layers(model)}
+    return {n: m.used for n, m in _nvfp4_prepare.nvfp4_layers(model)}
 
 
 def _buffers(model: nn.Module) -> dict[str, Any]:
     return {
         n: (tuple(m._rht_sign_vector.tolist()), int(m._sr_seed))
-        for n, m in _nvfp4.nvfp4_layers(model)
+        for n, m in _nvfp4_prepare.nvfp4_layers(model)
     }
 
 
@@ -162,7 +162,7 @@ def _resume(rank: int, directory: str) -> dict[str, Any]:
     CheckpointManager(f"{directory}/bare", every=0).save(1, model=bare)
     fresh_bare = _converted(rank)
     with torch.no_grad():
-        for _, m in _nvfp4.nvfp4_layers(fresh_bare):
+        for _, m in _nvfp4_prepare.nvfp4_layers(fresh_bare):
             m._sr_seed.fill_(12345)
     load_checkpoint(f"{directory}/bare/step-1", model=fresh_bare)
     out["bare_saved"], out["bare_loaded"] = _buffers(bare), _buffers(fresh_bare)
@@ -300,7 +300,7 @@ def _attacks(rank: int, directory: str) -> dict[str, Any]:
         1, model=model, optimizer=opt, scaler=guard
     )
     with torch.no_grad():
-        for _, m in _nvfp4.nvfp4_layers(model):
+        for _, m in _nvfp4_prepare.nvfp4_layers(model):
             m._sr_seed.fill_(5)
     load_checkpoint(f"{directory}/fsdp/step-1", model=model, optimizer=opt, scaler=guard)
     out["fsdp_loaded"] = _buffers(model)

@@ -16,7 +16,7 @@ from torch import nn
 
 import dscale
 import dscale.fp8 as fp8
-from dscale.fp8 import _nvfp4
+from dscale.fp8 import _nvfp4_prepare
 from tests.fp8._nvfp4_ranks import scenarios
 from tests.multirank import run_ranks
 
@@ -59,7 +59,7 @@ def test_nvfp4_conversion_keeps_the_parameters_and_sets_the_signs_from_the_layer
 def test_sr_seeds_differ_per_rank_and_repeat_for_the_same_rank():
     model = _model(0)
     fp8.convert_to_float8(model, recipe="nvfp4")
-    ranks = [_nvfp4.prepare(model, rank=r) for r in (0, 1, 0)]
+    ranks = [_nvfp4_prepare.prepare(model, rank=r) for r in (0, 1, 0)]
     assert sorted(ranks[0]) == ["0", "2"]
     assert ranks[0] == ranks[2]
     assert all(ranks[0][n] != ranks[1][n] for n in ranks[0])
@@ -165,7 +165,7 @@ def test_launcher_refuses_nvfp4_without_a_gpu_before_any_worker_and_converts_wit
     guard = dscale.StepGuard("cpu")
     parts = launch.fp8.build_parts(model, None, guard, conversion, {"recipe": "nvfp4"})
     assert isinstance(parts["fp8_nvfp4"], fp8.NVFP4Seeds)
-    assert model.fc.rht_sign_vector == tuple(_nvfp4.sign_vector("fc", 0))
+    assert model.fc.rht_sign_vector == tuple(_nvfp4_prepare.sign_vector("fc", 0))
 
 
 def test_a_two_rank_checkpoint_resumed_by_one_process_derives_its_seeds_and_keeps_the_signs(
@@ -182,7 +182,7 @@ def test_a_two_rank_checkpoint_resumed_by_one_process_derives_its_seeds_and_keep
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     load_checkpoint(directory / "seeds" / "step-1", model=model, optimizer=opt, scaler=guard)
     saved = runs[0]["resume"]["saved"]
-    for name, module in _nvfp4.nvfp4_layers(model):
+    for name, module in _nvfp4_prepare.nvfp4_layers(model):
         assert (module.rht_sign_vector, int(module._sr_seed)) == saved[name]
     assert seeds.seed == 0  # the saved run's
 
@@ -326,7 +326,7 @@ def test_nvfp4seeds_refuses_meta_buffers_and_a_second_live_one_on_the_same_layer
     overwrote the first's SR seeds."""
     with torch.device("meta"):
         model = nn.Sequential(nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 128))
-    with caplog.at_level("WARNING", logger="dscale.fp8._nvfp4"):
+    with caplog.at_level("WARNING", logger="dscale.fp8._nvfp4_prepare"):
         fp8.convert_to_float8(model, recipe="nvfp4")
     assert "on the meta device" in caplog.text
     guard = dscale.StepGuard("cpu")
@@ -334,13 +334,13 @@ def test_nvfp4seeds_refuses_meta_buffers_and_a_second_live_one_on_the_same_layer
         fp8.NVFP4Seeds(model, guard)
     model.to_empty(device="cpu")
     first = fp8.NVFP4Seeds(model, guard)
-    assert model[0].rht_sign_vector == tuple(_nvfp4.sign_vector("0", 0))
+    assert model[0].rht_sign_vector == tuple(_nvfp4_prepare.sign_vector("0", 0))
     with pytest.raises(ValueError, match="already set by another live NVFP4Seeds"):
         fp8.NVFP4Seeds(model, guard, seed=1)
-    assert int(model[0]._sr_seed) == _nvfp4.sr_seed("0", 0, 0)  # the first's, untouched
+    assert int(model[0]._sr_seed) == _nvfp4_prepare.sr_seed("0", 0, 0)  # the first's, untouched
     first.close()
     fp8.NVFP4Seeds(model, guard, seed=1).close()
-    assert model[0].rht_sign_vector == tuple(_nvfp4.sign_vector("0", 1))
+    assert model[0].rht_sign_vector == tuple(_nvfp4_prepare.sign_vector("0", 1))
 
 
 def test_one_process_refuses_signs_other_than_plus_minus_one_before_the_step():
@@ -348,7 +348,7 @@ def test_one_process_refuses_signs_other_than_plus_minus_one_before_the_step():
     with signs of 0 trained on (a zeroed Hadamard transform). Refused now, nothing stepped."""
     model = nn.Sequential(nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 128))
     fp8.convert_to_float8(model, recipe="nvfp4")
-    for _, layer in _nvfp4.nvfp4_layers(model):
+    for _, layer in _nvfp4_prepare.nvfp4_layers(model):
         layer.forward = lambda x, m=layer: torch.nn.functional.linear(x, m.weight, m.bias)
     guard = dscale.StepGuard("cpu")
     seeds = fp8.NVFP4Seeds(model, guard)
@@ -384,7 +384,7 @@ def test_nvfp4_leaves_what_torchao_cannot_take_in_conversion_left_and_swaps_a_sh
     assert "subclass" in conversion.left["s"] and "divisible by 128" in conversion.left["odd"]
     assert model.a is model.b and type(model.a).__name__ == "NVFP4Linear"
     assert model._ddp_params_and_buffers_to_ignore == ["a._sr_seed", "nb._sr_seed"]
-    assert [n for n, _ in _nvfp4.nvfp4_layers(model)] == ["a", "nb"]
+    assert [n for n, _ in _nvfp4_prepare.nvfp4_layers(model)] == ["a", "nb"]
 
 
 def test_a_model_with_nvfp4seeds_can_be_saved_whole_and_copied_and_the_copy_is_its_own():
@@ -422,7 +422,11 @@ def test_converted_before_init_process_group_under_torchrun_the_sr_seeds_are_thi
     monkeypatch.setenv("RANK", "1")
     model = _model(0)
     fp8.convert_to_float8(model, recipe="nvfp4")
-    assert int(model[0]._sr_seed) == _nvfp4.sr_seed("0", 0, 1) != _nvfp4.sr_seed("0", 0, 0)
+    assert (
+        int(model[0]._sr_seed)
+        == _nvfp4_prepare.sr_seed("0", 0, 1)
+        != _nvfp4_prepare.sr_seed("0", 0, 0)
+    )
     seeds = fp8.NVFP4Seeds(model, dscale.StepGuard("cpu"))
-    assert seeds.rank == 1 and int(model[2]._sr_seed) == _nvfp4.sr_seed("2", 0, 1)
+    assert seeds.rank == 1 and int(model[2]._sr_seed) == _nvfp4_prepare.sr_seed("2", 0, 1)
     seeds.close()
